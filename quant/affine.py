@@ -1,0 +1,143 @@
+"""Affine quantization math: the one place that decides scales, zero points and rounding.
+
+Every method (RTN, GPTQ, AWQ), the checkpoint writer, the KV quantizers and the
+kernel references call these functions. Conventions follow compressed-tensors so
+that stored integers mean the same thing to vLLM and transformers:
+
+* integers are signed: ``q`` in ``[-2**(bits-1), 2**(bits-1) - 1]``;
+* ``x ≈ (q - zero) * scale``; symmetric schemes have no zero (it is 0);
+* groups run along the last dimension: ``group_size`` consecutive elements share
+  one scale; ``group_size=-1`` means one group for the whole row (per channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one tensor is quantized: bit width, group length and symmetry."""
+
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = False
+
+    def __post_init__(self):
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ValueError(f"group_size must be positive or -1 (per channel), got {self.group_size}")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def group_len(self, columns: int) -> int:
+        """Elements per group for a row of ``columns`` elements."""
+        return columns if self.group_size == -1 else self.group_size
+
+    def num_groups(self, columns: int) -> int:
+        g = self.group_len(columns)
+        if columns % g:
+            raise ValueError(
+                f"{columns} columns do not split into groups of {g}; "
+                "pick a scheme with quant.affine.fit_group_size first"
+            )
+        return columns // g
+
+    def describe(self) -> str:
+        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        return f"w{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+
+
+def fit_group_size(columns: int, group_size: int, min_group: int = 32) -> int:
+    """The group length to use for a row of ``columns`` elements.
+
+    The interchange format (compressed-tensors) cannot store a ragged last group,
+    so a width that ``group_size`` does not divide gets the largest divisor of the
+    width below ``group_size`` (smaller groups: at least as accurate, a few more
+    scale bytes). If that divisor would be tiny, fall back to one group per row.
+    """
+    if group_size == -1 or columns % group_size == 0:
+        return group_size
+    for g in range(min(group_size, columns), min_group - 1, -1):
+        if columns % g == 0:
+            return g
+    return -1
+
+
+def _grouped(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """View ``[..., K]`` as ``[..., K // g, g]``."""
+    g = scheme.group_len(x.shape[-1])
+    return x.unflatten(-1, (scheme.num_groups(x.shape[-1]), g))
+
+
+def choose_qparams(
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    clip_ratio: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Min/max scales (and zero points) per group of the last dimension.
+
+    Returns ``scale`` of shape ``[..., K // g]`` in ``x.dtype`` and ``zero`` as
+    int8 of the same shape, or ``None`` for symmetric schemes. ``clip_ratio``
+    (scalar, or broadcastable to the scale) shrinks the range; search methods
+    pass values below 1.
+    """
+    xg = _grouped(x.float(), scheme)
+    eps = torch.finfo(torch.float32).tiny
+    if scheme.symmetric:
+        amax = xg.abs().amax(dim=-1) * clip_ratio
+        # Use the whole signed range like compressed-tensors: amax maps to (qmax - qmin) / 2.
+        scale = (amax / ((scheme.qmax - scheme.qmin) / 2)).clamp_min(eps)
+        return scale.to(x.dtype), None
+    # Keep zero inside the range so it is exactly representable (padding, ReLU zeros)
+    # and the zero point always fits the signed integer range.
+    lo = xg.amin(dim=-1).clamp(max=0) * clip_ratio
+    hi = xg.amax(dim=-1).clamp(min=0) * clip_ratio
+    scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp_min(eps)
+    scale = scale.to(x.dtype)  # round the zero against the scale that will be stored
+    zero = torch.round(scheme.qmin - lo / scale.float()).clamp(scheme.qmin, scheme.qmax)
+    return scale, zero.to(torch.int8)
+
+
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme
+) -> torch.Tensor:
+    """Round ``x`` onto the integer grid: int8 of the same shape as ``x``."""
+    xg = _grouped(x.float(), scheme)
+    q = xg / scale.float().unsqueeze(-1)
+    if zero is not None:
+        q = q + zero.float().unsqueeze(-1)
+    q = torch.round(q).clamp(scheme.qmin, scheme.qmax)
+    return q.flatten(-2).to(torch.int8)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    scheme: QuantScheme,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Integers back to floats: ``(q - zero) * scale`` per group."""
+    qg = _grouped(q.float(), scheme)
+    if zero is not None:
+        qg = qg - zero.float().unsqueeze(-1)
+    x = (qg * scale.float().unsqueeze(-1)).flatten(-2)
+    return x.to(dtype or scale.dtype)
+
+
+def fake_quantize(x: torch.Tensor, scheme: QuantScheme, clip_ratio=1.0) -> torch.Tensor:
+    """Quantize then dequantize with min/max qparams (what RTN does to a weight)."""
+    scale, zero = choose_qparams(x, scheme, clip_ratio)
+    return dequantize(quantize(x, scale, zero, scheme), scale, zero, scheme, x.dtype)

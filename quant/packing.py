@@ -1,0 +1,68 @@
+"""Dense bit packing of signed integers into int32 words.
+
+Byte-compatible with compressed-tensors ``pack-quantized``: a value is stored
+unsigned (``q + 2**(bits-1)``), and element ``i`` of a run along the packed
+dimension occupies bits ``[i*bits, (i+1)*bits)`` of the run's little-endian bit
+stream, so every 32 elements fill exactly ``bits`` words (values may straddle
+words when ``bits`` does not divide 32). The run is zero-padded to a multiple
+of 32 and cut to ``ceil(n * bits / 32)`` words.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_ROWS_PER_CHUNK = 2048  # bounds the temporary bit tensor on large layers
+
+
+def packed_length(n: int, bits: int) -> int:
+    return math.ceil(n * bits / 32)
+
+
+def pack(q: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Pack int8 values along ``dim`` of a 2-D tensor into int32 words."""
+    if q.dtype != torch.int8:
+        raise TypeError(f"pack expects int8 values, got {q.dtype}")
+    if q.ndim != 2:
+        raise ValueError(f"pack expects a 2-D tensor, got shape {tuple(q.shape)}")
+    if dim in (0, -2):
+        return pack(q.t(), bits).t().contiguous()
+    rows, n = q.shape
+    u = (q.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    u = torch.nn.functional.pad(u, (0, (-n) % 32))
+    out = torch.empty(rows, u.shape[1] * bits // 32, dtype=torch.int32, device=q.device)
+    shifts = torch.arange(bits, device=q.device)
+    word_shifts = torch.arange(32, device=q.device, dtype=torch.int64)
+    for r in range(0, rows, _ROWS_PER_CHUNK):
+        chunk = u[r : r + _ROWS_PER_CHUNK]
+        bitstream = ((chunk.unsqueeze(-1) >> shifts) & 1).flatten(1)  # [rows, n_pad * bits]
+        words = (bitstream.unflatten(1, (-1, 32)) << word_shifts).sum(-1)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+        out[r : r + _ROWS_PER_CHUNK] = words.to(torch.int32)
+    return out[:, : packed_length(n, bits)].contiguous()
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``n`` int8 values along ``dim``."""
+    if packed.dtype != torch.int32:
+        raise TypeError(f"unpack expects int32 words, got {packed.dtype}")
+    if packed.ndim != 2:
+        raise ValueError(f"unpack expects a 2-D tensor, got shape {tuple(packed.shape)}")
+    if dim in (0, -2):
+        return unpack(packed.t(), bits, n).t().contiguous()
+    expected = packed_length(n, bits)
+    if packed.shape[1] != expected:
+        raise ValueError(f"{n} values of {bits} bits need {expected} words, got {packed.shape[1]}")
+    rows = packed.shape[0]
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    words = torch.nn.functional.pad(words, (0, (-expected) % bits))
+    out = torch.empty(rows, n, dtype=torch.int8, device=packed.device)
+    word_shifts = torch.arange(32, device=packed.device, dtype=torch.int64)
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int64)
+    for r in range(0, rows, _ROWS_PER_CHUNK):
+        bitstream = ((words[r : r + _ROWS_PER_CHUNK].unsqueeze(-1) >> word_shifts) & 1).flatten(1)
+        values = (bitstream.unflatten(1, (-1, bits)) * weights).sum(-1)[:, :n]
+        out[r : r + _ROWS_PER_CHUNK] = (values - (1 << (bits - 1))).to(torch.int8)
+    return out
