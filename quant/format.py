@@ -1,0 +1,130 @@
+"""The compressed-tensors ``pack-quantized`` format: tensor names and the config block.
+
+A quantized Linear ``name`` is stored as
+
+* ``name.weight_packed``     int32 ``[out, ceil(in * bits / 32)]``, packed along inputs;
+* ``name.weight_scale``      float ``[out, in // group]`` (``[out, 1]`` per channel);
+* ``name.weight_zero_point`` int32 ``[ceil(out * bits / 32), in // group]``, packed along
+  outputs, asymmetric schemes only;
+* ``name.weight_shape``      int64 ``[out, in]``.
+
+This is what llm-compressor writes and vLLM and transformers read. Layouts for
+fast kernels are derived from it at load time in ``runtime/``, never stored.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from quant.affine import QuantScheme, dequantize
+from quant.packing import pack, unpack
+from quant.plan import matches
+
+FORMAT = "pack-quantized"
+TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight on its integer grid: ``weight ≈ (q - zero) * scale`` per group."""
+
+    q: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # [out, groups]
+    zero: torch.Tensor | None  # int8 [out, groups], None when symmetric
+    scheme: QuantScheme
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.q, self.scale, self.zero, self.scheme, dtype)
+
+    def to_tensors(self, prefix: str, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        bits = self.scheme.bits
+        tensors = {
+            f"{prefix}.weight_packed": pack(self.q, bits, dim=1),
+            f"{prefix}.weight_scale": self.scale.to(scale_dtype).contiguous(),
+            f"{prefix}.weight_shape": torch.tensor(self.q.shape, dtype=torch.int64),
+        }
+        if self.zero is not None:
+            tensors[f"{prefix}.weight_zero_point"] = pack(self.zero, bits, dim=0)
+        return tensors
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, scheme: QuantScheme) -> "QuantizedWeight":
+        out, inp = (int(v) for v in tensors[f"{prefix}.weight_shape"])
+        q = unpack(tensors[f"{prefix}.weight_packed"], scheme.bits, inp, dim=1)
+        zp = tensors.get(f"{prefix}.weight_zero_point")
+        zero = None if scheme.symmetric else unpack(zp, scheme.bits, out, dim=0)
+        return cls(q, tensors[f"{prefix}.weight_scale"], zero, scheme)
+
+
+def quantization_config(plan: dict[str, QuantScheme], ignored: list[str]) -> dict:
+    """The ``quantization_config`` block of config.json: one config group per scheme."""
+    by_scheme: dict[QuantScheme, list[str]] = defaultdict(list)
+    for name, scheme in plan.items():
+        by_scheme[scheme].append(name)
+    groups = {}
+    for i, (scheme, names) in enumerate(sorted(by_scheme.items(), key=lambda kv: -len(kv[1]))):
+        per_channel = scheme.group_size == -1
+        groups[f"group_{i}"] = {
+            "targets": sorted(names),
+            "weights": {
+                "num_bits": scheme.bits,
+                "type": "int",
+                "symmetric": scheme.symmetric,
+                "strategy": "channel" if per_channel else "group",
+                "group_size": None if per_channel else scheme.group_size,
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": FORMAT,
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": sorted(ignored),
+        "kv_cache_scheme": None,
+    }
+
+
+def linear_schemes(config: dict, linear_names: list[str]) -> dict[str, QuantScheme]:
+    """Which of ``linear_names`` are quantized, and how, per a config.json dict."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return {}
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != FORMAT:
+        raise ValueError(
+            f"unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
+            f"format={qc.get('format')!r}); lowbit reads compressed-tensors {FORMAT!r} checkpoints"
+        )
+    ignore = qc.get("ignore") or []
+    plan = {}
+    for group_name, group in qc["config_groups"].items():
+        scheme = _scheme_from_args(group_name, group.get("weights") or {})
+        for target in group.get("targets", []):
+            for name in linear_names:
+                if name in plan or any(matches(name, p) for p in ignore):
+                    continue
+                # "Linear" targets every Linear module, as in llm-compressor recipes.
+                if target == "Linear" or matches(name, target):
+                    plan[name] = scheme
+    return plan
+
+
+def _scheme_from_args(group_name: str, args: dict) -> QuantScheme:
+    strategy = args.get("strategy")
+    if args.get("type", "int") != "int" or strategy not in ("group", "channel"):
+        raise ValueError(
+            f"config group {group_name!r}: {args.get('type')} weights with strategy {strategy!r} "
+            "are not supported; lowbit runs int weights with group or channel strategy"
+        )
+    if args.get("actorder") == "group" or args.get("dynamic"):
+        raise ValueError(f"config group {group_name!r}: actorder=group and dynamic weights are not supported yet")
+    group = -1 if strategy == "channel" else int(args["group_size"])
+    return QuantScheme(bits=int(args["num_bits"]), group_size=group, symmetric=bool(args.get("symmetric", True)))

@@ -1,0 +1,85 @@
+"""Which Linear layers get quantized, and with which scheme.
+
+A plan maps each Linear's full module name to a :class:`QuantScheme`; layers
+absent from the plan stay in floating point. Patterns are exact module names,
+dotted suffixes (``down_proj`` matches ``model.layers.0.mlp.down_proj``) or
+``re:`` regular expressions matched against the full name.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+
+from quant.affine import QuantScheme, fit_group_size
+
+
+def matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+@dataclass(frozen=True)
+class Override:
+    """Per-module change to the default scheme; later overrides win."""
+
+    match: str
+    bits: int | None = None
+    group_size: int | None = None
+    symmetric: bool | None = None
+    skip: bool = False
+
+
+class PlanError(ValueError):
+    pass
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def plan_layers(
+    model: torch.nn.Module,
+    default: QuantScheme,
+    ignore: list[str] = (),
+    overrides: list[Override] = (),
+) -> dict[str, QuantScheme]:
+    """Resolve the scheme of every Linear in ``model``; warn about patterns that match nothing."""
+    names = linear_names(model)
+    widths = {n: model.get_submodule(n).in_features for n in names}
+    for pattern in [*ignore, *(o.match for o in overrides)]:
+        if not any(matches(n, pattern) for n in names):
+            warnings.warn(f"pattern {pattern!r} matches no Linear layer of the model", stacklevel=2)
+
+    plan: dict[str, QuantScheme] = {}
+    refitted = []
+    for name in names:
+        if any(matches(name, p) for p in ignore):
+            continue
+        scheme, skip = default, False
+        for o in overrides:
+            if matches(name, o.match):
+                skip = o.skip
+                changes = {k: v for k, v in (("bits", o.bits), ("group_size", o.group_size), ("symmetric", o.symmetric)) if v is not None}
+                scheme = replace(scheme, **changes)
+        if skip:
+            continue
+        group = fit_group_size(widths[name], scheme.group_size)
+        if group != scheme.group_size:
+            refitted.append(f"{name} ({widths[name]} inputs: group {scheme.group_size} -> {group})")
+            scheme = replace(scheme, group_size=group)
+        plan[name] = scheme
+    if not plan:
+        raise PlanError("nothing to quantize: every Linear layer is ignored or skipped by the recipe")
+    if refitted:
+        warnings.warn(
+            "input width not divisible by the group size; compressed-tensors cannot store a ragged "
+            f"last group, so these layers use a smaller group: {', '.join(refitted[:4])}"
+            + (f" and {len(refitted) - 4} more" if len(refitted) > 4 else ""),
+            stacklevel=2,
+        )
+    return plan
