@@ -1,0 +1,207 @@
+"""Recipe -> quantize -> save, and checkpoint -> evaluate: the jobs behind the CLI."""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+import lowbit
+from lowbit.recipe import IMPLEMENTED_METHODS, Recipe, RecipeError
+from quant import checkpoint, models
+from quant.affine import QuantScheme
+from quant.plan import Override, plan_layers
+from quant.quantize import quantize_model
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "auto": None}
+
+
+def versions() -> dict[str, str]:
+    import safetensors
+    import transformers
+
+    return {
+        "lowbit": lowbit.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def quantize(recipe: Recipe, overwrite: bool = False, progress: bool = True) -> Path:
+    """Run a recipe end to end and return the checkpoint directory."""
+    import runtime
+
+    w = recipe.weights
+    if w.method not in IMPLEMENTED_METHODS:
+        raise RecipeError(
+            f"weights.method: {w.method!r} is not implemented yet; available: {', '.join(sorted(IMPLEMENTED_METHODS))}"
+        )
+    output = Path(recipe.output)
+    if output.exists() and not overwrite:  # fail before the slow work, and again at the final move
+        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    source = models.resolve(recipe.model)
+    runtime.check_supported(checkpoint.read_config(source))
+    model, tokenizer = models.load_float_model(source)
+
+    default = QuantScheme(w.bits, w.group_size, w.symmetric)
+    overrides = [Override(o.match, o.bits, o.group_size, o.symmetric, o.skip) for o in w.overrides]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_layers(model, default, w.ignore, overrides)
+    notes = [str(c.message) for c in caught]
+    for note in notes:
+        print(f"warning: {note}")
+
+    quantized, layer_stats = quantize_model(model, plan, w.method, progress=progress)
+    manifest = {
+        "producer": "lowbit",
+        "versions": versions(),
+        "recipe": recipe.to_dict(),
+        "source_model": {"spec": recipe.model, "path": str(source)},
+        "layers": layer_stats,
+        "notes": notes,
+    }
+    return checkpoint.save(
+        model, quantized, output, tokenizer=tokenizer, dtype=DTYPES[recipe.dtype], manifest=manifest, overwrite=overwrite
+    )
+
+
+# ---------------------------------------------------------------- evaluation
+
+def make_protocol(**changes):
+    from evals.perplexity import Protocol
+
+    return Protocol(**{k: v for k, v in changes.items() if v is not None})
+
+
+def _default_protocol():
+    from evals.perplexity import Protocol
+
+    return Protocol()
+
+
+DEFAULT_PROTOCOL = _default_protocol()
+
+
+def _perplexity(model_dir: Path, token_ids, protocol, label: str, progress: bool) -> float:
+    import runtime
+    from evals.perplexity import perplexity
+
+    model = runtime.load(model_dir)
+    if progress:
+        print(f"perplexity of {label}")
+    return perplexity(model.logits, token_ids, protocol, progress=progress).ppl
+
+
+def evaluate(
+    ckpt: str,
+    baseline: str | None = None,
+    use_baseline: bool = True,
+    text: str = "default",
+    protocol=None,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of ``ckpt`` and of its baseline on the same tokens, plus sizes."""
+    import runtime
+    from evals import size
+    from evals.perplexity import tokenize_text
+    from evals.texts import load_text
+
+    protocol = protocol or DEFAULT_PROTOCOL
+    ckpt_dir = models.resolve(ckpt)
+    manifest = checkpoint.verify(ckpt_dir)
+    if use_baseline and baseline is None and manifest is not None:
+        baseline = manifest.get("source_model", {}).get("spec")
+    tokenizer = runtime.load_tokenizer(ckpt_dir)
+    token_ids = tokenize_text(tokenizer, load_text(text), protocol)
+
+    stats = size.weight_stats(ckpt_dir)
+    result = {
+        "model": str(ckpt),
+        "text": text,
+        "protocol": {**protocol.to_dict(), "description": protocol.describe()},
+        "tokens": int(token_ids.numel()),
+        "ppl": _perplexity(ckpt_dir, token_ids, protocol, str(ckpt), progress),
+        "bytes_on_disk": size.bytes_on_disk(ckpt_dir),
+        "bits_per_weight": stats.bits_per_weight,
+        "quantized_params": stats.quantized_params,
+        "baseline": None,
+        "baseline_ppl": None,
+        "baseline_bytes_on_disk": None,
+        "delta_ppl_pct": None,
+        "versions": versions(),
+    }
+    if use_baseline and baseline:
+        base_dir = models.resolve(baseline)
+        base_ppl = _perplexity(base_dir, token_ids, protocol, f"baseline {baseline}", progress)
+        result.update(
+            baseline=str(baseline),
+            baseline_ppl=base_ppl,
+            baseline_bytes_on_disk=size.bytes_on_disk(base_dir),
+            delta_ppl_pct=100.0 * (result["ppl"] / base_ppl - 1.0),
+        )
+    return result
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def report_markdown(r: dict) -> str:
+    lines = [
+        f"## lowbit eval: {r['model']}",
+        "",
+        f"Protocol: {r['protocol']['description']} ({r['tokens']} tokens).",
+        "",
+        "| model | perplexity | Δ vs baseline | bytes on disk | bits/weight |",
+        "|---|---|---|---|---|",
+        f"| {r['model']} | {r['ppl']:.4f} | "
+        + ("-" if r["delta_ppl_pct"] is None else f"{r['delta_ppl_pct']:+.2f}%")
+        + f" | {_mb(r['bytes_on_disk'])} | {r['bits_per_weight']:.2f} |",
+    ]
+    if r["baseline"]:
+        lines.append(f"| {r['baseline']} (baseline) | {r['baseline_ppl']:.4f} | | {_mb(r['baseline_bytes_on_disk'])} | |")
+    lines += ["", "bits/weight counts packed weights, scales and zero points of the quantized Linear layers."]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ inspect
+
+def inspect_text(ckpt) -> str:
+    """A human-readable summary of a checkpoint: producer, schemes per layer, sizes."""
+    from evals import size
+
+    path = models.resolve(ckpt)
+    config = checkpoint.read_config(path)
+    manifest = checkpoint.read_manifest(path) or {}
+    stats = size.weight_stats(path)
+    lines = [f"checkpoint: {path}", f"architecture: {config.get('model_type')} ({config.get('num_hidden_layers')} layers)"]
+    if manifest:
+        v = manifest.get("versions", {})
+        src = manifest.get("source_model", {}).get("spec")
+        method = manifest.get("recipe", {}).get("weights", {}).get("method")
+        lines.append(f"produced by: lowbit {v.get('lowbit')} ({method}) from {src} on {manifest.get('created')}")
+    lines.append(
+        f"size: {_mb(size.bytes_on_disk(path))} on disk; {stats.quantized_params / 1e6:.1f}M quantized weights at "
+        f"{stats.bits_per_weight:.2f} bits/weight; {stats.other_params / 1e6:.1f}M other parameters"
+    )
+    qc = config.get("quantization_config")
+    if not qc:
+        lines.append("not quantized")
+        return "\n".join(lines)
+    layer_stats = manifest.get("layers", {})
+    lines += ["", f"{'layer':<44} {'scheme':<18} {'weight rel. error':>16}"]
+    for group in qc["config_groups"].values():
+        wa = group["weights"]
+        scheme = f"w{wa['num_bits']} " + ("per-channel" if wa["strategy"] == "channel" else f"g{wa['group_size']}")
+        scheme += " sym" if wa["symmetric"] else " asym"
+        for name in group["targets"]:
+            err = layer_stats.get(name, {}).get("weight_rel_error")
+            lines.append(f"{name:<44} {scheme:<18} {'' if err is None else f'{err:16.4f}'}")
+    if qc.get("ignore"):
+        lines.append(f"left in floating point: {', '.join(qc['ignore'])}")
+    return "\n".join(lines)
