@@ -1,0 +1,98 @@
+"""Sampling and streaming generation with per-request timing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.cache import KVCache
+
+
+@dataclass
+class Token:
+    id: int
+    text: str  # the new piece of decoded text this token completes (may be empty)
+    t: float  # seconds since the request started
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """One token id from the last position's logits [V]."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        outside = sorted_p.cumsum(-1) - sorted_p >= top_p
+        sorted_p[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@dataclass
+class Generation:
+    """An iterable over generated tokens; timing fields fill in as it runs."""
+
+    model: object
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_at_eos: bool = True
+    ids: list[int] = field(default_factory=list)
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def mean_itl_s(self) -> float:
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else 0.0
+
+    @property
+    def text(self) -> str:
+        return self.model.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def __iter__(self):
+        m = self.model
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
+        total = min(len(self.prompt_ids) + self.max_new_tokens, m.max_positions)
+        cfg = m.decoder.cfg
+        cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, total, m.dtype, m.device)
+        eos = set(m.eos_token_ids) if self.stop_at_eos else set()
+
+        inputs = torch.tensor([self.prompt_ids], device=m.device)
+        pos, text, last = 0, "", start
+        while True:
+            with torch.inference_mode():
+                logits = m.decoder(inputs, cache, pos)[0, -1]
+            pos += inputs.shape[1]
+            token = sample(logits, self.temperature, self.top_p, generator)
+            now = time.perf_counter()
+            if self.ttft_s is None:
+                self.ttft_s = now - start
+            else:
+                self.itl_s.append(now - last)
+            last = now
+            self.ids.append(token)
+            if token in eos:
+                return
+            full = m.tokenizer.decode(self.ids, skip_special_tokens=True)
+            # hold back an incomplete multi-byte character until the next token completes it
+            piece = "" if full.endswith("\ufffd") else full[len(text):]
+            text += piece
+            yield Token(token, piece, now - start)
+            if len(self.ids) >= self.max_new_tokens or pos >= total:
+                return
+            inputs = torch.tensor([[token]], device=m.device)

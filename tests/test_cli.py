@@ -1,0 +1,120 @@
+"""The command line as a user drives it, on a tiny random model: happy paths and bad input."""
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lowbit.cli import main
+from tiny import save_model, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model, tokenizer = tiny_llama(hidden=64)
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
+
+
+def write_recipe(path, model_dir, **weights):
+    recipe = {
+        "model": str(model_dir),
+        "output": str(path.parent / "ckpt"),
+        "dtype": "float32",
+        "weights": {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False, "ignore": ["lm_head"], **weights},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model_dir):
+    recipe = write_recipe(tmp_path_factory.mktemp("q") / "r.yaml", model_dir)
+    result = run("quantize", recipe)
+    assert result.exit_code == 0, result.output
+    return recipe.parent / "ckpt"
+
+
+def test_quantize_writes_a_checkpoint_and_shows_it(ckpt):
+    assert (ckpt / "config.json").exists() and (ckpt / "lowbit_manifest.json").exists()
+    out = run("inspect", ckpt).output
+    assert "model.layers.1.mlp.down_proj" in out and "w4 g32 asym" in out
+    assert "bits/weight" in out and "lm_head" in out
+
+
+def test_eval_reports_json_with_the_keys_users_read(ckpt, tmp_path):
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    result = run("eval", ckpt, "--tokens", 300, "--window", 64, "--stride", 32, "--json", out_json, "--report", out_md)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out_json.read_text())
+    for key in ("ppl", "baseline_ppl", "tokens", "bytes_on_disk", "bits_per_weight", "delta_ppl_pct", "protocol"):
+        assert r[key] is not None, key
+    assert r["tokens"] == 300
+    assert 4.0 < r["bits_per_weight"] < 6.0  # 4-bit values plus one scale and zero per 32
+    assert "window 64" in out_md.read_text()
+
+
+def test_generate_streams_and_times(ckpt):
+    result = CliRunner().invoke(main, ["generate", str(ckpt), "--prompt", "Anne Elliot", "--max-new-tokens", "5"])
+    assert result.exit_code == 0, result.output
+    assert "TTFT" in result.output and "ITL" in result.output
+
+
+def test_command_line_overrides_the_recipe(tmp_path, model_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir)
+    result = run("quantize", recipe, "--output", tmp_path / "elsewhere")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "elsewhere" / "config.json").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_existing_output_needs_overwrite(ckpt):
+    recipe = ckpt.parent / "r.yaml"
+    before = (ckpt / "model.safetensors").stat().st_mtime_ns
+    result = run("quantize", recipe)
+    assert result.exit_code != 0 and "--overwrite" in result.output
+    assert (ckpt / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"weights": {"bitz": 4}}, "weights.bitz"),
+        ({"weights": {"bits": 5}}, "weights.bits"),
+        ({"model": "/no/such/model"}, "/no/such/model"),
+    ],
+)
+def test_bad_recipes_fail_with_the_key_and_write_nothing(tmp_path, model_dir, edit, message):
+    recipe = {"model": str(model_dir), "output": str(tmp_path / "ckpt")}
+    recipe.update(edit)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    result = run("quantize", tmp_path / "r.yaml")
+    assert result.exit_code != 0
+    assert message in result.output
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"model": str(tmp_path / "gpt2"), "output": str(tmp_path / "o")}))
+    result = run("quantize", tmp_path / "r.yaml")
+    assert result.exit_code != 0 and "gpt2" in result.output and "llama" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_altered_checkpoint_is_refused_by_eval_and_generate(ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    for args in (["eval", bad, "--tokens", 64], ["generate", bad, "--prompt", "x"]):
+        result = run(*args)
+        assert result.exit_code != 0 and "sha256" in result.output and "model.safetensors" in result.output
