@@ -1,0 +1,1 @@
+"""Measuring what quantization loses (perplexity) and wins (bytes)."""

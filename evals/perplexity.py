@@ -1,0 +1,101 @@
+"""Perplexity with a fixed, stated protocol, the same for baseline and quantized models.
+
+Sliding windows of ``window`` tokens advance by ``stride``; each window scores
+only the tokens the previous one did not, so every token after the first is
+scored exactly once, with at least ``window - stride`` tokens of context once
+the first window is passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Protocol:
+    window: int = 1024
+    stride: int = 512
+    tokens: int = 16384
+    bos: bool = False
+
+    def __post_init__(self):
+        if not 0 < self.stride <= self.window:
+            raise ValueError(f"stride must be in 1..window ({self.window}), got {self.stride}")
+        if self.tokens < 2:
+            raise ValueError(f"tokens must be at least 2, got {self.tokens}")
+
+    def describe(self) -> str:
+        return (
+            f"sliding window {self.window}, stride {self.stride}, first {self.tokens} tokens, "
+            f"{'BOS prepended to each window' if self.bos else 'no BOS'}, each token scored once"
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood per scored token, in nats
+    tokens_scored: int
+    protocol: Protocol
+
+
+def tokenize_text(tokenizer, text: str, protocol: Protocol) -> torch.Tensor:
+    """The first ``protocol.tokens`` token ids of ``text``, no special tokens added."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids[: protocol.tokens]
+    if len(ids) < 2:
+        raise ValueError("the evaluation text has fewer than 2 tokens")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(n: int, protocol: Protocol):
+    """(begin, end, first scored position) of each window over ``n`` tokens."""
+    end = min(protocol.window, n)
+    yield 0, end, 1  # the first token has no context and is never scored
+    while end < n:
+        new_end = min(end + protocol.stride, n)
+        yield max(0, new_end - protocol.window), new_end, end
+        end = new_end
+
+
+def perplexity(
+    logits_fn: LogitsFn, token_ids: torch.Tensor, protocol: Protocol, bos_id: int | None = None, progress: bool = True
+) -> PerplexityResult:
+    if protocol.bos and bos_id is None:
+        raise ValueError("protocol.bos is set but the tokenizer has no BOS token")
+    n = int(token_ids.numel())
+    spans = list(windows(n, protocol))
+    nll, count = 0.0, 0
+    for begin, end, first in tqdm(spans, desc="perplexity", unit="window", disable=not progress):
+        ids = token_ids[begin:end]
+        prefix = 1 if protocol.bos else 0
+        if prefix:
+            ids = torch.cat([torch.tensor([bos_id]), ids])
+        logits = logits_fn(ids.unsqueeze(0))[0].double()
+        # logits at position p predict token p+1; score targets first..end-1
+        targets = token_ids[first:end].to(logits.device)
+        preds = logits[prefix + first - begin - 1 : prefix + end - begin - 1]
+        nll += float(torch.nn.functional.cross_entropy(preds, targets, reduction="sum"))
+        count += int(targets.numel())
+    mean = nll / count
+    return PerplexityResult(math.exp(mean), mean, count, protocol)
+
+
+def hf_logits_fn(model) -> LogitsFn:
+    """Adapter for a transformers causal LM."""
+    model.eval()
+
+    @torch.inference_mode()
+    def fn(input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids.to(model.device)).logits.float()
+
+    return fn

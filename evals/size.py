@@ -1,0 +1,75 @@
+"""What quantization wins on disk, read from safetensors headers (no tensor data loaded)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+         "F8_E4M3": 1, "F8_E5M2": 1}
+QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    quantized_params: int  # weights of quantized Linears
+    quantized_bytes: int  # their packed values + scales + zero points
+    other_params: int  # everything else (embeddings, norms, unquantized Linears)
+    other_bytes: int
+    bits_per_weight: float
+
+    @property
+    def total_params(self) -> int:
+        return self.quantized_params + self.other_params
+
+
+def bytes_on_disk(path) -> int:
+    """Every file of the checkpoint as shipped: weights, config, tokenizer, manifest."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def read_header(file: Path) -> dict:
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_stats(path) -> WeightStats:
+    """Bits per weight of the quantized Linears, scales and zero points included.
+
+    For a model with no quantized layer, bits_per_weight is that of its 2-D
+    Linear weights other than the embedding and the head (what a recipe would
+    quantize), so float and quantized models compare on the same tensors.
+    """
+    entries = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        for name, info in read_header(file).items():
+            entries[name] = (file, info)
+    size = {n: math.prod(i["shape"]) * BYTES[i["dtype"]] for n, (_, i) in entries.items()}
+    prefixes = {n.rsplit(".", 1)[0] for n in entries if n.endswith(".weight_packed")}
+    q_params = q_bytes = 0
+    for prefix in prefixes:
+        file, _ = entries[f"{prefix}.weight_shape"]
+        with safe_open(file, framework="pt") as st:
+            out, inp = (int(v) for v in st.get_tensor(f"{prefix}.weight_shape"))
+        q_params += out * inp
+        q_bytes += sum(size.get(f"{prefix}.{part}", 0) for part in QUANT_PARTS[:3])
+    quant_names = {f"{p}.{part}" for p in prefixes for part in QUANT_PARTS}
+    other = [n for n in entries if n not in quant_names]
+    o_params = sum(math.prod(entries[n][1]["shape"]) for n in other)
+    o_bytes = sum(size[n] for n in other)
+    if q_params:
+        bpw = 8 * q_bytes / q_params
+    else:
+        linears = [n for n in other if len(entries[n][1]["shape"]) == 2 and n.endswith(".weight")
+                   and "embed_tokens" not in n and not n.startswith("lm_head")]
+        params = sum(math.prod(entries[n][1]["shape"]) for n in linears)
+        bpw = 8 * sum(size[n] for n in linears) / params if params else 0.0
+    return WeightStats(q_params, q_bytes, o_params, o_bytes, bpw)

@@ -1,0 +1,220 @@
+"""The recipe: a YAML file saying which model to compress, how, and where to put it.
+
+Validation names the offending key path (``weights.overrides[1].bits``) and
+suggests the closest known key for a typo. Only ``yaml.safe_load`` is used.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from quant.affine import SUPPORTED_BITS
+
+KNOWN_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+IMPLEMENTED_METHODS = {"rtn"}
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+class RecipeError(ValueError):
+    """A recipe problem, with the file and key path in the message."""
+
+
+@dataclass
+class Calibration:
+    text: str = "default"  # default | .txt/.jsonl path | datasets name
+    samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class Override:
+    match: str
+    bits: int | None = None
+    group_size: int | None = None
+    symmetric: bool | None = None
+    skip: bool = False
+
+
+@dataclass
+class Weights:
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 64
+    symmetric: bool = False
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    overrides: list[Override] = field(default_factory=list)
+
+
+@dataclass
+class Recipe:
+    model: str
+    output: str = ""
+    dtype: str = "bfloat16"
+    calibration: Calibration = field(default_factory=Calibration)
+    weights: Weights = field(default_factory=Weights)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_output(recipe: Recipe) -> str:
+    w = recipe.weights
+    base = Path(str(recipe.model).rstrip("/")).name
+    group = "pc" if w.group_size == -1 else f"g{w.group_size}"
+    return f"out/{base}-{w.method.replace('+', '-')}-w{w.bits}{group}"
+
+
+# ------------------------------------------------------------------ checks
+
+class _Checker:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, path: str, message: str):
+        raise RecipeError(f"{self.source}: {path}: {message}")
+
+    def mapping(self, value, path: str, known: list[str]) -> dict:
+        if not isinstance(value, dict):
+            self.fail(path, f"expected a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
+                self.fail(f"{path}.{key}" if path else str(key), f"unknown key{hint}")
+        return value
+
+    def integer(self, value, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"expected an integer, got {value!r}")
+        return value
+
+    def boolean(self, value, path: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(path, f"expected true/false, got {value!r}")
+        return value
+
+    def string(self, value, path: str) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(path, f"expected a non-empty string, got {value!r}")
+        return value
+
+    def choice(self, value, path: str, options) -> object:
+        if value not in options:
+            self.fail(path, f"must be one of {', '.join(map(str, options))} (got {value!r})")
+        return value
+
+    def positive(self, value, path: str) -> int:
+        if self.integer(value, path) < 1:
+            self.fail(path, f"must be at least 1 (got {value})")
+        return value
+
+    def bits(self, value, path: str) -> int:
+        return self.choice(self.integer(value, path), path, SUPPORTED_BITS)
+
+    def group_size(self, value, path: str) -> int:
+        if self.integer(value, path) != -1 and value < 1:
+            self.fail(path, f"must be a positive group length or -1 for per-channel (got {value})")
+        return value
+
+    def pattern(self, value, path: str) -> str:
+        self.string(value, path)
+        if value.startswith("re:"):
+            try:
+                re.compile(value[3:])
+            except re.error as e:
+                self.fail(path, f"invalid regular expression {value[3:]!r}: {e}")
+        return value
+
+    def patterns(self, value, path: str) -> list[str]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            self.fail(path, f"expected a list of names or 're:' patterns, got {value!r}")
+        return [self.pattern(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+
+def _names(cls) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def parse_recipe(data, source: str = "<recipe>") -> Recipe:
+    c = _Checker(source)
+    if data is None:
+        data = {}
+    top = c.mapping(data, "", _names(Recipe))
+    if "model" not in top:
+        c.fail("model", "required (an alias such as smollm2-135m, a local directory or a hub id)")
+    recipe = Recipe(model=str(c.string(top["model"], "model")))
+    if "dtype" in top:
+        recipe.dtype = c.choice(top["dtype"], "dtype", DTYPES)
+
+    cal = c.mapping(top.get("calibration") or {}, "calibration", _names(Calibration))
+    if "text" in cal:
+        recipe.calibration.text = c.string(cal["text"], "calibration.text")
+    for key in ("samples", "seq_len"):
+        if key in cal:
+            setattr(recipe.calibration, key, c.positive(cal[key], f"calibration.{key}"))
+    if "seed" in cal:
+        recipe.calibration.seed = c.integer(cal["seed"], "calibration.seed")
+
+    w = c.mapping(top.get("weights") or {}, "weights", _names(Weights))
+    weights = recipe.weights
+    if "method" in w:
+        weights.method = c.choice(w["method"], "weights.method", KNOWN_METHODS)
+    if "bits" in w:
+        weights.bits = c.bits(w["bits"], "weights.bits")
+    if "group_size" in w:
+        weights.group_size = c.group_size(w["group_size"], "weights.group_size")
+    if "symmetric" in w:
+        weights.symmetric = c.boolean(w["symmetric"], "weights.symmetric")
+    if "ignore" in w:
+        weights.ignore = c.patterns(w["ignore"] or [], "weights.ignore")
+    overrides = w.get("overrides") or []
+    if not isinstance(overrides, list):
+        c.fail("weights.overrides", "expected a list of {match: ..., bits: ...} entries")
+    weights.overrides = [_override(c, o, f"weights.overrides[{i}]") for i, o in enumerate(overrides)]
+
+    recipe.output = c.string(top["output"], "output") if top.get("output") is not None else default_output(recipe)
+    return recipe
+
+
+def _override(c: _Checker, value, path: str) -> Override:
+    o = c.mapping(value, path, _names(Override))
+    if "match" not in o:
+        c.fail(f"{path}.match", "required: the module name or 're:' pattern this override applies to")
+    return Override(
+        match=c.pattern(o["match"], f"{path}.match"),
+        bits=None if o.get("bits") is None else c.bits(o["bits"], f"{path}.bits"),
+        group_size=None if o.get("group_size") is None else c.group_size(o["group_size"], f"{path}.group_size"),
+        symmetric=None if o.get("symmetric") is None else c.boolean(o["symmetric"], f"{path}.symmetric"),
+        skip=c.boolean(o.get("skip", False), f"{path}.skip"),
+    )
+
+
+def load_recipe(path, **cli_overrides) -> Recipe:
+    """Read a recipe file; ``cli_overrides`` are dotted key paths (``weights.bits``) that win over it."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: invalid YAML: {e}") from None
+    if data is not None and not isinstance(data, dict):
+        raise RecipeError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    data = dict(data or {})
+    for dotted, value in cli_overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.replace("__", ".").split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return parse_recipe(data, str(path))
