@@ -26,8 +26,10 @@ class Protocol:
     bos: bool = False
 
     def __post_init__(self):
-        if not 0 < self.stride <= self.window:
-            raise ValueError(f"stride must be in 1..window ({self.window}), got {self.stride}")
+        # stride < window: each window after the first needs at least one token of context
+        # before the first token it scores.
+        if not 0 < self.stride < self.window:
+            raise ValueError(f"stride must be in 1..{self.window - 1} (below the window), got {self.stride}")
         if self.tokens < 2:
             raise ValueError(f"tokens must be at least 2, got {self.tokens}")
 

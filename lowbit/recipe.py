@@ -205,7 +205,10 @@ def load_recipe(path, **cli_overrides) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: invalid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
     if data is not None and not isinstance(data, dict):
         raise RecipeError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
     data = dict(data or {})
