@@ -171,6 +171,11 @@ def report_markdown(r: dict) -> str:
 
 # ------------------------------------------------------------------ inspect
 
+def _natural_key(name: str):
+    """Sort model.layers.2 before model.layers.10."""
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
 def inspect_text(ckpt) -> str:
     """A human-readable summary of a checkpoint: producer, schemes per layer, sizes."""
     from evals import size
@@ -194,14 +199,16 @@ def inspect_text(ckpt) -> str:
         lines.append("not quantized")
         return "\n".join(lines)
     layer_stats = manifest.get("layers", {})
-    lines += ["", f"{'layer':<44} {'scheme':<18} {'weight rel. error':>16}"]
+    rows = []
     for group in qc["config_groups"].values():
         wa = group["weights"]
         scheme = f"w{wa['num_bits']} " + ("per-channel" if wa["strategy"] == "channel" else f"g{wa['group_size']}")
         scheme += " sym" if wa["symmetric"] else " asym"
-        for name in group["targets"]:
-            err = layer_stats.get(name, {}).get("weight_rel_error")
-            lines.append(f"{name:<44} {scheme:<18} {'' if err is None else f'{err:16.4f}'}")
+        rows += [(name, scheme) for name in group["targets"]]
+    lines += ["", f"{'layer':<44} {'scheme':<18} {'weight rel. error':>16}"]
+    for name, scheme in sorted(rows, key=lambda row: _natural_key(row[0])):
+        err = layer_stats.get(name, {}).get("weight_rel_error")
+        lines.append(f"{name:<44} {scheme:<18} {'' if err is None else f'{err:16.4f}'}")
     if qc.get("ignore"):
         lines.append(f"left in floating point: {', '.join(qc['ignore'])}")
     return "\n".join(lines)

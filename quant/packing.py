@@ -32,6 +32,12 @@ def pack(q: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     rows, n = q.shape
     u = (q.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
     u = torch.nn.functional.pad(u, (0, (-n) % 32))
+    if 32 % bits == 0:  # values never straddle words: shift them straight into place
+        per_word = 32 // bits
+        shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
+        words = (u.view(rows, -1, per_word) << shifts).sum(-1)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        return words[:, : packed_length(n, bits)].contiguous()
     out = torch.empty(rows, u.shape[1] * bits // 32, dtype=torch.int32, device=q.device)
     shifts = torch.arange(bits, device=q.device)
     word_shifts = torch.arange(32, device=q.device, dtype=torch.int64)
@@ -56,6 +62,11 @@ def unpack(packed: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tens
     if packed.shape[1] != expected:
         raise ValueError(f"{n} values of {bits} bits need {expected} words, got {packed.shape[1]}")
     rows = packed.shape[0]
+    if 32 % bits == 0:  # values never straddle words
+        per_word = 32 // bits
+        shifts = torch.arange(per_word, device=packed.device, dtype=torch.int32) * bits
+        values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, then mask
+        return (values.flatten(1)[:, :n] - (1 << (bits - 1))).to(torch.int8)
     words = packed.to(torch.int64) & 0xFFFFFFFF
     words = torch.nn.functional.pad(words, (0, (-expected) % bits))
     out = torch.empty(rows, n, dtype=torch.int8, device=packed.device)

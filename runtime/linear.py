@@ -34,13 +34,19 @@ class QuantLinear(nn.Module):
             self.weight_packed, self.weight_scale, zero, (self.out_features, self.in_features), self.scheme, dtype
         )
 
+    def materialize(self, dtype: torch.dtype) -> None:
+        """Build the dense weight the reference path multiplies by.
+
+        On CPU the reference path is the implementation. Unpacking every weight on every
+        decode step would dominate the step, so the dense weight is built once (at load)
+        and kept: correct and fast enough for CPU, at the memory of a float model. The
+        fused GPU kernels read the packed buffers directly instead.
+        """
+        self._dense = self.dequantized_weight(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # On CPU the reference path is the implementation. Unpacking every weight on every
-        # decode step would dominate the step, so the dense weight is built once and kept:
-        # correct and fast enough for CPU, at the memory of a float model. The fused GPU
-        # kernels read the packed buffers directly instead.
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
-            self._dense = self.dequantized_weight(x.dtype)
+            self.materialize(x.dtype)
         return reference.quant_linear(x, self._dense, self.bias)
 
     def extra_repr(self) -> str:

@@ -106,4 +106,7 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     if cfg.tie_embeddings and "lm_head" not in schemes:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     decoder.to(device).eval()
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            module.materialize(dtype)  # at load, so the first request does not pay for it
     return Model(decoder, config, load_tokenizer(path), device, dtype, path)

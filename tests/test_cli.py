@@ -118,3 +118,27 @@ def test_altered_checkpoint_is_refused_by_eval_and_generate(ckpt, tmp_path):
     for args in (["eval", bad, "--tokens", 64], ["generate", bad, "--prompt", "x"]):
         result = run(*args)
         assert result.exit_code != 0 and "sha256" in result.output and "model.safetensors" in result.output
+
+
+def test_eval_of_an_unquantized_model_needs_no_manifest(model_dir, tmp_path):
+    out_json = tmp_path / "r.json"
+    result = run("eval", model_dir, "--tokens", 100, "--window", 64, "--stride", 32, "--json", out_json)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out_json.read_text())
+    assert r["baseline_ppl"] is None and r["bits_per_weight"] == 32.0 and r["quantized_params"] == 0
+
+
+def test_inspect_lists_layers_in_model_order(ckpt):
+    out = run("inspect", ckpt).output
+    assert out.index("model.layers.0.") < out.index("model.layers.1.")
+
+
+def test_unreachable_hub_id_says_what_to_do_offline(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    result = run("eval", "someorg/somemodel")
+    assert result.exit_code != 0 and "someorg/somemodel" in result.output and "offline" in result.output
