@@ -12,7 +12,7 @@ import lowbit
 from lowbit.recipe import IMPLEMENTED_METHODS, Recipe, RecipeError
 from quant import checkpoint, models
 from quant.affine import QuantScheme
-from quant.plan import Override, plan_layers
+from quant.plan import plan_layers
 from quant.quantize import quantize_model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "auto": None}
@@ -48,10 +48,9 @@ def quantize(recipe: Recipe, overwrite: bool = False, progress: bool = True) -> 
     model, tokenizer = models.load_float_model(source)
 
     default = QuantScheme(w.bits, w.group_size, w.symmetric)
-    overrides = [Override(o.match, o.bits, o.group_size, o.symmetric, o.skip) for o in w.overrides]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = plan_layers(model, default, w.ignore, overrides)
+        plan = plan_layers(model, default, w.ignore, w.overrides)
     notes = [str(c.message) for c in caught]
     for note in notes:
         print(f"warning: {note}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from quant.affine import SUPPORTED_BITS
+from quant.plan import Override  # a recipe's overrides are the plan's, field for field
 
 KNOWN_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 IMPLEMENTED_METHODS = {"rtn"}
@@ -30,15 +31,6 @@ class Calibration:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
-
-
-@dataclass
-class Override:
-    match: str
-    bits: int | None = None
-    group_size: int | None = None
-    symmetric: bool | None = None
-    skip: bool = False
 
 
 @dataclass
