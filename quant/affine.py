@@ -85,40 +85,83 @@ def choose_qparams(
     x: torch.Tensor,
     scheme: QuantScheme,
     clip_ratio: float | torch.Tensor = 1.0,
+    scale_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min/max scales (and zero points) per group of the last dimension.
 
-    Returns ``scale`` of shape ``[..., K // g]`` in ``x.dtype`` and ``zero`` as
-    int8 of the same shape, or ``None`` for symmetric schemes. ``clip_ratio``
-    (scalar, or broadcastable to the scale) shrinks the range; search methods
-    pass values below 1.
+    Returns ``scale`` of shape ``[..., K // g]`` in ``scale_dtype`` (default
+    ``x.dtype``: pass the dtype the checkpoint will store, so rounding happens
+    against the scale that is actually saved) and ``zero`` as int8 of the same
+    shape, or ``None`` for symmetric schemes. ``clip_ratio`` (scalar, or
+    broadcastable to the scale) shrinks the range; search methods pass values
+    below 1.
     """
     xg = _grouped(x.float(), scheme)
-    eps = torch.finfo(torch.float32).tiny
+    dtype = scale_dtype or x.dtype
+    eps = torch.finfo(dtype).tiny  # an all-zero group still gets a scale the stored dtype can hold
     if scheme.symmetric:
         amax = xg.abs().amax(dim=-1) * clip_ratio
         # Use the whole signed range like compressed-tensors: amax maps to (qmax - qmin) / 2.
         scale = (amax / ((scheme.qmax - scheme.qmin) / 2)).clamp_min(eps)
-        return scale.to(x.dtype), None
+        return scale.to(dtype), None
     # Keep zero inside the range so it is exactly representable (padding, ReLU zeros)
     # and the zero point always fits the signed integer range.
     lo = xg.amin(dim=-1).clamp(max=0) * clip_ratio
     hi = xg.amax(dim=-1).clamp(min=0) * clip_ratio
-    scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp_min(eps)
-    scale = scale.to(x.dtype)  # round the zero against the scale that will be stored
+    scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp_min(eps).to(dtype)
     zero = torch.round(scheme.qmin - lo / scale.float()).clamp(scheme.qmin, scheme.qmax)
     return scale, zero.to(torch.int8)
+
+
+def choose_qparams_mse(
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    scale_dtype: torch.dtype | None = None,
+    steps: int = 20,
+    max_shrink: float = 0.2,
+    norm: float = 2.4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like :func:`choose_qparams`, but each group's range is shrunk by the ratio in
+    ``[1 - max_shrink, 1]`` that minimizes ``sum |x - fake_quantize(x)| ** norm``:
+    clipping a few outliers buys a finer grid for everything else."""
+    best_err = best_scale = best_zero = None
+    for ratio in torch.linspace(1.0, 1.0 - max_shrink, steps).tolist():
+        scale, zero = choose_qparams(x, scheme, ratio, scale_dtype)
+        err = (dequantize(quantize(x, scale, zero, scheme), scale, zero, scheme, torch.float32) - x.float())
+        err = _grouped(err.abs().pow(norm), scheme).sum(-1)
+        if best_err is None:
+            best_err, best_scale, best_zero = err, scale, zero
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme) -> torch.Tensor:
+    """Elementwise rounding onto the integer grid (float result); shapes broadcast."""
+    q = x.float() / scale.float()
+    if zero is not None:
+        q = q + zero.float()
+    return torch.round(q).clamp(scheme.qmin, scheme.qmax)
+
+
+def from_grid(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """Elementwise ``(q - zero) * scale`` in float32; shapes broadcast."""
+    q = q.float()
+    if zero is not None:
+        q = q - zero.float()
+    return q * scale.float()
 
 
 def quantize(
     x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme
 ) -> torch.Tensor:
     """Round ``x`` onto the integer grid: int8 of the same shape as ``x``."""
-    xg = _grouped(x.float(), scheme)
-    q = xg / scale.float().unsqueeze(-1)
-    if zero is not None:
-        q = q + zero.float().unsqueeze(-1)
-    q = torch.round(q).clamp(scheme.qmin, scheme.qmax)
+    zero = None if zero is None else zero.unsqueeze(-1)
+    q = to_grid(_grouped(x, scheme), scale.unsqueeze(-1), zero, scheme)
     return q.flatten(-2).to(torch.int8)
 
 
@@ -128,12 +171,19 @@ def dequantize(
     zero: torch.Tensor | None,
     scheme: QuantScheme,
     dtype: torch.dtype | None = None,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Integers back to floats: ``(q - zero) * scale`` per group."""
-    qg = _grouped(q.float(), scheme)
-    if zero is not None:
-        qg = qg - zero.float().unsqueeze(-1)
-    x = (qg * scale.float().unsqueeze(-1)).flatten(-2)
+    """Integers back to floats: ``(q - zero) * scale`` per group.
+
+    ``g_idx`` (act-order checkpoints) gives each input column's group when
+    columns of a group are not contiguous.
+    """
+    if g_idx is not None:
+        zero = None if zero is None else zero[..., g_idx]
+        x = from_grid(q, scale[..., g_idx], zero)
+    else:
+        zero = None if zero is None else zero.unsqueeze(-1)
+        x = from_grid(_grouped(q, scheme), scale.unsqueeze(-1), zero).flatten(-2)
     return x.to(dtype or scale.dtype)
 
 
