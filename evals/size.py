@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
          "F8_E4M3": 1, "F8_E5M2": 1}
-QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+from quant.format import TENSOR_SUFFIXES as QUANT_PARTS  # packed, scale, zero point, shape, g_idx
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ def weight_stats(path) -> WeightStats:
         with safe_open(file, framework="pt") as st:
             out, inp = (int(v) for v in st.get_tensor(f"{prefix}.weight_shape"))
         q_params += out * inp
-        q_bytes += sum(size.get(f"{prefix}.{part}", 0) for part in QUANT_PARTS[:3])
+        # everything a quantized layer stores counts, except its 16-byte shape record
+        q_bytes += sum(size.get(f"{prefix}.{part}", 0) for part in QUANT_PARTS if part != "weight_shape")
     quant_names = {f"{p}.{part}" for p in prefixes for part in QUANT_PARTS}
     other = [n for n in entries if n not in quant_names]
     o_params = sum(math.prod(entries[n][1]["shape"]) for n in other)

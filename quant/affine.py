@@ -26,12 +26,18 @@ class QuantScheme:
     bits: int = 4
     group_size: int = 128
     symmetric: bool = False
+    # GPTQ's act-order as compressed-tensors names it: None (columns in order), "weight"
+    # (quantized in activation order, groups kept contiguous: no runtime cost) or "group"
+    # (groups follow activation order: a per-column group index, g_idx, at runtime).
+    actorder: str | None = None
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.group_size != -1 and self.group_size < 1:
             raise ValueError(f"group_size must be positive or -1 (per channel), got {self.group_size}")
+        if self.actorder not in (None, "weight", "group"):
+            raise ValueError(f"actorder must be None, 'weight' or 'group', got {self.actorder!r}")
 
     @property
     def qmin(self) -> int:
@@ -56,7 +62,8 @@ class QuantScheme:
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
-        return f"w{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+        order = f" actorder={self.actorder}" if self.actorder else ""
+        return f"w{self.bits} {group} {'sym' if self.symmetric else 'asym'}{order}"
 
 
 def fit_group_size(columns: int, group_size: int, min_group: int = 32) -> int:

@@ -6,7 +6,9 @@ A quantized Linear ``name`` is stored as
 * ``name.weight_scale``      float ``[out, in // group]`` (``[out, 1]`` per channel);
 * ``name.weight_zero_point`` int32 ``[ceil(out * bits / 32), in // group]``, packed along
   outputs, asymmetric schemes only;
-* ``name.weight_shape``      int64 ``[out, in]``.
+* ``name.weight_shape``      int64 ``[out, in]``;
+* ``name.weight_g_idx``      int32 ``[in]``, each input column's group, only for GPTQ
+  act-order with ``actorder: group``.
 
 This is what llm-compressor writes and vLLM and transformers read. Layouts for
 fast kernels are derived from it at load time in ``runtime/``, never stored.
@@ -24,7 +26,7 @@ from quant.packing import pack, unpack
 from quant.plan import matches
 
 FORMAT = "pack-quantized"
-TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
 @dataclass
@@ -35,9 +37,10 @@ class QuantizedWeight:
     scale: torch.Tensor  # [out, groups]
     zero: torch.Tensor | None  # int8 [out, groups], None when symmetric
     scheme: QuantScheme
+    g_idx: torch.Tensor | None = None  # int32 [in], only when scheme.actorder == "group"
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.q, self.scale, self.zero, self.scheme, dtype)
+        return dequantize(self.q, self.scale, self.zero, self.scheme, dtype, self.g_idx)
 
     def to_tensors(self, prefix: str, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         bits = self.scheme.bits
@@ -48,6 +51,8 @@ class QuantizedWeight:
         }
         if self.zero is not None:
             tensors[f"{prefix}.weight_zero_point"] = pack(self.zero, bits, dim=0)
+        if self.g_idx is not None:
+            tensors[f"{prefix}.weight_g_idx"] = self.g_idx.to(torch.int32).contiguous()
         return tensors
 
     @classmethod
@@ -56,7 +61,7 @@ class QuantizedWeight:
         q = unpack(tensors[f"{prefix}.weight_packed"], scheme.bits, inp, dim=1)
         zp = tensors.get(f"{prefix}.weight_zero_point")
         zero = None if scheme.symmetric else unpack(zp, scheme.bits, out, dim=0)
-        return cls(q, tensors[f"{prefix}.weight_scale"], zero, scheme)
+        return cls(q, tensors[f"{prefix}.weight_scale"], zero, scheme, tensors.get(f"{prefix}.weight_g_idx"))
 
 
 def quantization_config(plan: dict[str, QuantScheme], ignored: list[str]) -> dict:
@@ -76,7 +81,7 @@ def quantization_config(plan: dict[str, QuantScheme], ignored: list[str]) -> dic
                 "strategy": "channel" if per_channel else "group",
                 "group_size": None if per_channel else scheme.group_size,
                 "dynamic": False,
-                "actorder": None,
+                "actorder": scheme.actorder,
                 "observer": "minmax",
             },
             "input_activations": None,
@@ -124,7 +129,8 @@ def _scheme_from_args(group_name: str, args: dict) -> QuantScheme:
             f"config group {group_name!r}: {args.get('type')} weights with strategy {strategy!r} "
             "are not supported; lowbit runs int weights with group or channel strategy"
         )
-    if args.get("actorder") == "group" or args.get("dynamic"):
-        raise ValueError(f"config group {group_name!r}: actorder=group and dynamic weights are not supported yet")
+    if args.get("dynamic"):
+        raise ValueError(f"config group {group_name!r}: dynamic weight quantization is not supported")
     group = -1 if strategy == "channel" else int(args["group_size"])
-    return QuantScheme(bits=int(args["num_bits"]), group_size=group, symmetric=bool(args.get("symmetric", True)))
+    return QuantScheme(bits=int(args["num_bits"]), group_size=group, symmetric=bool(args.get("symmetric", True)),
+                       actorder=args.get("actorder"))

@@ -25,13 +25,15 @@ class QuantLinear(nn.Module):
         if not scheme.symmetric:
             zp = torch.empty(packed_length(out_features, scheme.bits), groups, dtype=torch.int32)
             self.register_buffer("weight_zero_point", zp)
+        if scheme.actorder == "group":
+            self.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._dense: torch.Tensor | None = None
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        zero = getattr(self, "weight_zero_point", None)
         return reference.dequantize_weight(
-            self.weight_packed, self.weight_scale, zero, (self.out_features, self.in_features), self.scheme, dtype
+            self.weight_packed, self.weight_scale, getattr(self, "weight_zero_point", None),
+            (self.out_features, self.in_features), self.scheme, dtype, getattr(self, "weight_g_idx", None),
         )
 
     def materialize(self, dtype: torch.dtype) -> None:
