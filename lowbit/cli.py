@@ -28,7 +28,7 @@ def _fail_cleanly(fn):
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written", err=True)
+            click.echo("interrupted: no checkpoint was written (a calibrated run can continue with --resume)", err=True)
             sys.exit(130)
         except (RecipeError, CheckpointError, PlanError, runtime.UnsupportedModelError,
                 FileNotFoundError, FileExistsError, ValueError) as e:
@@ -48,13 +48,15 @@ def main():
 @click.option("--model", help="Override the recipe's model: alias, local HF directory or hub id.")
 @click.option("--output", type=click.Path(path_type=Path), help="Override the recipe's output directory.")
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted calibrated run from its last finished layer.")
+@click.option("--device", default=None, help="Compute device for calibration (default: cuda if available, else cpu).")
 @_fail_cleanly
-def quantize(recipe, model, output, overwrite):
+def quantize(recipe, model, output, overwrite, resume, device):
     """Quantize a model as RECIPE.yaml says and save the checkpoint."""
     from lowbit.recipe import load_recipe
 
     r = load_recipe(recipe, model=model, output=str(output) if output else None)
-    path = pipeline.quantize(r, overwrite=overwrite)
+    path = pipeline.quantize(r, overwrite=overwrite, resume=resume, device=device)
     click.echo(pipeline.inspect_text(path))
     click.echo(f"saved {path}")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import platform
+import shutil
 import warnings
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 import lowbit
 from lowbit.recipe import IMPLEMENTED_METHODS, Recipe, RecipeError
 from quant import checkpoint, models
+from quant.calibration import calibration_samples, load_calibration_text
 from quant.affine import QuantScheme
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
@@ -31,7 +34,17 @@ def versions() -> dict[str, str]:
     }
 
 
-def quantize(recipe: Recipe, overwrite: bool = False, progress: bool = True) -> Path:
+def work_dir_for(output: Path) -> Path:
+    """Where a calibrated run keeps per-layer progress until the checkpoint is saved."""
+    return output.parent / f".{output.name}.work"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, device: str | None = None,
+             progress: bool = True) -> Path:
     """Run a recipe end to end and return the checkpoint directory."""
     import runtime
 
@@ -47,7 +60,9 @@ def quantize(recipe: Recipe, overwrite: bool = False, progress: bool = True) -> 
     runtime.check_supported(checkpoint.read_config(source))
     model, tokenizer = models.load_float_model(source)
 
-    default = QuantScheme(w.bits, w.group_size, w.symmetric)
+    calibrated = w.method != "rtn"
+    actorder = None if w.gptq.actorder == "none" or not w.method.endswith("gptq") else w.gptq.actorder
+    default = QuantScheme(w.bits, w.group_size, w.symmetric, actorder)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_layers(model, default, w.ignore, w.overrides)
@@ -55,7 +70,23 @@ def quantize(recipe: Recipe, overwrite: bool = False, progress: bool = True) -> 
     for note in notes:
         print(f"warning: {note}")
 
-    quantized, layer_stats = quantize_model(model, plan, w.method, progress=progress)
+    samples = None
+    if calibrated:
+        c = recipe.calibration
+        samples = calibration_samples(tokenizer, load_calibration_text(c.text), c.samples, c.seq_len, c.seed)
+    work_dir = work_dir_for(output) if calibrated else None
+    if work_dir is not None and work_dir.exists():
+        if resume:
+            print(f"resuming from {work_dir}")
+        else:
+            print(f"note: {work_dir} holds progress of an interrupted run; starting over (--resume continues it)")
+            shutil.rmtree(work_dir)
+    store_dtype = DTYPES[recipe.dtype]
+    quantized, layer_stats = quantize_model(
+        model, plan, w.method, samples=samples, gptq=w.gptq, awq=w.awq,
+        scale_dtype=store_dtype or next(model.parameters()).dtype, device=device or default_device(),
+        work_dir=work_dir, resume=resume, run_id=json.dumps(recipe.to_dict(), sort_keys=True), progress=progress,
+    )
     manifest = {
         "producer": "lowbit",
         "versions": versions(),
@@ -64,9 +95,12 @@ def quantize(recipe: Recipe, overwrite: bool = False, progress: bool = True) -> 
         "layers": layer_stats,
         "notes": notes,
     }
-    return checkpoint.save(
-        model, quantized, output, tokenizer=tokenizer, dtype=DTYPES[recipe.dtype], manifest=manifest, overwrite=overwrite
+    path = checkpoint.save(
+        model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest, overwrite=overwrite
     )
+    if work_dir is not None:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return path
 
 
 # ---------------------------------------------------------------- evaluation

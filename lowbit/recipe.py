@@ -14,10 +14,12 @@ from pathlib import Path
 import yaml
 
 from quant.affine import SUPPORTED_BITS
+from quant.awq import AWQConfig
+from quant.gptq import GPTQConfig
 from quant.plan import Override  # a recipe's overrides are the plan's, field for field
 
 KNOWN_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-IMPLEMENTED_METHODS = {"rtn"}
+IMPLEMENTED_METHODS = set(KNOWN_METHODS)
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
@@ -41,6 +43,8 @@ class Weights:
     symmetric: bool = False
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     overrides: list[Override] = field(default_factory=list)
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)  # used by gptq and awq+gptq
+    awq: AWQConfig = field(default_factory=AWQConfig)  # used by awq and awq+gptq
 
 
 @dataclass
@@ -171,9 +175,31 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
     if not isinstance(overrides, list):
         c.fail("weights.overrides", "expected a list of {match: ..., bits: ...} entries")
     weights.overrides = [_override(c, o, f"weights.overrides[{i}]") for i, o in enumerate(overrides)]
+    weights.gptq = _settings(c, w.get("gptq"), "weights.gptq", GPTQConfig, {"actorder": ("weight", "group", "none")})
+    weights.awq = _settings(c, w.get("awq"), "weights.awq", AWQConfig, {})
 
     recipe.output = c.string(top["output"], "output") if top.get("output") is not None else default_output(recipe)
     return recipe
+
+
+def _settings(c: _Checker, value, path: str, cls, choices: dict):
+    """A method's settings section, checked field by field against the dataclass defaults."""
+    data = c.mapping(value or {}, path, _names(cls))
+    defaults = cls()
+    checked = {}
+    for key, v in data.items():
+        default, where = getattr(defaults, key), f"{path}.{key}"
+        if key in choices:
+            checked[key] = c.choice(v, where, choices[key])
+        elif isinstance(default, bool):
+            checked[key] = c.boolean(v, where)
+        elif isinstance(default, int):
+            checked[key] = c.positive(v, where)
+        elif isinstance(default, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                c.fail(where, f"expected a positive number, got {v!r}")
+            checked[key] = float(v)
+    return cls(**checked)
 
 
 def _override(c: _Checker, value, path: str) -> Override:

@@ -1,17 +1,25 @@
-"""Quantize every planned Linear of a model with one method."""
+"""Quantize every planned Linear of a model with one method.
+
+RTN needs no data and rounds each weight on its own. GPTQ, AWQ and AWQ+GPTQ
+run the layer-by-layer calibration pipeline (``quant.sequential``); Linears
+outside the decoder layers (a quantized ``lm_head``) are rounded with RTN.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from quant import rtn
 from quant.affine import QuantScheme
+from quant.awq import AWQConfig, apply_awq
 from quant.format import QuantizedWeight
+from quant.gptq import GPTQConfig, gptq_quantize, output_error
+from quant.sequential import decoder_layers, quantize_sequential
 
-# method name -> function(weight, scheme) -> QuantizedWeight. Calibrated methods
-# (GPTQ, AWQ) run a layer-by-layer pipeline instead and join this table later.
-METHODS = {"rtn": rtn.quantize_weight}
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 
 
 def relative_error(weight: torch.Tensor, qw: QuantizedWeight) -> float:
@@ -20,22 +28,88 @@ def relative_error(weight: torch.Tensor, qw: QuantizedWeight) -> float:
     return float((w - qw.dequantize(torch.float32)).norm() / w.norm().clamp_min(1e-12))
 
 
+def check_finite(name: str, weight: torch.Tensor) -> None:
+    if not torch.isfinite(weight).all():
+        raise ValueError(f"{name}.weight contains NaN or Inf; the source model is corrupt")
+
+
+def rtn_all(model, plan: dict[str, QuantScheme], scale_dtype=None, progress: bool = True):
+    quantized, stats = {}, {}
+    for name in tqdm(list(plan), desc="quantizing (rtn)", unit="layer", disable=not progress):
+        weight = model.get_submodule(name).weight.detach()
+        check_finite(name, weight)
+        qw = rtn.quantize_weight(weight, plan[name], scale_dtype)
+        quantized[name] = qw
+        stats[name] = {"scheme": plan[name].describe(), "weight_rel_error": relative_error(weight, qw)}
+    return quantized, stats
+
+
+def layer_method(method: str, gptq: GPTQConfig, awq: AWQConfig, scale_dtype):
+    """The per-layer step of the sequential pipeline for a calibrated method."""
+
+    def run(layer, inputs, plan, hessians):
+        originals = {n: layer.get_submodule(n).weight.detach().clone() for n in plan}
+        for n, w in originals.items():
+            check_finite(n, w)
+        col_scales = apply_awq(layer, inputs, plan, awq) if method.startswith("awq") else {}
+        quantized, stats = {}, {}
+        for n, scheme in plan.items():
+            weight = layer.get_submodule(n).weight.detach()
+            H = hessians[n]
+            if n in col_scales:  # inputs were divided by s: H' = H / (s sᵀ)
+                s = col_scales[n].float()
+                H = H / torch.outer(s, s)
+            if method.endswith("gptq"):
+                qw = gptq_quantize(weight, H, scheme, gptq, scale_dtype, n)
+            else:
+                qw = rtn.quantize_weight(weight, scheme, scale_dtype)
+            plain = rtn.quantize_weight(originals[n], scheme, scale_dtype).dequantize(torch.float32)
+            quantized[n] = qw
+            stats[n] = {
+                "scheme": scheme.describe(),
+                "weight_rel_error": relative_error(weight, qw),
+                # relative output error on the calibration inputs: plain rounding of the
+                # original weight, then this method's result
+                "output_rel_error_rtn": output_error(originals[n], plain, hessians[n]),
+                "output_rel_error": output_error(weight, qw.dequantize(torch.float32), H),
+            }
+        return quantized, stats
+
+    return run
+
+
 def quantize_model(
     model: torch.nn.Module,
     plan: dict[str, QuantScheme],
     method: str = "rtn",
+    *,
+    samples: torch.Tensor | None = None,
+    gptq: GPTQConfig = GPTQConfig(),
+    awq: AWQConfig = AWQConfig(),
+    scale_dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    work_dir: Path | None = None,
+    resume: bool = False,
+    run_id: str = "",
     progress: bool = True,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, dict]]:
     """Quantized weights per layer, and per-layer stats for the manifest."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
-    quantize_weight = METHODS[method]
-    quantized, stats = {}, {}
-    for name in tqdm(list(plan), desc=f"quantizing ({method})", unit="layer", disable=not progress):
-        weight = model.get_submodule(name).weight.detach()
-        if not torch.isfinite(weight).all():
-            raise ValueError(f"{name}.weight contains NaN or Inf; the source model is corrupt")
-        qw = quantize_weight(weight, plan[name])
-        quantized[name] = qw
-        stats[name] = {"scheme": plan[name].describe(), "weight_rel_error": relative_error(weight, qw)}
+    if method == "rtn":
+        return rtn_all(model, plan, scale_dtype, progress)
+    if samples is None:
+        raise ValueError(f"{method} needs calibration samples")
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers) + "."
+    layer_plan = {n: s for n, s in plan.items() if n.startswith(prefix)}
+    outside = {n: s for n, s in plan.items() if not n.startswith(prefix)}
+    quantized, stats = quantize_sequential(
+        model, layer_plan, samples, layer_method(method, gptq, awq, scale_dtype), device,
+        work_dir=work_dir, resume=resume, run_id=run_id, progress=progress,
+    )
+    if outside:
+        q, st = rtn_all(model, outside, scale_dtype, progress=False)
+        quantized.update(q)
+        stats.update(st)
     return quantized, stats

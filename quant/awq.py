@@ -1,0 +1,198 @@
+"""AWQ: activation-aware scaling, then clipping (Lin et al., 2023).
+
+For each pair "op -> Linears that read its output" (a norm feeding q/k/v, v
+feeding o, a norm feeding gate/up, up feeding down), search a per-channel
+scale ``s`` from input and weight magnitudes that minimizes the error of the
+block's output when the Linears are quantized as ``W·s`` on inputs ``x/s``;
+fold ``1/s`` into the op and ``s`` into the Linears (exact in floating point).
+Then search, per group, how far to shrink each Linear's range, and clamp its
+weights there, so whatever rounds them next (RTN or GPTQ) sees the clipped
+range. The float Hessian of a scaled Linear's input transforms exactly:
+``H' = H / (s sᵀ)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quant.affine import QuantScheme, choose_qparams, dequantize, fake_quantize, quantize
+from quant.sequential import LayerInputs
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    grid: int = 20  # scale exponents tried: 0, 1/grid, ..., (grid-1)/grid
+    search_samples: int = 32  # calibration samples the searches run on
+    clip: bool = True
+    clip_tokens: int = 512  # input rows the clipping search scores against
+    clip_steps: int = 20
+    clip_max_shrink: float = 0.5
+
+
+@dataclass
+class Mapping:
+    prev: nn.Module  # RMSNorm or Linear whose output the Linears read
+    linears: list[str]  # local names inside the decoder layer
+    inspect: str  # local name of the module whose output the scale search compares
+
+
+def llama_mappings(layer: nn.Module) -> list[Mapping]:
+    """The scalable pairs of a Llama-family decoder layer, derived from its modules."""
+    try:
+        attn, mlp = layer.self_attn, layer.mlp
+        maps = [Mapping(layer.input_layernorm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn")]
+        if attn.v_proj.out_features == attn.o_proj.in_features:  # not with grouped-query attention
+            maps.append(Mapping(attn.v_proj, ["self_attn.o_proj"], "self_attn.o_proj"))
+        maps.append(Mapping(layer.post_attention_layernorm, ["mlp.gate_proj", "mlp.up_proj"], "mlp"))
+        maps.append(Mapping(mlp.up_proj, ["mlp.down_proj"], "mlp.down_proj"))
+    except AttributeError as e:
+        raise ValueError(
+            f"AWQ needs the Llama-family layer structure (input_layernorm, self_attn.q/k/v/o_proj, "
+            f"post_attention_layernorm, mlp.gate/up/down_proj); {type(layer).__name__} lacks it ({e})"
+        ) from None
+    return maps
+
+
+def _capture(layer: nn.Module, inputs: LayerInputs, names: list[str]) -> tuple[dict, dict]:
+    """Inputs (and keyword arguments) of the named submodules during a layer forward."""
+    xs: dict[str, list] = {n: [] for n in names}
+    kws: dict[str, list] = {n: [] for n in names}
+
+    def hook(name):
+        def fn(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            xs[name].append(x.detach())
+            kws[name].append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+
+        return fn
+
+    handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in names]
+    try:
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            layer(h, **kw)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return xs, kws
+
+
+def _run(module: nn.Module, xs: list, kws: list) -> list[torch.Tensor]:
+    outs = []
+    for x, kw in zip(xs, kws):
+        out = module(x, **kw)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs
+
+
+def _weight_magnitude(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """Mean over output rows of |w| relative to its group's largest |w|, per input channel."""
+    w = torch.cat([x.float() for x in weights], 0)
+    g = scheme.group_len(w.shape[1])
+    wg = w.abs().view(w.shape[0], -1, g)
+    return (wg / wg.amax(-1, keepdim=True).clamp_min(1e-8)).view_as(w).mean(0)
+
+
+def search_scale(layer, mapping: Mapping, plan: dict, xs: dict, kws: dict, config: AWQConfig) -> torch.Tensor:
+    first = mapping.linears[0]
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs[first]]).float()
+    x_mag = x.abs().mean(0)
+    linears = [layer.get_submodule(n) for n in mapping.linears]
+    originals = [lin.weight.data.clone() for lin in linears]
+    w_mag = _weight_magnitude(originals, plan[first])
+    inspect = layer.get_submodule(mapping.inspect)
+    inspect_in = xs[mapping.inspect] if mapping.inspect in xs else xs[first]
+    reference = _run(inspect, inspect_in, kws[mapping.inspect])
+
+    best, best_loss = torch.ones_like(x_mag), float("inf")
+    try:
+        for step in range(config.grid):
+            ratio = step / config.grid
+            s = (x_mag.pow(ratio) / w_mag.pow(1 - ratio).clamp_min(1e-4)).clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            for lin, w, n in zip(linears, originals, mapping.linears):
+                lin.weight.data = (fake_quantize(w.float() * s, plan[n]) / s).to(w.dtype)
+            out = _run(inspect, inspect_in, kws[mapping.inspect])
+            loss = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
+            if loss < best_loss:
+                best, best_loss = s, loss
+    finally:
+        for lin, w in zip(linears, originals):
+            lin.weight.data = w
+    return best
+
+
+def apply_scale(mapping: Mapping, layer, s: torch.Tensor) -> None:
+    prev = mapping.prev
+    if isinstance(prev, nn.Linear):  # the rows that produce the scaled channels
+        prev.weight.data = (prev.weight.data.float() / s.unsqueeze(1)).to(prev.weight.dtype)
+        if prev.bias is not None:
+            prev.bias.data = (prev.bias.data.float() / s).to(prev.bias.dtype)
+    else:  # a norm's per-channel weight
+        prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+    for n in mapping.linears:
+        lin = layer.get_submodule(n)
+        lin.weight.data = (lin.weight.data.float() * s).to(lin.weight.dtype)
+
+
+def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig) -> torch.Tensor:
+    """Clamp each group of ``weight`` to the shrunk range that minimizes its output error on ``x``."""
+    w = weight.float()
+    out, cols = w.shape
+    g = scheme.group_len(cols)
+    xg = x.float().view(x.shape[0], -1, g).transpose(0, 1)  # [groups, n, g]
+    wg = w.view(out, -1, g)
+    best_ratio = torch.ones(out, cols // g)
+    best_err = torch.full((out, cols // g), float("inf"))
+    for step in range(int(config.clip_steps * config.clip_max_shrink) + 1):
+        ratio = 1.0 - step / config.clip_steps
+        scale, zero = choose_qparams(w, scheme, ratio)
+        delta = (w - dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme, torch.float32)).view(out, -1, g)
+        err = torch.einsum("gnk,ogk->ogn", xg, delta).pow(2).mean(-1)  # [out, groups]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+    if scheme.symmetric:
+        limit = wg.abs().amax(-1) * best_ratio
+        lo, hi = -limit, limit
+    else:
+        lo = wg.amin(-1).clamp(max=0) * best_ratio
+        hi = wg.amax(-1).clamp(min=0) * best_ratio
+    return torch.maximum(torch.minimum(wg, hi.unsqueeze(-1)), lo.unsqueeze(-1)).view(out, cols).to(weight.dtype)
+
+
+# Query and key projections feed a softmax through a dot product: per-channel output
+# error says little about attention error there, so (as in the AWQ reference) they
+# are not clipped.
+NO_CLIP = ("q_proj", "k_proj")
+
+
+def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConfig = AWQConfig()) -> dict:
+    """Fold searched scales into the layer and clip its Linears; return each Linear's
+    input-channel scale (for transforming its Hessian)."""
+    mappings = [m for m in llama_mappings(layer) if all(n in plan for n in m.linears)]
+    per_batch = inputs.hidden[0].shape[0]
+    keep = max(1, -(-config.search_samples // per_batch))
+    subset = LayerInputs(inputs.hidden[:keep], inputs.kwargs[:keep])
+    names = sorted({n for m in mappings for n in m.linears} | {m.inspect for m in mappings})
+    xs, kws = _capture(layer, subset, names)
+    col_scales: dict[str, torch.Tensor] = {}
+    for m in mappings:
+        s = search_scale(layer, m, plan, xs, kws, config)
+        apply_scale(m, layer, s)
+        for n in m.linears:
+            col_scales[n] = s
+    if config.clip:
+        generator = torch.Generator().manual_seed(0)
+        for n, scheme in plan.items():
+            if n.endswith(NO_CLIP) or n not in xs:
+                continue
+            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs[n]])
+            x = x[torch.randperm(x.shape[0], generator=generator)[: config.clip_tokens]]
+            if n in col_scales:
+                x = x / col_scales[n]
+            lin = layer.get_submodule(n)
+            lin.weight.data = search_clip(lin.weight.data, x, scheme, config)
+    return col_scales

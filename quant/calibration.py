@@ -1,0 +1,67 @@
+"""Calibration data: token windows sampled reproducibly from a text.
+
+The default text is the bundled copy of five Austen novels (Emma, Mansfield
+Park, Northanger Abbey, Pride and Prejudice, Sense and Sensibility); the
+evaluation text, Persuasion, is never among them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import torch
+
+DEFAULT_TEXT = Path(__file__).parent / "data" / "calibration.txt.gz"
+
+
+def read_text_file(path) -> str:
+    """A ``.txt`` file, or a ``.jsonl`` file whose lines each have a ``text`` field."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} not found; pass 'default' or a .txt/.jsonl path")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if any("text" not in r for r in rows):
+            raise ValueError(f"{path}: every JSON line needs a 'text' field")
+        text = "\n\n".join(r["text"] for r in rows)
+    else:
+        text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{path} holds no text")
+    return text
+
+
+def load_calibration_text(spec: str = "default") -> str:
+    """``default``, a local .txt/.jsonl path, or a Hugging Face ``datasets`` name (its ``text`` column)."""
+    if spec == "default":
+        return gzip.decompress(DEFAULT_TEXT.read_bytes()).decode("utf-8")
+    if Path(spec).expanduser().exists() or spec.endswith((".txt", ".jsonl")):
+        return read_text_file(spec)
+    try:
+        import datasets
+    except ImportError:
+        raise FileNotFoundError(f"calibration text {spec!r} is not a file, and the datasets package is not installed") from None
+    try:
+        ds = datasets.load_dataset(spec, split="train")
+    except Exception as e:
+        raise FileNotFoundError(
+            f"could not load the dataset {spec!r} ({type(e).__name__}); offline, use 'default' or a local .txt/.jsonl"
+        ) from e
+    if "text" not in ds.column_names:
+        raise ValueError(f"dataset {spec!r} has no 'text' column (columns: {', '.join(ds.column_names)})")
+    return "\n\n".join(ds["text"])
+
+
+def calibration_samples(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """``samples`` distinct windows of ``seq_len`` tokens, chosen by ``seed``: LongTensor [samples, seq_len]."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    windows = ids.numel() // seq_len
+    if windows < samples:
+        raise ValueError(
+            f"calibration needs {samples} x {seq_len} = {samples * seq_len} tokens, but the text has "
+            f"{ids.numel()}; give a longer text or lower calibration.samples / calibration.seq_len"
+        )
+    chosen = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
+    return ids[: windows * seq_len].view(windows, seq_len)[chosen]

@@ -1,0 +1,136 @@
+"""GPTQ: round columns one at a time and push each rounding error onto the
+columns not yet rounded, weighted by the inverse Hessian of the layer's inputs
+(Frantar et al., 2022), with lazy block updates.
+
+``H = 2 Xᵀ X / n`` is accumulated by the sequential pipeline; this module only
+decides integers and scales, through ``quant.affine``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from quant.affine import QuantScheme, choose_qparams, choose_qparams_mse, from_grid, to_grid
+from quant.format import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    # Act-order: columns by decreasing input energy. "weight" keeps groups contiguous (no
+    # runtime cost), "group" stores g_idx, "none" keeps column order. The recipe's choice
+    # becomes each layer's scheme.actorder, which is what gptq_quantize reads.
+    actorder: str = "weight"
+    block_size: int = 128
+    dampening: float = 0.01  # fraction of the mean Hessian diagonal added to it
+    mse_clip: bool = False  # search each group's range instead of min/max
+
+
+def inverse_hessian_cholesky(H: torch.Tensor, dampening: float, name: str = "layer") -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + λI)⁻¹``; raises λ tenfold (with a warning) until it exists."""
+    mean_diag = float(torch.diag(H).mean())
+    damp = dampening
+    for _ in range(6):
+        Hd = H.clone()
+        Hd.diagonal().add_(damp * mean_diag)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info == 0:
+                if damp != dampening:
+                    warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}", stacklevel=2)
+                return U
+        damp *= 10
+    raise ValueError(f"{name}: the Hessian stays singular even with dampening {damp / 10:g}; are its inputs all zero?")
+
+
+def _group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool, scale_dtype):
+    """Qparams for one group of columns [out, g] as [out, 1] tensors."""
+    per_group = QuantScheme(scheme.bits, -1, scheme.symmetric)
+    if mse:
+        return choose_qparams_mse(w, per_group, scale_dtype)
+    return choose_qparams(w, per_group, scale_dtype=scale_dtype)
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    scheme: QuantScheme,
+    config: GPTQConfig = GPTQConfig(),
+    scale_dtype: torch.dtype | None = None,
+    name: str = "layer",
+) -> QuantizedWeight:
+    """Quantize ``weight`` [out, in] given the input Hessian ``H`` [in, in].
+
+    With act-order, columns are visited by decreasing ``diag(H)``. ``scheme.actorder``
+    says how groups relate to that order: ``"weight"`` keeps groups contiguous in
+    the stored order (their scales are fixed from the original weight up front, so
+    no index is needed at inference); ``"group"`` forms groups in visiting order and
+    returns ``g_idx``.
+    """
+    W = weight.detach().float().clone()
+    out_features, columns = W.shape
+    H = H.detach().float().clone()
+    scale_dtype = scale_dtype or weight.dtype
+    g = scheme.group_len(columns)
+    n_groups = columns // g
+
+    dead = torch.diag(H) == 0  # inputs that never fire: any value works, zero is cheapest
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    act_order = scheme.actorder is not None
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(columns)
+    static = act_order and scheme.actorder == "weight"
+    if static:  # groups fixed in stored order before any error feedback
+        params = [_group_qparams(W[:, i * g:(i + 1) * g], scheme, config.mse_clip, scale_dtype) for i in range(n_groups)]
+    W, H = W[:, perm], H[perm][:, perm]
+    U = inverse_hessian_cholesky(H, config.dampening, name)
+
+    Q = torch.zeros_like(W)
+    scales = torch.empty(out_features, n_groups, dtype=scale_dtype)
+    zeros = None if scheme.symmetric else torch.empty(out_features, n_groups, dtype=torch.int8)
+    col_group = perm // g if static else torch.arange(columns) // g  # group of each visited column
+    current = None
+    for start in range(0, columns, config.block_size):
+        end = min(start + config.block_size, columns)
+        Wb, Ub = W[:, start:end].clone(), U[start:end, start:end]
+        errors = torch.zeros_like(Wb)
+        for j in range(end - start):
+            i = start + j
+            grp = int(col_group[i])
+            if static:
+                current = params[grp]
+            elif i % g == 0:  # a new group begins: its scale sees the columns as updated so far
+                upcoming = torch.cat([Wb[:, j:], W[:, end:]], 1)[:, :g]
+                current = _group_qparams(upcoming, scheme, config.mse_clip, scale_dtype)
+            scale, zero = current
+            scales[:, grp] = scale[:, 0]
+            if zeros is not None:
+                zeros[:, grp] = zero[:, 0]
+            w = Wb[:, j:j + 1]
+            q = to_grid(w, scale, zero, scheme)
+            Q[:, i:i + 1] = q
+            err = (w - from_grid(q, scale, zero)) / Ub[j, j]
+            Wb[:, j:] -= err @ Ub[j:j + 1, j:]
+            errors[:, j:j + 1] = err
+        W[:, end:] -= errors @ U[start:end, end:]
+
+    inverse = torch.argsort(perm)
+    Q = Q[:, inverse]
+    g_idx = None
+    if act_order and scheme.actorder == "group":
+        g_idx = (torch.arange(columns) // g)[inverse].to(torch.int32)
+    return QuantizedWeight(Q.to(torch.int8), scales, zeros, scheme, g_idx)
+
+
+def output_error(weight: torch.Tensor, approx: torch.Tensor, H: torch.Tensor) -> float:
+    """Relative output error ``‖X(W - Ŵ)ᵀ‖ / ‖XWᵀ‖`` from the input Hessian alone."""
+    W, D, H = weight.float(), (weight.float() - approx.float()), H.float()
+    num = torch.einsum("oi,ij,oj->", D, H, D)
+    den = torch.einsum("oi,ij,oj->", W, H, W)
+    return math.sqrt(max(float(num), 0.0) / max(float(den), 1e-30))
