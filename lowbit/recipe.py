@@ -16,7 +16,8 @@ import yaml
 from quant.affine import SUPPORTED_BITS
 from quant.awq import AWQConfig
 from quant.gptq import GPTQConfig
-from quant.plan import Override  # a recipe's overrides are the plan's, field for field
+# A recipe's overrides and patterns are the plan's: one definition of each, re-exported here.
+from quant.plan import Override, matches  # noqa: F401
 
 KNOWN_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 IMPLEMENTED_METHODS = set(KNOWN_METHODS)
@@ -77,6 +78,8 @@ class _Checker:
 
     def mapping(self, value, path: str, known: list[str]) -> dict:
         if not isinstance(value, dict):
+            if not path:  # the whole recipe: there is no key path to name
+                raise RecipeError(f"{self.source}: the top level must be a mapping of keys, got {type(value).__name__}")
             self.fail(path, f"expected a mapping, got {type(value).__name__}")
         for key in value:
             if key not in known:
@@ -229,13 +232,23 @@ def load_recipe(path, **cli_overrides) -> Recipe:
         raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
     if data is not None and not isinstance(data, dict):
         raise RecipeError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
-    data = dict(data or {})
-    for dotted, value in cli_overrides.items():
+    data = _apply_overrides(dict(data or {}), cli_overrides, str(path))
+    return parse_recipe(data, str(path))
+
+
+def _apply_overrides(data: dict, overrides: dict, source: str) -> dict:
+    """Set each dotted key path (``weights.bits``; ``weights__bits`` for keyword use); None means unset."""
+    for dotted, value in overrides.items():
         if value is None:
             continue
         node = data
         *parents, leaf = dotted.replace("__", ".").split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
+        for depth, key in enumerate(parents):
+            if node.get(key) is None:  # absent, or an empty section (`weights:` alone is null in YAML)
+                node[key] = {}
+            elif not isinstance(node[key], dict):
+                where = ".".join(parents[: depth + 1])
+                raise RecipeError(f"{source}: {where}: expected a mapping, got {type(node[key]).__name__}")
+            node = node[key]
         node[leaf] = value
-    return parse_recipe(data, str(path))
+    return data

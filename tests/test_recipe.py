@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowbit.recipe import Recipe, RecipeError, load_recipe, parse_recipe
+from lowbit.recipe import Recipe, RecipeError, load_recipe, matches, parse_recipe
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -51,12 +51,57 @@ def test_command_line_wins_and_round_trip(tmp_path):
         ({"model": "m", "weights": {"overrides": [{"bits": 8}]}}, "weights.overrides[0].match: required"),
         ({"model": "m", "calibration": {"samples": -1}}, "calibration.samples: must be at least 1"),
         ({"model": "m", "dtype": "fp8"}, "dtype: must be one of"),
+        ({"model": "m", "weights": {"overrides": [{"match": "re:["}]}}, "weights.overrides[0].match: invalid regular"),
+        ({"model": "m", "weights": {"overrides": [{"match": "x", "skip": "maybe"}]}},
+         "weights.overrides[0].skip: expected true/false"),
+        ({"model": "m", "weights": {"gptq": {"actorder": "random"}}}, "weights.gptq.actorder: must be one of"),
+        ({"model": "m", "weights": {"awq": {"gird": 10}}}, "weights.awq.gird: unknown key (did you mean 'grid'?)"),
     ],
 )
 def test_errors_name_the_key_path(data, message):
     with pytest.raises(RecipeError) as e:
         parse_recipe(data, "r.yaml")
     assert str(e.value).startswith("r.yaml: ") and message in str(e.value)
+
+
+def test_top_level_must_be_a_mapping():
+    with pytest.raises(RecipeError, match=r"^r.yaml: the top level must be a mapping"):
+        parse_recipe(["model", "m"], "r.yaml")
+
+
+def test_per_channel_default_output_and_method_settings_round_trip():
+    r = parse_recipe({"model": "models/tiny/", "weights": {"method": "awq+gptq", "bits": 8, "group_size": -1,
+                                                             "gptq": {"actorder": "group", "dampening": 1}}})
+    assert r.output == "out/tiny-awq-gptq-w8pc"
+    assert r.weights.gptq.dampening == 1.0 and r.weights.gptq.actorder == "group"
+    assert parse_recipe(r.to_dict()) == r
+
+
+def test_command_line_fills_an_empty_section_and_rejects_a_scalar_one(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("model: m\nweights:\n")  # `weights:` alone is null in YAML
+    assert load_recipe(f, **{"weights.bits": 8}).weights.bits == 8
+    f.write_text("model: m\nweights: 4\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: weights: expected a mapping"):
+        load_recipe(f, **{"weights.bits": 8})
+
+
+@pytest.mark.parametrize(
+    "name, pattern, expected",
+    [
+        ("model.layers.0.mlp.down_proj", "down_proj", True),  # dotted suffix
+        ("model.layers.0.mlp.down_proj", "mlp.down_proj", True),
+        ("model.layers.0.mlp.xdown_proj", "down_proj", False),  # not at a dot boundary
+        ("lm_head", "lm_head", True),  # exact name
+        ("model.layers.0.mlp.down_proj", "model.layers.0", False),  # a prefix is not a match
+        ("model.layers.0.mlp.down_proj", "re:.*down_proj", True),
+        ("model.layers.0.mlp.down_proj", "re:down_proj", False),  # regexes match the full name
+        ("model.layers.10.mlp.up_proj", r"re:.*layers\.(0|1)\..*", False),
+        ("model.layers.1.mlp.up_proj", r"re:.*layers\.(0|1)\..*", True),
+    ],
+)
+def test_matches(name, pattern, expected):
+    assert matches(name, pattern) is expected
 
 
 def test_file_errors(tmp_path):
@@ -71,3 +116,12 @@ def test_file_errors(tmp_path):
     (tmp_path / "unsafe.yaml").write_text("model: !!python/object/apply:os.system ['echo hi']\n")
     with pytest.raises(RecipeError, match="invalid YAML"):
         load_recipe(tmp_path / "unsafe.yaml")
+
+
+def test_readme_shows_the_defaults():
+    import re
+
+    readme = (Path(__file__).parent.parent / "recipes" / "README.md").read_text()
+    data = yaml.safe_load(re.search(r"```yaml\n(.*?)```", readme, re.S).group(1))
+    del data["output"]  # a placeholder there, derived in the code
+    assert parse_recipe(data) == parse_recipe({"model": "smollm2-135m"})
