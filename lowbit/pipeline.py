@@ -204,6 +204,10 @@ def report_markdown(r: dict) -> str:
 
 # ------------------------------------------------------------------ inspect
 
+def _num(x) -> str:
+    return "" if x is None else f"{x:.4f}"
+
+
 def _natural_key(name: str):
     """Sort model.layers.2 before model.layers.10."""
     return [int(part) if part.isdigit() else part for part in name.split(".")]
@@ -237,11 +241,19 @@ def inspect_text(ckpt) -> str:
         wa = group["weights"]
         scheme = f"w{wa['num_bits']} " + ("per-channel" if wa["strategy"] == "channel" else f"g{wa['group_size']}")
         scheme += " sym" if wa["symmetric"] else " asym"
+        scheme += f" actorder={wa['actorder']}" if wa.get("actorder") else ""
         rows += [(name, scheme) for name in group["targets"]]
-    lines += ["", f"{'layer':<44} {'scheme':<18} {'weight rel. error':>16}"]
+    calibrated = any("output_rel_error" in st for st in layer_stats.values())
+    header = f"{'layer':<40} {'scheme':<28} {'weight err':>10}"
+    lines += ["", header + (f" {'output err: rtn -> this':>24}" if calibrated else "")]
     for name, scheme in sorted(rows, key=lambda row: _natural_key(row[0])):
-        err = layer_stats.get(name, {}).get("weight_rel_error")
-        lines.append(f"{name:<44} {scheme:<18} {'' if err is None else f'{err:16.4f}'}")
+        st = layer_stats.get(name, {})
+        line = f"{name:<40} {scheme:<28} {_num(st.get('weight_rel_error')):>10}"
+        if calibrated:
+            line += f" {_num(st.get('output_rel_error_rtn')):>12} -> {_num(st.get('output_rel_error')):<8}"
+        lines.append(line)
+    if calibrated:
+        lines.append("errors are relative: weight ‖W-Ŵ‖/‖W‖; output ‖X(W-Ŵ)ᵀ‖/‖XWᵀ‖ on the calibration inputs")
     if qc.get("ignore"):
         lines.append(f"left in floating point: {', '.join(qc['ignore'])}")
     return "\n".join(lines)

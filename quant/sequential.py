@@ -84,19 +84,20 @@ class HessianCollector:
     def __init__(self, names: list[str]):
         self.H: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}
-        self._last: tuple | None = None
+        self._last_input: torch.Tensor | None = None  # held, so its memory cannot be reused
         self._last_product: torch.Tensor | None = None
         self.names = names
 
     def hook(self, name: str):
         def fn(module, args):
-            x = args[0].detach()
-            if not torch.isfinite(x).all():
-                raise ValueError(f"{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
-            x = x.reshape(-1, x.shape[-1]).float()
-            key = (x.data_ptr(), x.shape, args[0]._version)
-            if key != self._last:
-                self._last, self._last_product = key, x.T @ x
+            x_in = args[0]
+            if x_in is not self._last_input:
+                x = x_in.detach()
+                if not torch.isfinite(x).all():
+                    raise ValueError(f"{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
+                x = x.reshape(-1, x.shape[-1]).float()
+                self._last_input, self._last_product = x_in, x.T @ x
+            x = x_in.reshape(-1, x_in.shape[-1])
             n = x.shape[0]
             if name not in self.H:
                 self.H[name] = torch.zeros_like(self._last_product)

@@ -37,12 +37,17 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p
         sorted_p[outside] = 0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    # Sample on the CPU with a CPU generator: the same seed gives the same tokens on any device.
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 @dataclass
 class Generation:
-    """An iterable over generated tokens; timing fields fill in as it runs."""
+    """An iterable over generated tokens; timing fields fill in as it runs.
+
+    ``ttft_s``: from the start of iteration (the prompt is submitted) to the first
+    token; ``itl_s``: the gaps between later tokens. Iterating again starts over.
+    """
 
     model: object
     prompt_ids: list[int]
@@ -61,10 +66,15 @@ class Generation:
 
     @property
     def text(self) -> str:
-        return self.model.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._decode(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.model.tokenizer
+        return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
     def __iter__(self):
         m = self.model
+        self.ids, self.ttft_s, self.itl_s = [], None, []
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         total = min(len(self.prompt_ids) + self.max_new_tokens, m.max_positions)
@@ -72,6 +82,7 @@ class Generation:
         cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, total, m.dtype, m.device)
         eos = set(m.eos_token_ids) if self.stop_at_eos else set()
 
+        # Prefill: the whole prompt in one forward; then one token per step through the cache.
         inputs = torch.tensor([self.prompt_ids], device=m.device)
         pos, text, last = 0, "", start
         while True:
@@ -88,11 +99,13 @@ class Generation:
             self.ids.append(token)
             if token in eos:
                 return
-            full = m.tokenizer.decode(self.ids, skip_special_tokens=True)
-            # hold back an incomplete multi-byte character until the next token completes it
-            piece = "" if full.endswith("\ufffd") else full[len(text):]
+            done = len(self.ids) >= self.max_new_tokens or pos >= total
+            # Decode the whole sequence and diff: a token can end mid-character (byte-level BPE),
+            # so hold an incomplete multi-byte character back until a later token completes it.
+            full = self._decode(self.ids)
+            piece = "" if full.endswith("\ufffd") and not done else full[len(text):]
             text += piece
             yield Token(token, piece, now - start)
-            if len(self.ids) >= self.max_new_tokens or pos >= total:
+            if done:
                 return
             inputs = torch.tensor([[token]], device=m.device)

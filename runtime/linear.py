@@ -47,6 +47,8 @@ class QuantLinear(nn.Module):
         self._dense = self.dequantized_weight(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The dispatch point: the fused Triton W4A16/W8A16 kernels will take CUDA inputs here
+        # (reading weight_packed directly); everything else runs the reference.
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
             self.materialize(x.dtype)
         return reference.quant_linear(x, self._dense, self.bias)

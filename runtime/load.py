@@ -12,6 +12,9 @@ from runtime.generate import Generation, check_sampling
 from runtime.linear import QuantLinear
 from runtime.model import Decoder, DecoderConfig, plain_linear
 
+# Any of these makes a directory's tokenizer loadable by AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def linear_factory(schemes: dict[str, QuantScheme]):
     def make_linear(name: str, in_features: int, out_features: int, bias: bool):
@@ -31,7 +34,10 @@ def linear_names(cfg: DecoderConfig) -> list[str]:
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(models.resolve(path), trust_remote_code=False)
+    path = models.resolve(path)
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 class Model:
@@ -46,27 +52,42 @@ class Model:
 
     @property
     def num_parameters(self) -> int:
-        total = 0
+        """Parameters of the float model this represents (a quantized weight counts as in*out)."""
+        total, seen = 0, set()
         for m in self.decoder.modules():
             if isinstance(m, QuantLinear):
                 total += m.in_features * m.out_features
-            else:
-                total += sum(p.numel() for p in m.parameters(recurse=False))
+            for p in m.parameters(recurse=False):
+                if id(p) not in seen:  # a tied lm_head shares the embedding: count it once
+                    seen.add(id(p))
+                    total += p.numel()
         return total
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """float32 logits [B, T, V] for token ids [B, T] (no cache)."""
-        return self.decoder(input_ids.to(self.device)).float()
+        """float32 logits [B, T, V] for token ids [B, T] (one forward, no cache)."""
+        return self.decoder(input_ids.to(self.device, torch.long)).float()
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> Generation:
+        """A lazy, iterable :class:`Generation`: the work happens while it is iterated."""
         check_sampling(max_new_tokens, temperature, top_p)
-        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.path} has no tokenizer: pass the prompt as a list of token ids")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_positions:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_positions}")
+        if len(ids) > self.max_positions:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, longer than the model's context "
+                f"(max_position_embeddings={self.max_positions})"
+            )
+        bad = [i for i in ids if not 0 <= i < self.decoder.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {self.decoder.cfg.vocab_size})")
         return Generation(self, ids, max_new_tokens, temperature, top_p, seed, stop_at_eos)
 
 
@@ -74,23 +95,17 @@ def default_dtype(device: torch.device, config: dict) -> torch.dtype:
     if device.type == "cpu":
         return torch.float32  # bf16/fp16 matmuls are slow on CPUs
     name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name, torch.bfloat16)
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(name, torch.bfloat16)
 
 
-def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
-    """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias."""
-    path = models.resolve(path)
-    checkpoint.verify(path)  # a manifest, when present, must match every file
-    config = checkpoint.read_config(path)
-    cfg = DecoderConfig.from_hf(config)
-    device = torch.device(device)
-    dtype = dtype or default_dtype(device, config)
-    schemes = checkpoint.read_schemes(path, linear_names(cfg))
-
-    with torch.device("meta"):
-        decoder = Decoder(cfg, linear_factory(schemes))
+def read_checked_tensors(path: Path, decoder: Decoder, config: dict, tied: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, exactly the ones ``decoder`` needs (an error names any other)."""
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (lowbit reads safetensors only, never pickle)")
     tensors = checkpoint.read_tensors(path)
-    if cfg.tie_embeddings and "lm_head" not in schemes:
+    # Older checkpoints store RoPE frequencies; we compute them from the config.
+    tensors = {k: t for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if tied:
         tensors.setdefault("lm_head.weight", tensors.get("model.embed_tokens.weight"))
     expected = set(decoder.state_dict())
     missing = sorted(expected - tensors.keys())
@@ -101,12 +116,42 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
+    return tensors
+
+
+def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
+    for name, m in decoder.named_modules():
+        if isinstance(m, QuantLinear) and m.weight_shape.tolist() != [m.out_features, m.in_features]:
+            raise checkpoint.CheckpointError(
+                f"{path}: {name}.weight_shape is {m.weight_shape.tolist()}, "
+                f"the config says [{m.out_features}, {m.in_features}]"
+            )
+
+
+def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
+    """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias."""
+    path = models.resolve(path)
+    checkpoint.verify(path)  # a manifest, when present, must match every file
+    config = checkpoint.read_config(path)
+    cfg = DecoderConfig.from_hf(config)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device, config)
+    schemes = checkpoint.linear_schemes(config, linear_names(cfg))
+    tied = cfg.tie_embeddings and "lm_head" not in schemes
+
+    # Build on the meta device: no memory is spent on weights that are replaced right away.
+    with torch.device("meta"):
+        decoder = Decoder(cfg, linear_factory(schemes))
+    tensors = read_checked_tensors(path, decoder, config, tied)
+    # Float tensors take the compute dtype; scales keep the stored one (dequantize upcasts them).
     state = {k: (t.to(dtype) if t.is_floating_point() and not k.endswith("weight_scale") else t) for k, t in tensors.items()}
     decoder.load_state_dict(state, assign=True)
-    if cfg.tie_embeddings and "lm_head" not in schemes:
+    check_quantized_shapes(decoder, path)
+    if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     decoder.to(device).eval()
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it
-    return Model(decoder, config, load_tokenizer(path), device, dtype, path)
+    tokenizer = load_tokenizer(path) if any((path / f).exists() for f in TOKENIZER_FILES) else None
+    return Model(decoder, config, tokenizer, device, dtype, path)

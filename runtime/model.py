@@ -3,6 +3,10 @@
 Module and parameter names equal Hugging Face's, so a checkpoint's tensors load
 by name. Every Linear is built through ``make_linear`` so quantized layers are
 swapped in by name without the model code knowing about formats.
+
+The families differ only in a few switches, all read from config.json once into
+:class:`DecoderConfig`: which projections carry a bias, Qwen3's per-head q/k
+norms, the RoPE frequencies, and (Mistral, some Qwen) a sliding attention window.
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture (or one of its features) has no implementation here."""
 
 
+def _unsupported(model_type, feature: str, supported: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{model_type} checkpoint: {feature} is not supported; lowbit runs {supported}")
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,8 +46,11 @@ class DecoderConfig:
     rope: dict
     max_positions: int
     tie_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     qk_norm: bool
+    sliding_windows: tuple  # per layer: None (full causal attention) or the window length
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -47,35 +59,75 @@ class DecoderConfig:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; lowbit runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if config.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        if config.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported")
-        # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta/rope_scaling.
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope_type {rope_type!r} is not supported; lowbit implements {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        rope["rope_type"] = rope_type
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise _unsupported(model_type, f"hidden_act {act!r}", "silu MLPs")
+        if config.get("partial_rotary_factor", 1.0) != 1.0:
+            raise _unsupported(model_type, "partial_rotary_factor != 1", "RoPE over the whole head")
         heads = config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+        # Bias layout per family, as in transformers' modeling files: Qwen2 always has q/k/v
+        # biases and never an o_proj bias; Llama and Qwen3 put `attention_bias` on all four.
+        attention_bias = bool(config.get("attention_bias") or False)
+        qkv_bias = {"qwen2": True, "mistral": False}.get(model_type, attention_bias)
+        o_bias = {"qwen2": False, "mistral": False}.get(model_type, attention_bias)
+        theta, rope = rope_settings(config)
         return cls(
+            model_type=model_type,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rope_theta=theta,
             rope=rope,
             max_positions=config.get("max_position_embeddings", 4096),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias")),
             qk_norm=model_type == "qwen3",
+            sliding_windows=sliding_windows(config, model_type, layers),
         )
+
+
+def rope_settings(config: dict) -> tuple[float, dict]:
+    """``(theta, parameters)``: transformers 5 keeps RoPE in ``rope_parameters``, older
+    configs in top-level ``rope_theta`` plus an optional ``rope_scaling`` dict."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _unsupported(config.get("model_type"), f"rope_type {rope_type!r}",
+                           f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}")
+    rope["rope_type"] = rope_type
+    if rope_type == "llama3":
+        need = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+        if need:
+            raise UnsupportedModelError(f"rope_type 'llama3' needs {', '.join(need)} in the rope parameters")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope
+
+
+def sliding_windows(config: dict, model_type: str, layers: int) -> tuple:
+    """Each layer's attention window, following transformers: Mistral slides every layer
+    when ``sliding_window`` is set; Qwen2/3 name each layer in ``layer_types`` (or, in
+    older configs, slide layers from ``max_window_layers`` on when ``use_sliding_window``)."""
+    window = config.get("sliding_window")
+    if model_type == "mistral":
+        return (window,) * layers
+    if model_type in ("qwen2", "qwen3"):
+        types = config.get("layer_types")
+        if types is None:
+            slide = bool(config.get("use_sliding_window")) and window is not None
+            first = config.get("max_window_layers", layers)
+            types = ["sliding_attention" if slide and i >= first else "full_attention" for i in range(layers)]
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise _unsupported(model_type, f"layer_types {unknown}", "full_attention and sliding_attention layers")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * layers
 
 
 def check_supported(config: dict) -> DecoderConfig:
@@ -84,6 +136,9 @@ def check_supported(config: dict) -> DecoderConfig:
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    # float64 then float32, as transformers does, so positions far into the context agree.
+    # Made on the CPU explicitly: the model is built under torch.device("meta"), and this
+    # buffer is computed, not loaded.
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
     if cfg.rope["rope_type"] == "llama3":
         # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
@@ -104,6 +159,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def attention_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean mask [queries, keys] for ``queries`` new tokens that follow ``keys - queries``
+    cached ones: causal, and within ``window`` positions when the layer slides."""
+    if queries == 1 and (window is None or keys <= window):
+        return None  # a single new token sees everything cached: SDPA's fastest path
+    q = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
+    k = torch.arange(keys, device=device).unsqueeze(0)
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    return mask
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -111,6 +179,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalize in float32 (as HF does), scale in the compute dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -127,16 +196,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
         super().__init__()
         self.cfg = cfg
-        h, kv, d, bias = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias
-        self.q_proj = make_linear(f"{prefix}.q_proj", cfg.hidden_size, h * d, bias)
-        self.k_proj = make_linear(f"{prefix}.k_proj", cfg.hidden_size, kv * d, bias)
-        self.v_proj = make_linear(f"{prefix}.v_proj", cfg.hidden_size, kv * d, bias)
-        self.o_proj = make_linear(f"{prefix}.o_proj", h * d, cfg.hidden_size, False)
-        if cfg.qk_norm:
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = make_linear(f"{prefix}.q_proj", cfg.hidden_size, h * d, cfg.qkv_bias)
+        self.k_proj = make_linear(f"{prefix}.k_proj", cfg.hidden_size, kv * d, cfg.qkv_bias)
+        self.v_proj = make_linear(f"{prefix}.v_proj", cfg.hidden_size, kv * d, cfg.qkv_bias)
+        self.o_proj = make_linear(f"{prefix}.o_proj", h * d, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head, before RoPE
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache=None, layer: int = 0, start: int = 0):
+    def forward(self, x, cos, sin, mask, cache=None, layer: int = 0, start: int = 0):
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
@@ -148,26 +217,18 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, k.shape[2], x.device), enable_gqa=True)
+        # enable_gqa: SDPA broadcasts the KV heads itself instead of us copying them per query head
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-def causal_mask(queries: int, keys: int, device) -> torch.Tensor | None:
-    """Boolean mask for ``queries`` new tokens that follow ``keys - queries`` cached ones."""
-    if queries == 1:
-        return None  # a single new token sees everything cached
-    offset = keys - queries
-    q = torch.arange(queries, device=device).unsqueeze(1)
-    k = torch.arange(keys, device=device).unsqueeze(0)
-    return k <= q + offset
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
         super().__init__()
-        self.gate_proj = make_linear(f"{prefix}.gate_proj", cfg.hidden_size, cfg.intermediate_size, False)
-        self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, False)
-        self.down_proj = make_linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, False)
+        b = cfg.mlp_bias
+        self.gate_proj = make_linear(f"{prefix}.gate_proj", cfg.hidden_size, cfg.intermediate_size, b)
+        self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, b)
+        self.down_proj = make_linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, b)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -182,9 +243,10 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.index = i
+        self.window = cfg.sliding_windows[i]
 
-    def forward(self, x, cos, sin, cache=None, start: int = 0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.index, start)
+    def forward(self, x, cos, sin, mask, cache=None, start: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, self.index, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -213,9 +275,18 @@ class Decoder(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, cache=None, start: int = 0) -> torch.Tensor:
-        """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T``."""
+        """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T``.
+
+        With a ``cache`` the new keys/values are stored and attention reads every
+        position before them; without one ``start`` must be 0 (a plain forward).
+        """
+        if cache is None and start:
+            raise ValueError("a forward from a position other than 0 needs the KV cache")
+        T = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(start, input_ids.shape[1], x.dtype)
+        cos, sin = self.rope(start, T, x.dtype)
+        # one mask per distinct window, shared by the layers (not rebuilt per layer)
+        masks = {w: attention_mask(T, start + T, w, x.device) for w in set(self.cfg.sliding_windows)}
         for block in self.model.layers:
-            x = block(x, cos, sin, cache, start)
+            x = block(x, cos, sin, masks[block.window], cache, start)
         return self.lm_head(self.model.norm(x))

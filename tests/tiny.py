@@ -35,7 +35,7 @@ def tiny_llama(seed: int = 0, hidden: int = 96, layers: int = 2, tie: bool = Tru
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
-    cfg = LlamaConfig(
+    settings = dict(
         vocab_size=vocab or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden + 32,
@@ -46,8 +46,8 @@ def tiny_llama(seed: int = 0, hidden: int = 96, layers: int = 2, tie: bool = Tru
         tie_word_embeddings=tie,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **config,
     )
+    cfg = LlamaConfig(**{**settings, **config})
     return LlamaForCausalLM(cfg).eval(), tokenizer
 
 
