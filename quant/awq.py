@@ -25,7 +25,7 @@ from quant.sequential import LayerInputs
 @dataclass(frozen=True)
 class AWQConfig:
     grid: int = 20  # scale exponents tried: 0, 1/grid, ..., (grid-1)/grid
-    search_samples: int = 32  # calibration samples the searches run on
+    search_samples: int = 8  # calibration samples (of seq_len tokens) the searches score on
     clip: bool = True
     clip_tokens: int = 512  # input rows the clipping search scores against
     clip_steps: int = 20
