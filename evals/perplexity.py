@@ -72,9 +72,18 @@ def windows(n: int, protocol: Protocol):
 def perplexity(
     logits_fn: LogitsFn, token_ids: torch.Tensor, protocol: Protocol, bos_id: int | None = None, progress: bool = True
 ) -> PerplexityResult:
+    """Perplexity of ``logits_fn`` (input_ids[1, T] -> logits[1, T, V]) on the first ``protocol.tokens`` ids.
+
+    ``bos_id`` is needed only when ``protocol.bos`` is set (the tokenizer's BOS id, prepended to each window
+    and never scored). NLL is accumulated in float64; ``tokens_scored`` is the true count (n - 1).
+    """
     if protocol.bos and bos_id is None:
         raise ValueError("protocol.bos is set but the tokenizer has no BOS token")
+    # The protocol states how many tokens were read: longer inputs are cut here too, not only in tokenize_text.
+    token_ids = token_ids.reshape(-1)[: protocol.tokens]
     n = int(token_ids.numel())
+    if n < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens, got {n}")
     spans = list(windows(n, protocol))
     nll, count = 0.0, 0
     for begin, end, first in tqdm(spans, desc="perplexity", unit="window", disable=not progress):

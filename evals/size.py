@@ -10,8 +10,6 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-         "F8_E4M3": 1, "F8_E5M2": 1}
 from quant.format import TENSOR_SUFFIXES as QUANT_PARTS  # packed, scale, zero point, shape, g_idx
 
 
@@ -26,6 +24,11 @@ class WeightStats:
     @property
     def total_params(self) -> int:
         return self.quantized_params + self.other_params
+
+    @property
+    def model_bits_per_param(self) -> float:
+        """Whole model: every tensor byte (embeddings, norms, scales, ...) over every parameter."""
+        return 8 * (self.quantized_bytes + self.other_bytes) / self.total_params if self.total_params else 0.0
 
 
 def bytes_on_disk(path) -> int:
@@ -52,7 +55,8 @@ def weight_stats(path) -> WeightStats:
     for file in sorted(Path(path).glob("*.safetensors")):
         for name, info in read_header(file).items():
             entries[name] = (file, info)
-    size = {n: math.prod(i["shape"]) * BYTES[i["dtype"]] for n, (_, i) in entries.items()}
+    # the header's byte offsets give each tensor's exact size, whatever its dtype
+    size = {n: i["data_offsets"][1] - i["data_offsets"][0] for n, (_, i) in entries.items()}
     prefixes = {n.rsplit(".", 1)[0] for n in entries if n.endswith(".weight_packed")}
     q_params = q_bytes = 0
     for prefix in prefixes:

@@ -44,6 +44,19 @@ def test_every_token_after_the_first_is_scored_once(n, window, stride):
         assert end - begin <= window and begin <= first - 1
         if begin > 0:
             assert first - begin >= window - stride  # the promised context
+    counted = perplexity(lambda x: torch.zeros(1, x.shape[1], 5), torch.zeros(n, dtype=torch.long),
+                         Protocol(window=window, stride=stride, tokens=n), progress=False)
+    assert counted.tokens_scored == n - 1
+
+
+def test_reads_only_the_stated_number_of_tokens():
+    ids = torch.randint(0, 5, (100,))
+    fn = context_model(5)
+    cut = perplexity(fn, ids, Protocol(8, 4, tokens=40), progress=False)
+    assert cut.tokens_scored == 39
+    assert cut.nll == perplexity(fn, ids[:40], Protocol(8, 4, tokens=40), progress=False).nll
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        perplexity(fn, ids[:1], Protocol(8, 4), progress=False)
 
 
 def test_matches_brute_force_with_context_dependent_logits():
@@ -115,6 +128,7 @@ def test_weight_stats_count_packed_scales_and_zeros(tmp_path):
     assert s.quantized_bytes == 64 * 16 * 4 + 64 * 2 * 2 + 8 * 2 * 4
     assert math.isclose(s.bits_per_weight, 8 * s.quantized_bytes / (64 * 128))
     assert s.other_params == 1280 and s.other_bytes == 2560
+    assert math.isclose(s.model_bits_per_param, 8 * (s.quantized_bytes + 2560) / (64 * 128 + 1280))
     assert size.bytes_on_disk(tmp_path) == (tmp_path / "model.safetensors").stat().st_size
 
 
