@@ -1,20 +1,29 @@
-"""lowbit's calibrated methods on SmolLM2-135M: perplexity, wall time, peak memory.
+"""lowbit's calibrated methods against RTN, the float model and llm-compressor, in one run.
 
-    python bench/calibrated.py [--methods gptq awq awq+gptq] [--out bench/results/calibrated-cpu.json]
+    python bench/calibrated.py [--methods float rtn gptq awq awq+gptq] \
+        [--peer-python /tmp/lcvenv/bin/python --peer-methods gptq awq] [--out bench/results/calibrated-cpu.json]
 
-Each method runs in a fresh child process (so its peak RSS is its own) on the
-protocol of the GPTQ/AWQ issue: 4-bit, group 64, asymmetric, lm_head kept,
-128 x 512 calibration tokens from the bundled non-evaluation novels (seed 0),
-perplexity with the evaluation protocol on the bundled Persuasion. Wall time
-covers the whole `quantize` (loading the model, calibration, saving).
-`bench/peers.py` measures llm-compressor on the same samples and tokens.
+Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit, group 64, asymmetric,
+lm_head kept; 128 x 512 calibration tokens from the bundled non-evaluation
+Austen novels (seed 0); perplexity on the bundled Persuasion (16,384 tokens)
+and, as a genre the calibration never saw, Python source (8,192 tokens), both
+with window 1,024 / stride 512 (`bench/scoring.py`).
+
+Every row runs in a fresh child process, one after another, so its wall time
+and peak RSS are its own. Wall time covers the whole job: loading the model,
+calibrating, quantizing and (lowbit) saving the checkpoint. The peers' rows
+run `bench/peers.py` under ``--peer-python``, an environment with
+llm-compressor (never a lowbit dependency):
+
+    python -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 'llmcompressor==0.14.*'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -24,48 +33,83 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.scoring import commit, peak_rss_bytes, score_texts  # noqa: E402
 
-def one(method: str, tokens: int) -> dict:
-    from evals.perplexity import Protocol, perplexity, tokenize_text
-    from evals.texts import load_text
+SCHEME = {"bits": 4, "group_size": 64, "symmetric": False}
+
+
+def one(method: str) -> dict:
+    """Quantize with lowbit (or load the float model for ``float``) and score it."""
+    import runtime
     from lowbit import pipeline
     from lowbit.recipe import parse_recipe
-    import runtime
+    from quant.models import resolve
 
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = parse_recipe({"model": "smollm2-135m", "output": f"{tmp}/ckpt", "dtype": "bfloat16",
-                               "weights": {"method": method, "bits": 4, "group_size": 64, "symmetric": False}})
         start = time.perf_counter()
-        ckpt = pipeline.quantize(recipe, device="cpu", progress=False)
-        seconds = time.perf_counter() - start
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        model = runtime.load(ckpt)
-        protocol = Protocol(tokens=tokens)
-        ids = tokenize_text(model.tokenizer, load_text("default"), protocol)
-        ppl = perplexity(model.logits, ids, protocol, progress=False).ppl
-    return {"tool": "lowbit", "method": method, "ppl": ppl, "quantize_s": seconds, "peak_rss_bytes": peak,
-            "protocol": protocol.describe()}
+        if method == "float":
+            path, seconds = resolve("smollm2-135m"), None
+        else:
+            recipe = parse_recipe({"model": "smollm2-135m", "output": f"{tmp}/ckpt", "dtype": "bfloat16",
+                                   "weights": {"method": method, **SCHEME}})
+            path = pipeline.quantize(recipe, device="cpu", progress=False)
+            seconds = time.perf_counter() - start
+        peak = peak_rss_bytes()
+        model = runtime.load(path)
+        texts = score_texts(model.logits, model.tokenizer)
+    return {"tool": "lowbit", "method": method, "quantize_s": seconds, "peak_rss_bytes": peak, "texts": texts}
+
+
+def run_child(command: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> str:
+    base = {t: r["texts"][t]["ppl"] for r in rows if r["method"] == "float" for t in r["texts"]}
+    rtn = {t: r["texts"][t]["ppl"] for r in rows if r["method"] == "rtn" for t in r["texts"]}
+    lines = ["| tool | method | Persuasion ppl | gap closed | code ppl | gap closed | quantize s | peak RSS GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["tool"], r["method"]]
+        for t in ("persuasion", "code"):
+            ppl = r["texts"][t]["ppl"]
+            closed = (rtn[t] - ppl) / (rtn[t] - base[t]) if t in base and t in rtn and r["method"] != "float" else None
+            cells += [f"{ppl:.3f}", "–" if closed is None else f"{100 * closed:.0f}%"]
+        cells += ["–" if r["quantize_s"] is None else f"{r['quantize_s']:.0f}", f"{r['peak_rss_bytes'] / 1e9:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="*", default=["gptq", "awq", "awq+gptq"])
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--methods", nargs="*", default=["float", "rtn", "gptq", "awq", "awq+gptq"])
+    ap.add_argument("--peer-python", help="A Python with llm-compressor installed; adds the peers' rows.")
+    ap.add_argument("--peer-methods", nargs="*", default=["gptq", "awq"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "calibrated-cpu.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.tokens)))
+        print(json.dumps(one(args.one)))
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    code_version = commit()  # read before the long run, so later commits cannot mislabel it
+    jobs = [[sys.executable, __file__, "--one", m] for m in args.methods]
+    if args.peer_python:
+        jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m] for m in args.peer_methods]
     rows = []
-    for method in args.methods:
-        out = subprocess.run([sys.executable, __file__, "--one", method, "--tokens", str(args.tokens)],
-                             capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+    for job in jobs:
+        rows.append(run_child(job))
         print(json.dumps(rows[-1]), flush=True)
+    result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
+              "scheme": "4-bit, group 64, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
+              "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"commit": commit, "device": "cpu (2 cores)", "rows": rows}, indent=2))
+    args.out.write_text(json.dumps(result, indent=2))
+    print(table(rows))
 
 
 if __name__ == "__main__":

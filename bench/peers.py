@@ -1,29 +1,27 @@
 """llm-compressor's GPTQ and AWQ on lowbit's calibration samples and evaluation tokens.
 
-Runs in a separate environment that has llm-compressor (never a lowbit
-dependency), with lowbit importable for the shared samples, protocol and scoring:
+One row of `bench/calibrated.py`, which runs it in an environment that has
+llm-compressor (never a lowbit dependency), with lowbit importable for the
+shared samples, protocol and scoring:
 
-    python -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 'llmcompressor==0.14.*'
-    PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq --out bench/results/peer-llmc-gptq.json
+    PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq
 
 It quantizes SmolLM2-135M (4-bit, group 64, asymmetric, lm_head kept; the same
-128 x 512 tokens lowbit calibrates on, seed 0), times the whole call, and scores
-the result with lowbit's perplexity protocol on the same tokens. The lowbit
-side is `bench/calibrated.py`; the two print one table together.
+128 x 512 tokens lowbit calibrates on, seed 0), times the whole job (loading,
+calibrating, quantizing), scores the result on the texts of `bench/scoring.py`
+and prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
-from pathlib import Path
 
 import torch
 
-from evals.perplexity import Protocol, hf_logits_fn, perplexity, tokenize_text
-from evals.texts import load_text
+from bench.scoring import peak_rss_bytes, score_texts
+from evals.perplexity import hf_logits_fn
 from quant.calibration import calibration_samples, load_calibration_text
 from quant.models import resolve
 
@@ -47,8 +45,6 @@ def recipe_for(method: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("method", choices=["gptq", "awq", "awq+gptq"])
-    ap.add_argument("--tokens", type=int, default=Protocol().tokens)
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
     import datasets
@@ -65,17 +61,10 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     oneshot(model=model, dataset=ds, recipe=recipe_for(args.method), max_seq_length=512, num_calibration_samples=128)
     seconds = time.perf_counter() - start
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    protocol = Protocol(tokens=args.tokens)
-    ids = tokenize_text(tokenizer, load_text("default"), protocol)
-    ppl = perplexity(hf_logits_fn(model), ids, protocol, progress=False).ppl
-    result = {"tool": f"llm-compressor {llmcompressor.__version__}", "method": args.method, "ppl": ppl,
-              "quantize_s": seconds, "peak_rss_bytes": peak_rss, "protocol": protocol.describe(),
-              "torch": torch.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    peak = peak_rss_bytes()
+    row = {"tool": f"llm-compressor {llmcompressor.__version__}", "method": args.method, "quantize_s": seconds,
+           "peak_rss_bytes": peak, "texts": score_texts(hf_logits_fn(model), tokenizer), "torch": torch.__version__}
+    print(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""Evaluation text: the bundled novel by default, or a local file."""
+"""Evaluation texts: bundled ones by name, or a local file.
+
+* ``default`` / ``persuasion``: Jane Austen, *Persuasion* (1818), public domain,
+  never used for calibration (the calibration text is five other Austen novels).
+* ``code``: CPython 3.11.7's ``Lib/argparse.py`` (PSF License), Python source: a
+  genre the calibration text has nothing like, to check that a method did not
+  just fit the calibration domain.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +15,12 @@ from pathlib import Path
 from quant.calibration import read_text_file
 
 DATA = Path(__file__).parent / "data"
-DEFAULT_TEXT = "persuasion.txt"  # Jane Austen, Persuasion (1818): public domain, never used for calibration
+BUNDLED = {"default": "persuasion.txt.gz", "persuasion": "persuasion.txt.gz", "code": "code.txt.gz"}
 
 
 def load_text(spec: str = "default") -> str:
-    """``default`` (the bundled Persuasion), a ``.txt`` file, or a ``.jsonl`` file with a ``text`` field."""
-    if spec == "default":
-        return gzip.decompress((DATA / f"{DEFAULT_TEXT}.gz").read_bytes()).decode("utf-8")
+    """A bundled text by name (``default``, ``persuasion``, ``code``), a ``.txt`` file, or a
+    ``.jsonl`` file with a ``text`` field per line."""
+    if spec in BUNDLED:
+        return gzip.decompress((DATA / BUNDLED[spec]).read_bytes()).decode("utf-8")
     return read_text_file(spec)

@@ -65,7 +65,7 @@ def quantize(recipe, model, output, overwrite, resume, device):
 @click.argument("ckpt")
 @click.option("--baseline", help="Model to compare with (default: the one the checkpoint was made from).")
 @click.option("--no-baseline", is_flag=True, help="Skip the baseline.")
-@click.option("--text", default="default", show_default=True, help="'default' (bundled Persuasion) or a .txt/.jsonl path.")
+@click.option("--text", default="default", show_default=True, help="Bundled 'default' (Persuasion) or 'code' (Python source), or a .txt/.jsonl path.")
 @click.option("--tokens", type=int, default=pipeline.DEFAULT_PROTOCOL.tokens, show_default=True, help="Tokens of the text to score.")
 @click.option("--window", type=int, default=pipeline.DEFAULT_PROTOCOL.window, show_default=True)
 @click.option("--stride", type=int, default=pipeline.DEFAULT_PROTOCOL.stride, show_default=True)

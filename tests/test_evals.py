@@ -104,7 +104,8 @@ def test_protocol_rejects_nonsense():
 
 
 def test_texts(tmp_path):
-    assert "Anne Elliot" in load_text("default")
+    assert "Anne Elliot" in load_text("default") and load_text("persuasion") == load_text("default")
+    assert "class ArgumentParser" in load_text("code")  # the other genre, bundled too
     (tmp_path / "t.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
     assert load_text(str(tmp_path / "t.jsonl")) == "one\n\ntwo"
     with pytest.raises(FileNotFoundError, match="missing.txt"):
