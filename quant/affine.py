@@ -93,6 +93,7 @@ def choose_qparams(
     scheme: QuantScheme,
     clip_ratio: float | torch.Tensor = 1.0,
     scale_dtype: torch.dtype | None = None,
+    float_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min/max scales (and zero points) per group of the last dimension.
 
@@ -102,6 +103,11 @@ def choose_qparams(
     shape, or ``None`` for symmetric schemes. ``clip_ratio`` (scalar, or
     broadcastable to the scale) shrinks the range; search methods pass values
     below 1.
+
+    ``float_zero`` (KV caches, as KIVI): the grid spans the group's own min..max
+    even when it lies far from zero (key channels carry large offsets), and the
+    zero point is an unrounded float in ``scale_dtype``. Weights keep integer
+    zero points, the only kind the checkpoint format stores.
     """
     xg = _grouped(x.float(), scheme)
     dtype = scale_dtype or x.dtype
@@ -111,13 +117,21 @@ def choose_qparams(
         # Use the whole signed range like compressed-tensors: amax maps to (qmax - qmin) / 2.
         scale = (amax / ((scheme.qmax - scheme.qmin) / 2)).clamp_min(eps)
         return scale.to(dtype), None
-    # Keep zero inside the range so it is exactly representable (padding, ReLU zeros)
-    # and the zero point always fits the signed integer range.
-    lo = xg.amin(dim=-1).clamp(max=0) * clip_ratio
-    hi = xg.amax(dim=-1).clamp(min=0) * clip_ratio
+    lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)
+    if float_zero:
+        # A floor on the scale keeps |zero| = |lo| / scale below 2**14, so a constant group
+        # still gets a zero point that float16 can hold.
+        eps = torch.maximum(torch.maximum(lo.abs(), hi.abs()) * 2.0**-14, torch.tensor(eps))
+    else:
+        # Keep zero inside the range so it is exactly representable (padding, ReLU zeros)
+        # and the zero point always fits the signed integer range.
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    lo, hi = lo * clip_ratio, hi * clip_ratio
     scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp_min(eps).to(dtype)
-    zero = torch.round(scheme.qmin - lo / scale.float()).clamp(scheme.qmin, scheme.qmax)
-    return scale, zero.to(torch.int8)
+    zero = scheme.qmin - lo / scale.float()
+    if float_zero:
+        return scale, zero.to(dtype)
+    return scale, torch.round(zero).clamp(scheme.qmin, scheme.qmax).to(torch.int8)
 
 
 def choose_qparams_mse(

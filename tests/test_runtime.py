@@ -113,7 +113,9 @@ def test_kv_cache_writes_at_positions_and_reads_up_to_length():
     assert keys.shape == (1, 2, 4, 4) and torch.equal(values, v)
     keys, _ = cache.update(1, 4, 3 * torch.ones(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     assert keys.shape[2] == 5 and keys[0, 0, :, 0].tolist() == [1, 1, 1, 1, 3]
-    assert cache.read(0, 5)[0].abs().sum() == 0  # other layers untouched
+    assert cache.read(0, 0)[0].shape == (1, 2, 0, 4)  # other layers untouched
+    with pytest.raises(ValueError, match="holds 0 positions"):
+        cache.read(0, 5)
     with pytest.raises(ValueError, match="6 positions"):
         cache.update(1, 5, torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4))
 

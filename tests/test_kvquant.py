@@ -1,0 +1,206 @@
+"""KV-cache quantization: the schemes, the shared quantize/dequantize, the runtime's paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvquant import KVScheme, bytes_per_token, dequantize_kv, fake_quantize_kv, layout, parse_kv, quantize_kv
+from quant.affine import QuantScheme, choose_qparams, dequantize, quantize
+from quant.packing import unpack
+from runtime.cache import KVCache
+
+SCHEMES = ["fp16", "int8", "int4", "int2", "fp8"]
+
+
+def keys_with_offset_channels(*lead, tokens=128, dim=64, seed=0):
+    """Keys as LLMs make them: a few channels carry a large, persistent offset."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, tokens, dim, generator=g)
+    offsets = torch.zeros(dim)
+    offsets[torch.randperm(dim, generator=g)[:4]] = 12.0
+    return x + offsets
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# ------------------------------------------------------------------ affine math
+
+
+def test_float_zero_spans_the_groups_own_range():
+    x = torch.tensor([[5.0, 5.5, 6.0, 7.0]])  # far from zero, as a key channel's offset
+    grid = QuantScheme(bits=2, group_size=4)
+    scale, zero = choose_qparams(x, grid, scale_dtype=torch.float16, float_zero=True)
+    assert zero.dtype == torch.float16
+    assert float(scale) == pytest.approx(2.0 / 3, rel=1e-3)  # (7 - 5) over 3 steps, not (7 - 0)
+    y = dequantize(quantize(x, scale, zero, grid), scale, zero, grid, torch.float32)
+    assert y.min() == pytest.approx(5.0, abs=1e-2) and y.max() == pytest.approx(7.0, abs=1e-2)
+    # Weights keep integer zeros inside the range: the same group loses much more there.
+    s_int, z_int = choose_qparams(x, grid)
+    y_int = dequantize(quantize(x, s_int, z_int, grid), s_int, z_int, grid, torch.float32)
+    assert (y - x).abs().max() < 0.5 * (y_int - x).abs().max()
+
+
+def test_float_zero_of_a_constant_group_stays_finite_in_float16():
+    x = torch.full((1, 64), 300.0)
+    scale, zero = choose_qparams(x, QuantScheme(bits=4, group_size=64), scale_dtype=torch.float16, float_zero=True)
+    assert torch.isfinite(zero).all() and torch.isfinite(scale).all()
+    y = dequantize(quantize(x, scale, zero, QuantScheme(4, 64)), scale, zero, QuantScheme(4, 64), torch.float32)
+    torch.testing.assert_close(y, x, rtol=2e-3, atol=0)
+
+
+# ---------------------------------------------------------------- schemes
+
+
+def test_scheme_names_round_trip():
+    assert parse_kv("int4") == KVScheme(bits=4, group_size=64, residual=128)
+    assert parse_kv("int4-g32-r64") == KVScheme(bits=4, group_size=32, residual=64)
+    assert parse_kv("FP8") == KVScheme(bits=8, type="float")
+    assert parse_kv("fp16") == KVScheme() and not KVScheme().quantized
+    for name in ("int8", "fp8", "fp16", "int2-g32-r128"):
+        assert parse_kv(name).name == name
+
+
+@pytest.mark.parametrize("bits", [3, 1, 32, True])
+def test_bits_outside_the_supported_set_are_refused(bits):
+    with pytest.raises(ValueError, match=r"bits must be one of 16, 8, 4, 2 \(16 = unquantized\)"):
+        KVScheme(bits=bits)
+    with pytest.raises(ValueError, match="unknown KV cache scheme"):
+        parse_kv("int3")
+
+
+def test_a_group_that_does_not_divide_head_dim_says_why():
+    with pytest.raises(ValueError, match=r"group_size 64 does not divide head_dim 96.*cannot reach into the next head.*e\.g\. 32"):
+        KVScheme(bits=4).check_head_dim(96)
+    with pytest.raises(ValueError, match="group_size 64 does not divide head_dim 96"):
+        KVCache(1, 1, 2, 96, 256, torch.float32, "cpu", scheme=KVScheme(bits=2))
+    KVScheme(bits=8).check_head_dim(96)  # per-token INT8 has no channel groups
+
+
+def test_residual_must_hold_whole_key_groups():
+    with pytest.raises(ValueError, match="residual 100 is not a multiple of group_size 64"):
+        KVScheme(bits=4, residual=100)
+    with pytest.raises(ValueError, match="bits must be 8"):
+        KVScheme(bits=4, type="float")
+
+
+# ------------------------------------------------------- quantize / dequantize
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("keys", [True, False])
+def test_quantized_tensors_follow_the_documented_layout(name, keys):
+    scheme = parse_kv(name)
+    x = keys_with_offset_channels(2, 3)
+    q = quantize_kv(x, scheme, keys)
+    for (part, (shape, dtype)), tensor in zip(layout(scheme, 64, torch.float32, keys).items(), q):
+        assert tuple(tensor.shape) == (2, 3, *shape), part
+        assert tensor.dtype == dtype, part
+    parts = len(layout(scheme, 64, torch.float32, keys))
+    assert all(t is None for t in q[parts:])  # fp16 has no scale, fp8 no zero
+
+
+@pytest.mark.parametrize("name, bound", [("fp16", 0.0), ("int8", 0.01), ("fp8", 0.06), ("int4", 0.12), ("int2", 0.6)])
+def test_round_trip_error_shrinks_with_bits(name, bound):
+    x = keys_with_offset_channels(4, 2, seed=3)
+    for keys in (True, False):
+        assert rel_err(fake_quantize_kv(x, parse_kv(name), keys), x) <= bound
+
+
+def test_int_data_is_the_affine_grid_packed_per_token():
+    # One source of truth: unpacking the stored words gives quant.affine's integers.
+    scheme = parse_kv("int4")
+    v = torch.randn(3, 128, 64)
+    data, scale, zero = quantize_kv(v, scheme, keys=False)
+    grid = QuantScheme(bits=4, group_size=64)
+    s, z = choose_qparams(v, grid, scale_dtype=torch.float16, float_zero=True)
+    q = unpack(data.reshape(-1, data.shape[-1]), 4, 64).reshape(3, 128, 64)
+    assert torch.equal(q, quantize(v, s, z, grid))
+    torch.testing.assert_close(dequantize_kv((data, scale, zero), scheme, False, 64, torch.float32),
+                               dequantize(q, s, z, grid, torch.float32))
+
+
+def test_per_channel_keys_beat_per_token_keys():
+    # Why KIVI groups keys per channel: offset channels ruin a per-token grid.
+    x = keys_with_offset_channels(4, 2, seed=5)
+    scheme = parse_kv("int4")
+    per_channel = fake_quantize_kv(x, scheme, keys=True)
+    per_token = fake_quantize_kv(x, scheme, keys=False)
+    assert rel_err(per_channel, x) < 0.5 * rel_err(per_token, x)
+
+
+def test_int4_costs_under_a_third_of_fp16_per_token():
+    fp16 = bytes_per_token(parse_kv("fp16"), 30, 3, 64)
+    assert fp16 == 30 * 3 * 64 * 2 * 2
+    assert bytes_per_token(parse_kv("int4"), 30, 3, 64) / fp16 == pytest.approx((64 + 8) / 256)
+    assert bytes_per_token(parse_kv("int8"), 30, 3, 64) / fp16 == pytest.approx((128 + 8) / 256)
+
+
+# ------------------------------------------------------------ runtime cache
+
+
+def write_in_chunks(cache, layer, k, v, sizes):
+    pos = 0
+    for size in sizes:
+        keys, values = cache.update(layer, pos, k[:, :, pos:pos + size], v[:, :, pos:pos + size])
+        pos += size
+    return keys, values
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_cache_holds_full_blocks_quantized_and_the_partial_block_exact(name):
+    base = parse_kv(name)
+    scheme = KVScheme(bits=base.bits, type=base.type, group_size=32, residual=64)
+    k = keys_with_offset_channels(2, 3, tokens=150, seed=1)
+    v = torch.randn(2, 3, 150, 64)
+    cache = KVCache(2, 2, 3, 64, 160, torch.float32, "cpu", scheme=scheme)
+    keys, values = write_in_chunks(cache, 1, k, v, [50, 1, 1, 30, 3, 65])  # blocks fill mid-chunk
+    assert keys.shape == values.shape == (2, 3, 150, 64)
+    # Positions 0..127 sit in two quantized blocks, each quantized on its own; 128..149 are exact.
+    for b in range(2):
+        span = slice(64 * b, 64 * (b + 1))
+        torch.testing.assert_close(keys[:, :, span], fake_quantize_kv(k[:, :, span], scheme, True))
+        torch.testing.assert_close(values[:, :, span], fake_quantize_kv(v[:, :, span], scheme, False))
+    assert torch.equal(keys[:, :, 128:], k[:, :, 128:]) and torch.equal(values[:, :, 128:], v[:, :, 128:])
+    assert cache.block_table[:, :2].min() >= 0 and (cache.block_table[:, 2:] == -1).all()
+    k_part, _ = cache.read(1, 100)  # a prefix ending inside a quantized block
+    torch.testing.assert_close(k_part, keys[:, :, :100])
+
+
+def test_block_table_is_shared_by_layers_and_blocks_are_paged_from_one_pool():
+    scheme = parse_kv("int4-g32-r32")
+    cache = KVCache(2, 2, 1, 64, 96, torch.float32, "cpu", scheme=scheme, num_blocks=5)
+    x = torch.randn(2, 1, 64, 64)
+    for layer in range(2):
+        cache.update(layer, 0, x, x)
+    assert sorted(cache.block_table[:, :2].flatten().tolist()) == [0, 1, 2, 3]  # two sequences, two blocks each
+    with pytest.raises(RuntimeError, match="pool is full: 5 blocks of 32 tokens, 2 more needed"):
+        cache.update(0, 64, x[:, :, :32], x[:, :, :32])
+    cache.reset()
+    assert (cache.block_table == -1).all() and cache.lengths == [0, 0]
+    cache.update(0, 0, x[:, :, :32], x[:, :, :32])
+
+
+def test_a_cache_shared_across_models_of_different_shapes_is_refused():
+    cache = KVCache(2, 1, 3, 64, 256, torch.float32, "cpu", scheme=parse_kv("int4"))
+    with pytest.raises(ValueError, match="built for 2 layers of 3 KV heads x head_dim 64.*different shapes"):
+        cache.update(0, 0, torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64))  # 2 heads
+    with pytest.raises(ValueError, match="different shapes"):
+        cache.update(0, 0, torch.randn(1, 3, 4, 32), torch.randn(1, 3, 4, 32))  # head_dim 32
+    with pytest.raises(ValueError, match="different shapes"):
+        cache.update(2, 0, torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64))  # a third layer
+    with pytest.raises(ValueError, match="new ones must follow them"):
+        cache.update(0, 5, torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64))
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int2", "fp8"])
+def test_allocated_bytes_match_the_computed_bytes_per_token(name):
+    scheme = parse_kv(name)
+    layers, seqs, heads, dim, max_len = 3, 2, 2, 64, 1024
+    cache = KVCache(layers, seqs, heads, dim, max_len, torch.float16, "cpu", scheme=scheme)
+    residual = 2 * layers * seqs * heads * scheme.residual * dim * 2
+    table = cache.block_table.numel() * 4
+    per_token = bytes_per_token(scheme, layers, heads, dim, torch.float16)
+    assert cache.nbytes() == per_token * seqs * max_len + residual + table
