@@ -104,6 +104,18 @@ def dequantize_kv(qx: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, 
     return _dequantize_int(qx, scheme, keys, head_dim, dtype)
 
 
+def quantize_blocks(x: torch.Tensor, scheme: KVScheme, keys: bool, block_size: int | None = None) -> QuantizedKV:
+    """``x`` [S, H, n*B, D] as ``n`` blocks of ``B`` tokens, each quantized on its own:
+    tensors [S, n, H, *layout] (block-major, as the runtime's pool stores them)."""
+    blocks = x.unflatten(2, (-1, block_size or scheme.block_size)).transpose(1, 2)
+    return quantize_kv(blocks, scheme, keys)
+
+
+def dequantize_blocks(q: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks`: [S, n, H, *layout] back to [S, H, n*B, D]."""
+    return dequantize_kv(q, scheme, keys, head_dim, dtype).transpose(1, 2).flatten(2, 3)
+
+
 def fake_quantize_kv(x: torch.Tensor, scheme: KVScheme, keys: bool) -> torch.Tensor:
     """What attention sees after a round trip through the cache."""
     return dequantize_kv(quantize_kv(x, scheme, keys), scheme, keys, x.shape[-1], x.dtype)

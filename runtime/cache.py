@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from kvquant import KVScheme, QuantizedKV, dequantize_kv, layout, quantize_kv
+from kvquant import KVScheme, QuantizedKV, dequantize_blocks, layout, quantize_blocks
 
 
 class KVCache:
@@ -140,12 +140,10 @@ class KVCache:
         """Quantize ``k, v`` [S, H, n*B, D] as n blocks per sequence into physical blocks ``ids`` [S, n]."""
         flat = ids.flatten()
         for name, x in (("k", k), ("v", v)):
-            # [S, H, n*B, D] -> [S*n, H, B, D]: one quantization call for every block
-            blocks = x.unflatten(2, (-1, self.block_size)).transpose(1, 2).flatten(0, 1)
-            q = quantize_kv(blocks, self.scheme, keys=name == "k")
+            q = quantize_blocks(x, self.scheme, keys=name == "k")  # [S, n, H, ...]: one call for every block
             for dst, src in zip(self.pool[layer][name], q):
                 if dst is not None:
-                    dst[flat] = src.to(dst.dtype)
+                    dst[flat] = src.flatten(0, 1).to(dst.dtype)
 
     # ------------------------------------------------------------------- reads
 
@@ -164,8 +162,7 @@ class KVCache:
                 out.append(tail)
                 continue
             q = self.pool[layer][name].map(lambda t: t[ids])  # [S, n, H, ...]
-            x = dequantize_kv(q, self.scheme, name == "k", self.head_dim, self.dtype)  # [S, n, H, B, D]
-            x = x.transpose(1, 2).flatten(2, 3)  # [S, H, n*B, D]
+            x = dequantize_blocks(q, self.scheme, name == "k", self.head_dim, self.dtype)  # [S, H, n*B, D]
             out.append(torch.cat([x, tail], dim=2)[:, :, :length])
         return out[0], out[1]
 

@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.cache import KVCache
-
 
 @dataclass
 class Token:
@@ -78,8 +76,7 @@ class Generation:
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         total = min(len(self.prompt_ids) + self.max_new_tokens, m.max_positions)
-        cfg = m.decoder.cfg
-        cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, total, m.dtype, m.device)
+        cache = m.new_cache(total)  # quantized as the model's kv_scheme says
         eos = set(m.eos_token_ids) if self.stop_at_eos else set()
 
         # Prefill: the whole prompt in one forward; then one token per step through the cache.

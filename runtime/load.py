@@ -6,8 +6,10 @@ from pathlib import Path
 
 import torch
 
+from kvquant import KVScheme, kv_scheme_from_dict, parse_kv
 from quant import checkpoint, models
 from quant.affine import QuantScheme
+from runtime.cache import KVCache
 from runtime.generate import Generation, check_sampling
 from runtime.linear import QuantLinear
 from runtime.model import Decoder, DecoderConfig, plain_linear
@@ -43,9 +45,12 @@ def load_tokenizer(path):
 class Model:
     """A loaded checkpoint: ``logits`` for evaluation, ``generate`` for streaming text."""
 
-    def __init__(self, decoder: Decoder, config: dict, tokenizer, device: torch.device, dtype: torch.dtype, path: Path):
+    def __init__(self, decoder: Decoder, config: dict, tokenizer, device: torch.device, dtype: torch.dtype, path: Path,
+                 kv_scheme: KVScheme | None = None):
         self.decoder, self.config, self.tokenizer = decoder, config, tokenizer
         self.device, self.dtype, self.path = device, dtype, path
+        self.kv_scheme = kv_scheme or KVScheme()
+        self.kv_scheme.check_head_dim(decoder.cfg.head_dim)
         self.max_positions = decoder.cfg.max_positions
         eos = config.get("eos_token_id")
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -62,6 +67,12 @@ class Model:
                     seen.add(id(p))
                     total += p.numel()
         return total
+
+    def new_cache(self, max_len: int, batch: int = 1, scheme: KVScheme | None = None) -> KVCache:
+        """A KV cache for ``batch`` sequences of up to ``max_len`` positions (default scheme: the model's)."""
+        cfg = self.decoder.cfg
+        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype, self.device,
+                       scheme=scheme or self.kv_scheme)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -128,10 +139,24 @@ def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
             )
 
 
-def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
-    """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias."""
+def kv_scheme_of(manifest: dict | None, kv: KVScheme | str | None) -> KVScheme:
+    """``kv`` when given (a scheme or a name such as ``int4``), else the one saved with the checkpoint
+    (its manifest's ``kv_cache``), else unquantized."""
+    saved = kv_scheme_from_dict((manifest or {}).get("kv_cache"))
+    if isinstance(kv, str):
+        return parse_kv(kv, default=saved)  # group and residual not named: the saved ones
+    return kv or saved
+
+
+def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+         kv: KVScheme | str | None = None) -> Model:
+    """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias.
+
+    ``kv`` overrides the KV-cache scheme saved with the checkpoint (``"int4"``, ``"fp16"``, a KVScheme).
+    """
     path = models.resolve(path)
-    checkpoint.verify(path)  # a manifest, when present, must match every file
+    manifest = checkpoint.verify(path)  # a manifest, when present, must match every file
+    kv_scheme = kv_scheme_of(manifest, kv)
     config = checkpoint.read_config(path)
     cfg = DecoderConfig.from_hf(config)
     device = torch.device(device)
@@ -154,4 +179,4 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it
     tokenizer = load_tokenizer(path) if any((path / f).exists() for f in TOKENIZER_FILES) else None
-    return Model(decoder, config, tokenizer, device, dtype, path)
+    return Model(decoder, config, tokenizer, device, dtype, path, kv_scheme)

@@ -268,7 +268,7 @@ def test_multibyte_characters_come_out_whole(tiny_dir):
     # force the model to emit exactly these ids by streaming a fake "generation"
     gen = rt.generate([1], max_new_tokens=len(ids), stop_at_eos=False)
     gen.model = type("Forced", (), {**{k: getattr(rt, k) for k in ("tokenizer", "max_positions", "device", "dtype",
-                                                                  "eos_token_ids")},
+                                                                  "eos_token_ids", "new_cache")},
                                     "decoder": ForcedDecoder(rt.decoder, ids)})()
     pieces = [t.text for t in gen]
     assert "".join(pieces) == "é ü 日本"
