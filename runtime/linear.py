@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from quant.affine import QuantScheme
 from quant.packing import packed_length
-from runtime.kernels import reference
+from runtime.kernels import reference, weight_layout
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the fused Triton kernels (CUDA) or the reference (anything else).
+    Tests replace this to run the kernels in the Triton interpreter on CPU tensors."""
+    return x.is_cuda
 
 
 class QuantLinear(nn.Module):
@@ -29,6 +39,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._dense: torch.Tensor | None = None
+        self._kernel: weight_layout.KernelWeight | None = None
+        self._kernel_unsupported: str | None = None  # why the kernels cannot read this layer
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return reference.dequantize_weight(
@@ -36,21 +48,45 @@ class QuantLinear(nn.Module):
             (self.out_features, self.in_features), self.scheme, dtype, getattr(self, "weight_g_idx", None),
         )
 
-    def materialize(self, dtype: torch.dtype) -> None:
-        """Build the dense weight the reference path multiplies by.
+    def kernel_weight(self) -> weight_layout.KernelWeight:
+        """The packed weight re-laid for the Triton kernels (built once, never stored)."""
+        return weight_layout.make_kernel_weight(
+            self.weight_packed, self.weight_scale, getattr(self, "weight_zero_point", None),
+            (self.out_features, self.in_features), self.scheme, getattr(self, "weight_g_idx", None),
+        )
 
-        On CPU the reference path is the implementation. Unpacking every weight on every
-        decode step would dominate the step, so the dense weight is built once (at load)
-        and kept: correct and fast enough for CPU, at the memory of a float model. The
-        fused GPU kernels read the packed buffers directly instead.
+    def materialize(self, dtype: torch.dtype) -> None:
+        """Prepare the weight for inference in ``dtype`` on the buffers' device (at load).
+
+        On GPU the fused kernels read a re-laid copy of the packed weight (``kernel_weight``).
+        On CPU the reference path is the implementation: unpacking every weight on every decode
+        step would dominate the step, so the dense weight is built once and kept: correct and
+        fast enough for CPU, at the memory of a float model.
         """
-        self._dense = self.dequantized_weight(dtype)
+        if self.weight_packed.is_cuda and self._kernels_can_run(dtype):
+            self._kernel, self._dense = self.kernel_weight(), None
+        else:
+            self._dense = self.dequantized_weight(dtype)
+
+    def _kernels_can_run(self, dtype: torch.dtype) -> bool:
+        if self._kernel_unsupported is None:
+            reason = weight_layout.unsupported_reason(self.scheme, self.in_features, getattr(self, "weight_g_idx", None))
+            self._kernel_unsupported = reason or ""
+        reason = self._kernel_unsupported or (None if dtype in KERNEL_DTYPES else f"{dtype} activations")
+        if reason:
+            warnings.warn(f"a {self.scheme.describe()} layer runs the dense reference instead of the kernels: {reason}")
+        return not reason
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The dispatch point: the fused Triton W4A16/W8A16 kernels will take CUDA inputs here
-        # (reading weight_packed directly); everything else runs the reference.
+        # The dispatch point: CUDA inputs go to the fused Triton kernels, everything else to the reference.
+        if runs_kernels(x) and self._kernels_can_run(x.dtype):
+            from runtime.kernels import quant_matmul  # imports triton: only where kernels run
+
+            if self._kernel is None or self._kernel.qweight.device != x.device:
+                self._kernel = self.kernel_weight()
+            return quant_matmul.quant_matmul(x, self._kernel, self.bias)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
-            self.materialize(x.dtype)
+            self._dense = self.dequantized_weight(x.dtype)
         return reference.quant_linear(x, self._dense, self.bias)
 
     def extra_repr(self) -> str:

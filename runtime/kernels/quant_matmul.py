@@ -1,0 +1,298 @@
+"""Dequant-fused matmul for pack-quantized weights (Triton): ``y = x @ W.T + b``, W4A16/W8A16.
+
+One kernel, two inner loops, chosen per call by the number of rows M:
+
+* ``use_dot`` (prefill, and small M through a 16-row tile): each K tile of weights is
+  dequantized in registers to the activation dtype (fp16/bf16) and fed to ``tl.dot`` with an
+  fp32 accumulator; the dequantized tile never touches global memory, so the weight bytes
+  read are the packed ones.
+* GEMV (M == 1): multiply-adds on CUDA cores into a ``[tile_k, BLOCK_N]`` fp32 accumulator that
+  is reduced over K once, after the loop (a reduction per tile would cross warps every step).
+
+Both split K across programs when the output alone has too few tiles to fill the GPU: each
+split writes fp32 partial sums and a small kernel adds them (with the bias) in a fixed order,
+so results are deterministic. The configuration (tile sizes, split, path) is autotuned per
+(M bucket, N, K, bits, group, dtype) on first use and cached for the process.
+
+Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` signed. Stored
+values are ``u = q + 2**(bits-1)``; ``u - 2**(bits-1) - zero`` is formed exactly in fp32 with
+the ``2**23`` trick (OR the integer into the mantissa of 2**23, subtract 2**23 + offset) so no
+integer-to-float conversion instruction (a quarter-rate one) runs per weight. The dot path
+then rounds ``(q - zero) * scale`` to the activation dtype exactly as
+``quant.affine.dequantize(...).to(dtype)`` does, so both see the same weight.
+
+The reference is ``weight_layout.reference_matmul`` (and, from the checkpoint tensors,
+``reference.dequantize_weight`` + ``reference.quant_linear``); tests run these kernels in the
+Triton interpreter on CPU against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
+_SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only as constexpr
+
+
+@triton.jit
+def _dequantize_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, N, K,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                     SCALE_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Weights of inputs ``k0 .. k0 + tile_k`` for outputs ``offs_n``: fp32 ``[tile_k, BLOCK_N]``."""
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = _SUBTILE_K * PACK
+    n_mask = offs_n < N
+    rows = k0 // PACK + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
+    words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    # Field i of the 16 rows holds inputs k0 + 16 i ... k0 + 16 i + 15 (weight_layout.tile_order).
+    shifts = tl.arange(0, PACK) * BITS
+    u = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)  # [PACK, 16, BLOCK_N], unsigned
+    u_plus_2p23 = (u | 0x4B000000).to(tl.float32, bitcast=True)  # exactly 2**23 + u
+    if SCALE_PER_TILE:  # the whole tile lies in one group: one scale row
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, None, :]
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)[None, None, :]
+    else:  # groups of 16 * j inputs: one scale row per 16-input field
+        k_field = k0 + tl.arange(0, PACK) * _SUBTILE_K
+        g = k_field // GROUP
+        gn_mask = (k_field < K)[:, None] & n_mask[None, :]
+        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=gn_mask, other=0.0).to(tl.float32)[:, None, :]
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=gn_mask, other=0).to(tl.float32)[:, None, :]
+    offset = 8388608.0 + (1 << (BITS - 1))  # 2**23 + 2**(bits-1): back to signed q
+    if HAS_ZERO:
+        offset = offset + zero
+    w = (u_plus_2p23 - offset) * scale  # (q - zero) * scale; q - zero is exact in fp32
+    return tl.reshape(w, (TILE_K, BLOCK_N))
+
+
+@triton.jit
+def _quant_matmul_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, tiles_per_split,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = _SUBTILE_K * PACK
+    # Programs that share weight columns run close together (GROUP_M rows of tiles at a time),
+    # so a weight tile read for one block of rows is still in L2 for the next.
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    t_start = pid_k * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, tl.cdiv(K, TILE_K))
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # GEMV: one row; per-(k, n) partial sums, reduced over k after the loop
+        acc = tl.zeros((TILE_K, BLOCK_N), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        k0 = t * TILE_K
+        offs_k = k0 + tl.arange(0, TILE_K)
+        w = _dequantize_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, N, K,
+                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, BLOCK_N)
+        if USE_DOT:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = w.to(x_ptr.dtype.element_ty)
+            if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
+            else:
+                acc = tl.dot(x, w, acc)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            acc += x[:, None] * w
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=0)[None, :]
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:  # fp32 partial sums [split, M, N]; _split_k_sum_kernel adds them
+        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N,
+                        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # fixed order: the same result every run
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# -- launch -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One launch configuration. ``block_m == 1`` with ``use_dot=False`` is the GEMV path."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    use_dot: bool = True
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if any(b & (b - 1) for b in (self.block_m, self.block_n)):
+            raise ValueError(f"block sizes must be powers of two, got {self.block_m}x{self.block_n}")
+        if not self.use_dot and self.block_m != 1:
+            raise ValueError("the GEMV path (use_dot=False) computes one row: block_m must be 1")
+        if self.use_dot and self.block_m < 16:
+            raise ValueError("tl.dot needs block_m >= 16")
+
+
+def interpreting() -> bool:
+    """Whether these kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_quant_matmul_kernel, InterpretedFunction)
+
+
+def quant_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = None,
+                 config: MatmulConfig | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x [..., in_features]`` in fp16/bf16; the result has x's dtype.
+
+    ``config`` forces a launch configuration (tests, benchmarks); by default it is autotuned.
+    """
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"quant_matmul takes fp16 or bf16 activations, got {x.dtype}")
+    if x.shape[-1] != kw.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {kw.in_features}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, kw.in_features)
+    if kw.perm is not None:  # act-order: inputs in the weight's (group-sorted) column order
+        x2 = x2.index_select(1, kw.perm)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape[0], kw.out_features
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    config = config or choose_config(M, kw, x.dtype, x.device)
+    if not config.use_dot and M != 1:
+        raise ValueError(f"the GEMV configuration computes one row, got M={M}")
+    _launch(x2, kw, bias, out, config)
+    return out.reshape(*lead, N)
+
+
+def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor,
+            config: MatmulConfig) -> None:
+    M, K = x2.shape
+    N = kw.out_features
+    num_tiles = triton.cdiv(K, kw.tile_k)
+    tiles_per_split = triton.cdiv(num_tiles, config.split_k)
+    splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    # One group per row: any group length works; give the kernel the padded length so every
+    # tile maps to group 0 with the per-tile scale load.
+    group = kw.group_len if kw.num_groups > 1 else num_tiles * kw.tile_k
+    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), splits)
+    _quant_matmul_kernel[grid](
+        x2, kw.qweight, kw.scales, kw.zeros if kw.zeros is not None else kw.scales,
+        bias if bias is not None else kw.scales, target,
+        M, N, K, x2.stride(0), tiles_per_split,
+        BITS=kw.bits, GROUP=group, HAS_ZERO=kw.zeros is not None, SCALE_PER_TILE=group % kw.tile_k == 0,
+        HAS_BIAS=bias is not None and splits == 1, USE_DOT=config.use_dot, SPLIT=splits > 1,
+        DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(M * N, block),)](
+            target, bias if bias is not None else target, out, M, N,
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block,
+        )
+
+
+# -- choosing a configuration -----------------------------------------------------------------------
+
+_TUNED: dict[tuple, MatmulConfig] = {}
+
+
+def m_bucket(M: int) -> int:
+    """Rows are tuned exactly up to DECODE_MAX_M, then per power of two."""
+    return M if M <= DECODE_MAX_M else 1 << (M - 1).bit_length()
+
+
+def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
+    """What the autotuner times for M rows; the first is the untimed default."""
+    num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
+    if M == 1:
+        configs = [MatmulConfig(1, bn, s, use_dot=False, group_m=1, num_stages=st)
+                   for bn in (64, 128) for s in (8, 4, 16, 2, 1) for st in (3,)]
+        configs += [MatmulConfig(16, 64, s, group_m=1) for s in (4, 8)]
+    elif M <= DECODE_MAX_M:
+        configs = [MatmulConfig(16, bn, s, group_m=1) for bn in (64, 128) for s in (4, 8, 2, 1, 16)]
+        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8) for s in (1, 2)]
+    elif M <= 64:
+        configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
+    else:
+        configs = [MatmulConfig(bm, bn, 1, num_warps=w, num_stages=st)
+                   for bm, bn, w in ((128, 128, 8), (64, 128, 4), (128, 64, 4), (128, 256, 8), (64, 256, 8))
+                   for st in (3, 4)]
+    kept = [c for c in configs if c.split_k <= num_tiles]
+    return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
+
+
+def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    """The tuned configuration for this shape, timing the candidates on first use.
+
+    Not timed (the default candidate is used, and not cached) in the interpreter, on CPU, and
+    during CUDA-graph capture: run each shape once before capturing so the graph holds the
+    tuned launch.
+    """
+    key = (m_bucket(M), kw.out_features, kw.in_features, kw.bits, kw.group_len, kw.zeros is None,
+           dtype, str(device))
+    if key in _TUNED:
+        return _TUNED[key]
+    candidates = candidate_configs(M, kw)
+    if device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    _TUNED[key] = _time_candidates(m_bucket(M), kw, dtype, device, candidates)
+    return _TUNED[key]
+
+
+def _time_candidates(M: int, kw: KernelWeight, dtype, device, candidates: list[MatmulConfig]) -> MatmulConfig:
+    x = torch.randn(M, kw.in_features, dtype=dtype, device=device)
+    out = torch.empty(M, kw.out_features, dtype=dtype, device=device)
+    best, best_ms = None, float("inf")
+    for config in candidates:
+        try:
+            ms = triton.testing.do_bench(lambda: _launch(x, kw, None, out, config), warmup=10, rep=40,
+                                         return_mode="median")
+        except triton.runtime.errors.OutOfResources:
+            continue  # too many registers/shared memory for this GPU
+        if ms < best_ms:
+            best, best_ms = config, ms
+    if best is None:
+        raise RuntimeError(f"no kernel configuration fits this GPU for M={M}, {kw.out_features}x{kw.in_features}")
+    return best

@@ -1,0 +1,171 @@
+"""The load-time weight layout the GPU matmul kernels read, and its PyTorch reference.
+
+Checkpoints stay in the compressed-tensors ``pack-quantized`` layout (rows = outputs, words
+packed along inputs). At load, each quantized Linear is re-laid once into :class:`KernelWeight`:
+
+* ``qweight`` int32 ``[K_pad // pack, N]``: words packed along the input dimension K with
+  outputs N contiguous, so a tile of words for ``BLOCK_N`` outputs is one coalesced load.
+  K is cut into tiles of ``tile_k = 16 * pack`` inputs (128 at 4 bits) padded at the end with
+  zeros; inside a tile, word row ``r`` holds inputs ``r, r + 16, ..., r + 16 * (pack - 1)``
+  of the tile in its ``pack`` bit fields. Field ``i`` of the 16 word rows is then the 16
+  consecutive inputs ``16 i ... 16 i + 15``: one shift per field turns a tile of words into a
+  ``[pack, 16, BLOCK_N]`` block whose reshape to ``[tile_k, BLOCK_N]`` is in input order, so
+  activations are read as plain contiguous tiles.
+* ``scales`` ``[groups, N]`` (the stored dtype: no rounding is added), ``zeros`` int8
+  ``[groups, N]`` or None (symmetric): one row per group, outputs contiguous.
+* ``perm`` (act-order checkpoints with ``weight_g_idx``): input columns are sorted by group at
+  load, so every group is a contiguous run of columns again and the kernels index scales by
+  ``k // group`` with no per-element gather; activations are permuted the same way per call.
+
+Everything here is plain PyTorch built on ``quant.packing`` and ``quant.affine``; the kernels
+(``quant_matmul.py``) are tested against :func:`reference_matmul` and the checkpoint-level
+reference in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quant.affine import QuantScheme, dequantize
+from quant.packing import pack, unpack
+
+KERNEL_BITS = (2, 4, 8)  # widths whose values never straddle an int32 word
+SUBTILE_K = 16  # inputs per bit field of a tile: the K of one tensor-core step
+_COLUMNS_PER_CHUNK = 4096  # bounds the int64 temporaries of packing on large layers
+
+
+@dataclass
+class KernelWeight:
+    """A quantized Linear in the layout the Triton kernels read (see the module docstring)."""
+
+    qweight: torch.Tensor  # int32 [K_pad // pack, N]
+    scales: torch.Tensor  # [groups, N], stored dtype
+    zeros: torch.Tensor | None  # int8 [groups, N]; None when symmetric
+    perm: torch.Tensor | None  # int64 [K]: input column order, None when columns stay in order
+    in_features: int
+    out_features: int
+    bits: int
+    group_len: int  # inputs per group (in_features for one group per row)
+
+    @property
+    def pack(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def tile_k(self) -> int:
+        return SUBTILE_K * self.pack
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[0]
+
+
+def unsupported_reason(scheme: QuantScheme, in_features: int, g_idx: torch.Tensor | None = None) -> str | None:
+    """Why the kernels cannot run this layer (it then keeps the dense reference path), or None."""
+    if scheme.bits not in KERNEL_BITS:
+        return f"{scheme.bits}-bit values straddle int32 words; the kernels read {KERNEL_BITS}-bit weights"
+    group = scheme.group_len(in_features)
+    if group != in_features and group % SUBTILE_K:
+        return f"group size {group} is not a multiple of {SUBTILE_K} (one scale per kernel sub-tile)"
+    if g_idx is not None and act_order_permutation(g_idx, group) is None:
+        return "weight_g_idx does not split the inputs into equal groups"
+    return None
+
+
+def act_order_permutation(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """Input order that makes every group contiguous: columns sorted by group (stable).
+
+    Returns None when sorted groups are not ``group`` columns each (then ``k // group`` cannot
+    name a column's group). GPTQ act-order, ours and llm-compressor's, always satisfies it.
+    """
+    g_idx = g_idx.long()
+    perm = torch.argsort(g_idx, stable=True)
+    expected = torch.arange(g_idx.numel(), device=g_idx.device) // group
+    if not torch.equal(g_idx[perm], expected):
+        return None
+    return perm
+
+
+def tile_order(in_features: int, bits: int, device=None) -> torch.Tensor:
+    """Input index stored at each packed position: ``order[j]`` is the input column that goes
+    to position ``j`` of the padded run packed along K (``-1``: padding)."""
+    per_word = 32 // bits
+    tile_k = SUBTILE_K * per_word
+    padded = -(-in_features // tile_k) * tile_k
+    # position (tile t, word row r, field i) holds input t * tile_k + i * 16 + r
+    t, r, i = torch.meshgrid(
+        torch.arange(padded // tile_k, device=device),
+        torch.arange(SUBTILE_K, device=device),
+        torch.arange(per_word, device=device),
+        indexing="ij",
+    )
+    order = (t * tile_k + i * SUBTILE_K + r).flatten()
+    return torch.where(order < in_features, order, -1)
+
+
+def make_kernel_weight(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero_packed: torch.Tensor | None,
+    shape: tuple[int, int],
+    scheme: QuantScheme,
+    g_idx: torch.Tensor | None = None,
+) -> KernelWeight:
+    """Re-lay a checkpoint's ``weight_packed``/``weight_scale``/``weight_zero_point`` (and
+    ``weight_g_idx``) for the kernels. Runs once per layer at load, on the weight's device."""
+    out_features, in_features = shape
+    reason = unsupported_reason(scheme, in_features, g_idx)
+    if reason:
+        raise ValueError(f"no kernel layout for a {out_features}x{in_features} {scheme.describe()} layer: {reason}")
+    bits, group = scheme.bits, scheme.group_len(in_features)
+    perm = None
+    if g_idx is not None:
+        perm = act_order_permutation(g_idx, group)
+        if torch.equal(perm, torch.arange(in_features, device=perm.device)):
+            perm = None  # groups already in order: nothing to permute per call
+    order = tile_order(in_features, bits, packed.device)
+    source = order.clamp_min(0) if perm is None else perm[order.clamp_min(0)]
+    padding = (order < 0).unsqueeze(1)
+    words = []
+    for n0 in range(0, out_features, _COLUMNS_PER_CHUNK):
+        q = unpack(packed[n0 : n0 + _COLUMNS_PER_CHUNK], bits, in_features, dim=1)  # int8 [n, K]
+        q_kn = q.t()[source].masked_fill(padding, 0)  # [K_pad, n] in packed order; padding multiplies zeros
+        words.append(pack(q_kn.contiguous(), bits, dim=0))
+    zeros = None
+    if zero_packed is not None:
+        zeros = unpack(zero_packed, bits, out_features, dim=0).t().contiguous()  # int8 [groups, N]
+    return KernelWeight(
+        qweight=torch.cat(words, dim=1).contiguous(),
+        scales=scale.t().contiguous(),
+        zeros=zeros,
+        perm=perm,
+        in_features=in_features,
+        out_features=out_features,
+        bits=bits,
+        group_len=group,
+    )
+
+
+def kernel_weight_values(kw: KernelWeight) -> torch.Tensor:
+    """The int8 values ``[N, K]`` of a kernel layout, inputs in kernel (permuted) order."""
+    q_kn = unpack(kw.qweight, kw.bits, kw.qweight.shape[0] * kw.pack, dim=0)  # [K_pad, N], packed order
+    order = tile_order(kw.in_features, kw.bits, q_kn.device)
+    q = torch.empty(kw.in_features, kw.out_features, dtype=torch.int8, device=q_kn.device)
+    q[order[order >= 0]] = q_kn[order >= 0]
+    return q.t().contiguous()
+
+
+def dequantize_kernel_weight(kw: KernelWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Reference: the dense weight ``[N, K]`` (inputs in kernel order) a KernelWeight encodes."""
+    scheme = QuantScheme(kw.bits, kw.group_len, kw.zeros is None)
+    zero = None if kw.zeros is None else kw.zeros.t()
+    return dequantize(kernel_weight_values(kw), kw.scales.t(), zero, scheme, dtype)
+
+
+def reference_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``quant_matmul``: ``x @ W.T + bias`` from the kernel layout, in plain PyTorch."""
+    if kw.perm is not None:
+        x = x.index_select(-1, kw.perm)
+    return torch.nn.functional.linear(x, dequantize_kernel_weight(kw, x.dtype), bias)
