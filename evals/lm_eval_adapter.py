@@ -1,0 +1,202 @@
+"""lowbit checkpoints as an lm-eval model type: ``--model lowbit --model_args pretrained=CKPT,kv=int4``.
+
+Importing this module registers the ``lowbit`` model with lm-eval. lm-eval 0.4
+has no plugin discovery, so its own ``lm_eval`` command does not import it:
+``lowbit-lm-eval`` is that command with the model registered (same arguments),
+and ``lowbit eval CKPT --tasks ...`` runs tasks from lowbit's CLI.
+
+Scoring runs on :func:`runtime.load`'s model:
+
+* ``kv=fp16`` (default): plain forwards (``Model.logits``), several requests per
+  batch, right-padded (causal attention: padding after a request cannot change it);
+* a quantized ``kv``: one request at a time through the runtime's KV cache, as
+  serving runs it: the context is prefilled in one forward, then the
+  continuation goes in chunks of ``kv_chunk`` tokens, so attention reads the
+  quantized keys and values of every full block before it.
+
+``generate_until`` decodes through the same cache (greedy unless the task asks
+for a temperature) and stops at the task's ``until`` strings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm.auto import tqdm
+
+import runtime
+from evals.speed import new_cache
+from kvquant import KVScheme, parse_kv
+from runtime.generate import check_sampling, sample
+
+DEFAULT_MAX_LENGTH = 2048  # CPU-friendly default window for rolling log-likelihoods
+
+
+def _bool(value) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
+
+
+@register_model("lowbit")
+class LowbitLM(TemplateLM):
+    """An lm-eval model over a lowbit (or any compressed-tensors / float HF) checkpoint."""
+
+    def __init__(self, pretrained: str = "smollm2-135m", kv: str = "fp16", device: str = "cpu",
+                 batch_size: int | str = 8, max_length: int | None = None, kv_chunk: int = 32,
+                 model: runtime.Model | None = None, **kwargs):
+        super().__init__()
+        self.model = model or runtime.load(pretrained, device=device)
+        if self.model.tokenizer is None:
+            raise ValueError(f"{self.model.path} has no tokenizer: lm-eval tasks are text")
+        self.tokenizer = self.model.tokenizer
+        self.pretrained = str(pretrained)
+        self.kv: KVScheme = parse_kv(kv)
+        self.kv.check_head_dim(self.model.decoder.cfg.head_dim)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto" is a GPU notion
+        self.max_length = min(int(max_length or DEFAULT_MAX_LENGTH), self.model.max_positions)
+        self.kv_chunk = int(kv_chunk)
+        if self.kv_chunk < 1:
+            raise ValueError(f"kv_chunk must be at least 1, got {kv_chunk}")
+        self.add_bos = _bool(kwargs.get("add_bos_token", False))
+
+    # ------------------------------------------------------------ tokens
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return eos if eos is not None else (self.model.eos_token_ids or [0])[0]
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        special = self.add_bos if add_special_tokens is None else add_special_tokens
+        return self.tokenizer(string, add_special_tokens=special).input_ids
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # ------------------------------------------------------------ scoring
+
+    def _window(self, context: list[int], continuation: list[int]) -> tuple[list[int], int]:
+        """The input ids (context + continuation minus its last token), cut from the left to
+        ``max_length``, and how many continuation tokens they score (all of them)."""
+        if not continuation:
+            raise ValueError("lm-eval asked to score an empty continuation")
+        ids = (context + continuation)[-(self.max_length + 1):][:-1]
+        return ids, min(len(continuation), len(ids))
+
+    def _score_plain(self, batch: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """One right-padded forward for several (input ids, continuation) pairs."""
+        width = max(len(ids) for ids, _ in batch)
+        inputs = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (ids, _) in enumerate(batch):
+            inputs[row, : len(ids)] = torch.tensor(ids)
+        logits = self.model.logits(inputs)
+        out = []
+        for row, (ids, cont) in enumerate(batch):
+            scored = logits[row, len(ids) - len(cont): len(ids)]
+            out.append(_score(scored, cont))
+        return out
+
+    @torch.inference_mode()
+    def _score_cached(self, ids: list[int], cont: list[int]) -> tuple[float, bool]:
+        """Prefill the context through the quantized cache, then feed the continuation in chunks."""
+        cache = new_cache(self.model, 1, len(ids), self.kv)
+        split = len(ids) - len(cont) + 1  # positions before this are context; its logits score cont[0]
+        pieces = [ids[:split]] + [ids[i: i + self.kv_chunk] for i in range(split, len(ids), self.kv_chunk)]
+        logits, pos = [], 0
+        for piece in pieces:
+            out = self.model.decoder(torch.tensor([piece], device=self.model.device), cache, pos)[0].float()
+            logits.append(out)
+            pos += len(piece)
+        scored = torch.cat(logits)[split - 1:]
+        return _score(scored, cont)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        windows = [self._window(ctx, cont) for _, ctx, cont in requests]
+        pairs = [(ids, cont[-n:]) for (ids, n), (_, _, cont) in zip(windows, requests)]
+        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        # longest first: a batch's padding stays small, and an out-of-memory shows up at once
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]))
+        step = self.batch_size if not self.kv.quantized else 1
+        for start in tqdm(range(0, len(order), step), desc="lowbit loglikelihood", disable=disable_tqdm):
+            chunk = order[start: start + step]
+            if self.kv.quantized:
+                scores = [self._score_cached(*pairs[i]) for i in chunk]
+            else:
+                scores = self._score_plain([pairs[i] for i in chunk])
+            for i, s in zip(chunk, scores):
+                results[i] = s
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document scored whole, in disjoint windows of ``max_length`` tokens (lm-eval's rolling scheme)."""
+        out = []
+        for (text,) in tqdm([r.args for r in requests], desc="lowbit rolling", disable=disable_tqdm):
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text, add_special_tokens=False), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)]
+            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
+            out.append(sum(logprob for logprob, _ in scores))
+        return out
+
+    # ------------------------------------------------------------ generation
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], desc="lowbit generate", disable=disable_tqdm):
+            out.append(self._generate(context, dict(gen_kwargs or {})))
+        return out
+
+    @torch.inference_mode()
+    def _generate(self, context: str, kwargs: dict) -> str:
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        eos_text = self.tok_decode([self.eot_token_id])
+        max_new = int(kwargs.pop("max_gen_toks", 256))
+        temperature = float(kwargs.pop("temperature", 0.0)) if _bool(kwargs.pop("do_sample", False)) else 0.0
+        top_p = float(kwargs.pop("top_p", 1.0))
+        check_sampling(max_new, temperature, top_p)
+        generator = torch.Generator().manual_seed(int(kwargs.pop("seed", 1234)))
+        room = self.max_length - max_new  # the answer must fit in the window too: cut the prompt from the left
+        if room < 1:
+            raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in max_length {self.max_length}")
+        ids = (self.tok_encode(context) or [self.prefix_token_id])[-room:]
+        cache = new_cache(self.model, 1, len(ids) + max_new, self.kv)
+        inputs, pos, new = torch.tensor([ids], device=self.model.device), 0, []
+        text = ""
+        for _ in range(max_new):
+            logits = self.model.decoder(inputs, cache, pos)[0, -1]
+            pos += inputs.shape[1]
+            token = sample(logits, temperature, top_p, generator)
+            if token in self.model.eos_token_ids or token == self.eot_token_id:
+                break
+            new.append(token)
+            text = self.tok_decode(new)
+            if any(stop and stop in text for stop in until + [eos_text]):
+                break
+            inputs = torch.tensor([[token]], device=self.model.device)
+        for stop in until:
+            if stop:
+                text = text.split(stop)[0]
+        return text
+
+
+def _score(logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+    """Sum of log-probabilities of ``continuation`` under ``logits`` [n, V], and whether greedy picks it."""
+    target = torch.tensor(continuation, device=logits.device)
+    logprobs = F.log_softmax(logits.double(), dim=-1)
+    total = float(logprobs.gather(1, target[:, None]).sum())
+    return total, bool((logits.argmax(-1) == target).all())
+
+
+def main() -> None:
+    """``lowbit-lm-eval``: lm-eval's own command line, with the ``lowbit`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

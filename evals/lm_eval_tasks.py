@@ -1,0 +1,193 @@
+"""Running lm-eval tasks on a checkpoint, and the offline tasks built from the bundled text.
+
+Standard tasks (hellaswag, arc_easy, ...) fetch their datasets from the Hugging
+Face hub. Offline, ``lowbit_offline`` works: three small tasks built from the
+bundled *Persuasion* (deterministically, into ``$LOWBIT_CACHE/lm_eval_tasks``) and
+read by lm-eval as local jsonl (``dataset_path: json``), one per request type:
+
+* ``lowbit_persuasion_ppl``: paragraphs scored whole (loglikelihood_rolling):
+  word and byte perplexity, bits per byte;
+* ``lowbit_persuasion_cloze``: two sentences, then pick the one that follows
+  among four (loglikelihood): accuracy;
+* ``lowbit_persuasion_gen``: complete the last words of a sentence (generate_until):
+  exact match.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+import re
+from pathlib import Path
+
+from evals.texts import load_text
+
+OFFLINE_GROUP = "lowbit_offline"
+OFFLINE_TASKS = ("lowbit_persuasion_ppl", "lowbit_persuasion_cloze", "lowbit_persuasion_gen")
+TASKS_VERSION = 1  # bump when the generated data or YAML change: a new directory is built
+
+
+class TaskError(ValueError):
+    pass
+
+
+def _paragraphs(text: str) -> list[str]:
+    paras = [" ".join(p.split()) for p in text.split("\n\n")]
+    return [p for p in paras if len(p) >= 200 and not p.isupper()]
+
+
+def _sentences(paragraph: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z\"])", paragraph) if len(s.split()) >= 4]
+
+
+def offline_docs(seed: int = 0) -> dict[str, list[dict]]:
+    """The documents of each offline task, from the bundled text; the same on every machine."""
+    rng = random.Random(seed)
+    paras = _paragraphs(load_text("default"))
+    ppl = [{"text": p} for p in paras[:24]]
+    pool = [s for p in paras for s in _sentences(p)]
+    cloze, gen = [], []
+    for p in paras[24:]:
+        sents = _sentences(p)
+        if len(sents) >= 3 and len(cloze) < 40:
+            answer = sents[2]
+            choices = [answer] + rng.sample([s for s in pool if s != answer], 3)
+            rng.shuffle(choices)
+            cloze.append({"context": f"{sents[0]} {sents[1]}", "choices": choices, "label": choices.index(answer)})
+        words = sents[-1].rstrip(".!?\"").split() if sents else []
+        if len(words) >= 8 and len(gen) < 30:
+            gen.append({"context": " ".join(sents[:-1] + [" ".join(words[:-2])]), "answer": " ".join(words[-2:])})
+    return {"lowbit_persuasion_ppl": ppl, "lowbit_persuasion_cloze": cloze, "lowbit_persuasion_gen": gen}
+
+
+def _yaml(task: str, data_file: Path) -> str:
+    head = (f"task: {task}\ntag: []\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data_file))}\n"
+            "test_split: test\nmetadata:\n  version: " + f"{TASKS_VERSION}.0\n")
+    bodies = {
+        "lowbit_persuasion_ppl": (
+            'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+            "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"),
+        "lowbit_persuasion_cloze": (
+            'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+            'doc_to_target: "{{label}}"\ntarget_delimiter: " "\n'
+            "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+            "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"),
+        "lowbit_persuasion_gen": (
+            'output_type: generate_until\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{answer}}"\n'
+            'target_delimiter: " "\ngeneration_kwargs:\n  until: ["\\n", ".", ",", ";"]\n  max_gen_toks: 8\n'
+            "  do_sample: false\nfilter_list:\n  - name: strip\n    filter:\n      - function: regex\n"
+            '        regex_pattern: "^\\\\s*(.*?)\\\\s*$"\n'
+            "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+            "    ignore_case: true\n    ignore_punctuation: true\n"),
+    }
+    return head + bodies[task]
+
+
+def build_offline_tasks(directory: Path | None = None) -> Path:
+    """Write the offline tasks' jsonl and YAML (once) and return the directory to give lm-eval."""
+    if directory is None:
+        from quant.models import cache_dir
+
+        directory = cache_dir() / "lm_eval_tasks" / f"v{TASKS_VERSION}"
+    directory = Path(directory)
+    if (directory / f"{OFFLINE_GROUP}.yaml").exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for task, docs in offline_docs().items():
+        data = directory / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        (directory / f"{task}.yaml").write_text(_yaml(task, data))
+    # the group file last: its presence marks a complete directory
+    (directory / f"{OFFLINE_GROUP}.yaml").write_text(
+        f"group: {OFFLINE_GROUP}\ntask:\n" + "".join(f"  - {t}\n" for t in OFFLINE_TASKS)
+        + "aggregate_metric_list: []\nmetadata:\n  version: 1.0\n")
+    return directory
+
+
+def task_manager(include: Path | None = None):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include or build_offline_tasks()))
+
+
+def check_task_names(names: list[str], manager) -> None:
+    """Raise TaskError naming every task lm-eval does not know, with its close matches."""
+    known = manager.all_tasks
+    unknown = [n for n in names if n not in known]
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+        parts.append(f"{name!r}" + (f" (close matches: {', '.join(close)})" if close else " (no close match)"))
+    raise TaskError(f"lm-eval does not know the task {'; '.join(parts)}. Offline, '{OFFLINE_GROUP}' runs on the "
+                    "bundled text; `lm-eval ls tasks` lists the rest")
+
+
+_OFFLINE_SIGNS = ("offline", "connection", "resolve", "couldn't reach", "could not reach", "network", "timed out",
+                  "max retries", "name or service not known", "temporary failure", "hub")
+
+
+def _is_unreachable(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}".lower()
+    return isinstance(error, (ConnectionError, TimeoutError)) or any(s in text for s in _OFFLINE_SIGNS)
+
+
+def load_tasks(names: list[str], manager) -> dict:
+    """lm-eval's task objects (their datasets loaded), or a TaskError saying which dataset is unreachable."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        return get_task_dict(names, manager)
+    except Exception as e:  # lm-eval and datasets raise many types; only the unreachable-hub case is reworded
+        if not _is_unreachable(e):
+            raise
+        offline = [n for n in names if n == OFFLINE_GROUP or n in OFFLINE_TASKS]
+        online = [n for n in names if n not in offline]
+        raise TaskError(
+            f"the dataset of {', '.join(online) or 'a task'} could not be fetched ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}): the Hugging Face hub is unreachable "
+            f"from here. Offline, run '--tasks {OFFLINE_GROUP}' (built from the bundled text), or put the dataset "
+            "in the local cache first") from None
+
+
+def run_tasks(ckpt: str, tasks: list[str], kv: str = "fp16", limit: int | float | None = None,
+              num_fewshot: int | None = None, batch_size: int = 8, device: str = "cpu", model=None) -> dict:
+    """Evaluate ``tasks`` on ``ckpt`` through lm-eval; per task its metrics, plus the settings that produced them."""
+    import lm_eval
+
+    import evals.lm_eval_adapter as adapter
+
+    manager = task_manager()
+    check_task_names(tasks, manager)
+    load_tasks(tasks, manager)  # fails early, and clearly, on a dataset out of reach
+    lm = adapter.LowbitLM(pretrained=ckpt, kv=kv, device=device, batch_size=batch_size, model=model)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot,
+                                  limit=limit, task_manager=manager, bootstrap_iters=0, log_samples=False)
+    results = {name: {k: v for k, v in metrics.items() if k != "alias" and not isinstance(v, str)}
+               for name, metrics in out["results"].items()}
+    return {
+        "tasks": results,
+        "settings": {"tasks": tasks, "kv": lm.kv.name, "limit": limit, "num_fewshot": num_fewshot,
+                     "max_length": lm.max_length, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
+                     else _lm_eval_version()},
+        "n_samples": {k: v.get("effective", v.get("original")) if isinstance(v, dict) else v
+                      for k, v in (out.get("n-samples") or {}).items()},
+    }
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def tasks_table(result: dict) -> str:
+    lines = ["| task | metric | value |", "|---|---|---|"]
+    for task, metrics in result["tasks"].items():
+        for key, value in metrics.items():
+            if "stderr" in key or value is None:
+                continue
+            lines.append(f"| {task} | {key.split(',')[0]} | {value:.4f} |")
+    return "\n".join(lines)

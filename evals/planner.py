@@ -1,0 +1,204 @@
+"""Memory planner: how many sequences of a given context fit beside the weights, per KV scheme.
+
+Reads only ``config.json`` (and the safetensors headers when the directory has
+weights): no tensor is loaded, so it plans a 70B model on a laptop. What it counts:
+
+* weights: the bytes of every tensor as stored (packed integers, scales, zero
+  points included) from the safetensors headers; without weights, estimated from
+  the config for a Llama-family layout, at the ``quantization_config``'s bits when
+  it has one, else at the config's dtype;
+* KV cache: per sequence, as the runtime's paged cache stores it
+  (:mod:`kvquant.memory`): full blocks at the scheme's bytes per token, scales
+  included, plus one unquantized residual block; keys and values kept in 16 bits.
+
+Activations and the framework's own memory are not counted: hold them back with
+``reserve``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from kvquant import KVScheme, bytes_per_token, parse_kv
+from kvquant.memory import max_tokens, sequence_bytes
+
+DEFAULT_SCHEMES = ("fp16", "int8", "int4", "int2", "fp8")
+KV_DTYPE = torch.float16  # the unquantized cache and the residual block: 16-bit on every device that serves
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class PlanError(ValueError):
+    pass
+
+
+def parse_memory(text: str) -> int:
+    """``24GB`` (10^9), ``24GiB`` (2^30), ``512MB``, ``1.5TB`` or a plain byte count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and m[2].lower()
+    if not m or unit not in _UNITS:
+        raise PlanError(f"cannot read memory size {text!r}: use e.g. 24GB, 24GiB, 512MB or a byte count")
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def _config_path(spec: str) -> Path:
+    """A config.json path from a model directory, a config.json file, or an alias/hub id."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise PlanError(f"{path} has no config.json; give a Hugging Face model directory or its config.json")
+        return path / "config.json"
+    from quant import models
+
+    return models.resolve(spec) / "config.json"
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        return {**config["text_config"], "quantization_config": config.get("quantization_config")}
+    return config
+
+
+def attention_shape(config: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) from an HF config."""
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    except KeyError as e:
+        raise PlanError(f"the config has no {e.args[0]!r}: cannot size its attention (is it a decoder LM?)") from None
+    return layers, kv_heads, head_dim
+
+
+def safetensors_weight_bytes(directory: Path) -> int | None:
+    """Bytes of every stored tensor, from the headers' offsets; None when there are no weights."""
+    from evals.size import read_header
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        for info in read_header(file).values():
+            total += info["data_offsets"][1] - info["data_offsets"][0]
+    return total
+
+
+def _linear_bits(config: dict) -> tuple[float, str] | None:
+    """Average stored bits per Linear weight of a compressed-tensors config (scales and zeros included)."""
+    qc = config.get("quantization_config") or {}
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        return None
+    w = groups[0].get("weights") or {}
+    bits = int(w.get("num_bits", 16))
+    group = w.get("group_size") or 0
+    # per group: a 16-bit scale, and a zero point at the weight's bits when asymmetric
+    extra = (16 + (0 if w.get("symmetric", True) else bits)) / group if group and group > 0 else 0.0
+    return bits + extra, f"{bits}-bit" + (f" g{group}" if group and group > 0 else " per channel")
+
+
+def config_weight_bytes(config: dict) -> tuple[int, str]:
+    """Weights estimated from a Llama-family config: embeddings, attention, gated MLP, norms, head."""
+    layers, kv_heads, head_dim = attention_shape(config)
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    heads, inter = int(config["num_attention_heads"]), int(config["intermediate_size"])
+    linear_params = layers * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter)
+    other_params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + (2 * layers + 1) * hidden
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    float_bytes = DTYPE_BYTES.get(str(dtype), 2)
+    quantized = _linear_bits(config)
+    if quantized:
+        bits, label = quantized
+        return int(linear_params * bits / 8 + other_params * float_bytes), f"estimated from the config ({label} Linears, rest {dtype})"
+    return (linear_params + other_params) * float_bytes, f"estimated from the config ({dtype})"
+
+
+def plan(spec: str, memory: int, context: int, schemes=DEFAULT_SCHEMES, reserve: int = 0) -> dict:
+    """Per KV scheme: bytes per token, sequences of ``context`` tokens that fit, longest single sequence."""
+    if context < 1:
+        raise PlanError(f"context must be at least 1 token, got {context}")
+    config_file = _config_path(spec)
+    config = text_config(json.loads(config_file.read_text()))
+    layers, kv_heads, head_dim = attention_shape(config)
+    weight_bytes = safetensors_weight_bytes(config_file.parent)
+    source = "safetensors headers"
+    if weight_bytes is None:
+        weight_bytes, source = config_weight_bytes(config)
+    free = memory - reserve - weight_bytes
+    rows = [_scheme_row(name, layers, kv_heads, head_dim, context, free) for name in schemes]
+    return {
+        "model": spec,
+        "memory_bytes": memory,
+        "reserve_bytes": reserve,
+        "context": context,
+        "weights": {"bytes": weight_bytes, "source": source},
+        "free_for_kv_bytes": max(free, 0),
+        "attention": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+                      "max_position_embeddings": config.get("max_position_embeddings")},
+        "kv_dtype": str(KV_DTYPE).replace("torch.", ""),
+        "schemes": rows,
+        "counted": "weights as stored + KV cache (full blocks, scales, one unquantized residual block per sequence); "
+                   "activations and framework memory not counted (use reserve)",
+    }
+
+
+def _scheme_row(name: str, layers: int, kv_heads: int, head_dim: int, context: int, free: int) -> dict:
+    scheme: KVScheme = parse_kv(name)
+    row = {"scheme": scheme.name, "bits": scheme.bits, "type": scheme.type}
+    try:
+        scheme.check_head_dim(head_dim)
+    except ValueError as e:
+        return {**row, "error": str(e)}
+    per_seq = sequence_bytes(scheme, layers, kv_heads, head_dim, context, KV_DTYPE)
+    return {
+        **row,
+        "kv_bytes_per_token": bytes_per_token(scheme, layers, kv_heads, head_dim, KV_DTYPE),
+        "residual_tokens": scheme.residual if scheme.quantized else 0,
+        "bytes_per_sequence": per_seq,
+        "max_sequences": max(free, 0) // per_seq,
+        "max_context": max_tokens(scheme, layers, kv_heads, head_dim, max(free, 0), KV_DTYPE),
+    }
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def plan_text(p: dict) -> str:
+    lines = [
+        f"memory plan for {p['model']}: {_size(p['memory_bytes'])} budget"
+        + (f" ({_size(p['reserve_bytes'])} reserved)" if p["reserve_bytes"] else "")
+        + f", context {p['context']} tokens",
+        f"weights: {_size(p['weights']['bytes'])} ({p['weights']['source']}); "
+        f"left for the KV cache: {_size(p['free_for_kv_bytes'])}",
+        f"attention: {p['attention']['layers']} layers x {p['attention']['kv_heads']} KV heads x head_dim "
+        f"{p['attention']['head_dim']}",
+        "",
+        f"{'KV scheme':<16} {'bytes/token':>12} {'per sequence':>14} {'sequences':>10} {'max context (1 seq)':>20}",
+    ]
+    for r in p["schemes"]:
+        if "error" in r:
+            lines.append(f"{r['scheme']:<16} n/a: {r['error']}")
+            continue
+        lines.append(f"{r['scheme']:<16} {r['kv_bytes_per_token']:>12,.0f} {_size(r['bytes_per_sequence']):>14} "
+                     f"{r['max_sequences']:>10,} {r['max_context']:>20,}")
+    limit = p["attention"]["max_position_embeddings"]
+    if limit and any(r.get("max_context", 0) > limit for r in p["schemes"]):
+        lines.append(f"note: the model itself attends over at most {limit:,} positions (max_position_embeddings)")
+    if p["free_for_kv_bytes"] == 0:
+        lines.append("the weights alone do not fit in this budget")
+    lines += ["", f"counted: {p['counted']}"]
+    return "\n".join(lines)

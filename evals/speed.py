@@ -1,0 +1,146 @@
+"""Speed by phase, measured with the runtime: prefill (TTFT, prompt tokens/s) and decode (ITL, tokens/s).
+
+A request is a batch of ``batch`` prompts of ``prompt_len`` random token ids (the
+same length, so no padding skews the count), prefilled in one forward through the
+runtime's KV cache, then decoded greedily for ``output_len - 1`` more steps:
+
+* TTFT: from submitting the prompts to the first token of every sequence
+  (the prefill forward and the sampling of its last position);
+* ITL: the time of each later step (one new token for every sequence);
+* prefill tokens/s = batch * prompt_len / TTFT; decode tokens/s = batch / mean ITL.
+
+Each configuration runs once untimed first (allocator and kernel warm-up), then
+``repeats`` times; the reported numbers are medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from runtime.cache import KVCache
+
+PROTOCOL = ("random token ids (seed 0), batch of equal-length prompts prefilled in one forward through the "
+            "runtime KV cache, greedy decode; TTFT = prefill + first sampling; ITL = one decode step for the batch; "
+            "one warm-up run, medians over repeats")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int
+    output_len: int
+    batch: int = 1
+
+    def __post_init__(self):
+        for key in ("prompt_len", "output_len", "batch"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class PhaseTiming:
+    workload: Workload
+    kv: str
+    ttft_s: float
+    itl_s: float  # median over steps and repeats; 0 when output_len == 1
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    repeats: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("workload"))
+        return d
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def new_cache(model, batch: int, max_len: int, scheme=None) -> KVCache:
+    cfg = model.decoder.cfg
+    return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype, model.device, scheme)
+
+
+@torch.inference_mode()
+def run_request(model, prompt_ids: torch.Tensor, output_len: int, scheme=None) -> tuple[float, list[float]]:
+    """Prefill ``prompt_ids`` [B, P] and decode greedily; return (TTFT, per-step ITLs) in seconds."""
+    batch, prompt_len = prompt_ids.shape
+    cache = new_cache(model, batch, prompt_len + output_len, scheme)
+    ids = prompt_ids.to(model.device)
+    _sync(model.device)
+    start = time.perf_counter()
+    token = model.decoder(ids, cache, 0)[:, -1].argmax(-1, keepdim=True)
+    _sync(model.device)
+    ttft = time.perf_counter() - start
+    itls, pos = [], prompt_len
+    for _ in range(output_len - 1):
+        step = time.perf_counter()
+        token = model.decoder(token, cache, pos)[:, -1].argmax(-1, keepdim=True)
+        _sync(model.device)
+        itls.append(time.perf_counter() - step)
+        pos += 1
+    return ttft, itls
+
+
+def random_prompts(model, workload: Workload, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.decoder.cfg.vocab_size, (workload.batch, workload.prompt_len), generator=g)
+
+
+def measure(model, workload: Workload, scheme=None, repeats: int = 1) -> PhaseTiming:
+    """Time both phases of ``workload`` on ``model`` (a :class:`runtime.Model`)."""
+    limit = model.max_positions
+    if workload.prompt_len + workload.output_len > limit:
+        raise ValueError(f"prompt {workload.prompt_len} + output {workload.output_len} tokens exceed the model's "
+                         f"context ({limit} positions)")
+    prompts = random_prompts(model, workload)
+    run_request(model, prompts[:, : min(workload.prompt_len, 16)], min(workload.output_len, 2), scheme)  # warm-up
+    ttfts, itls = [], []
+    for _ in range(repeats):
+        ttft, steps = run_request(model, prompts, workload.output_len, scheme)
+        ttfts.append(ttft)
+        itls += steps
+    ttft = statistics.median(ttfts)
+    itl = statistics.median(itls) if itls else 0.0
+    name = scheme.name if scheme is not None else "fp16"
+    return PhaseTiming(workload, name, ttft, itl, workload.batch * workload.prompt_len / ttft,
+                       workload.batch / itl if itl else 0.0, repeats)
+
+
+def sweep(model, workloads, scheme=None, repeats: int = 1, progress=None) -> list[PhaseTiming]:
+    out = []
+    for w in workloads:
+        t = measure(model, w, scheme, repeats)
+        if progress:
+            progress(t)
+        out.append(t)
+    return out
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def workloads(prompt_lens, output_lens, batches) -> list[Workload]:
+    return [Workload(p, o, b) for b in batches for p in prompt_lens for o in output_lens]
+
+
+def timing_table(timings: list[PhaseTiming]) -> str:
+    lines = [f"{'batch':>5} {'prompt':>6} {'output':>6} {'kv':<14} {'TTFT ms':>9} {'prefill tok/s':>14} "
+             f"{'ITL ms':>8} {'decode tok/s':>13}"]
+    for t in timings:
+        w = t.workload
+        lines.append(f"{w.batch:>5} {w.prompt_len:>6} {w.output_len:>6} {t.kv:<14} {t.ttft_s * 1e3:>9.1f} "
+                     f"{t.prefill_tokens_per_s:>14,.0f} {t.itl_s * 1e3:>8.1f} {t.decode_tokens_per_s:>13,.1f}")
+    return "\n".join(lines)
