@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
 
@@ -42,36 +43,36 @@ _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only a
 
 
 @triton.jit
-def _dequantize_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, N, K,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                     SCALE_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Weights of inputs ``k0 .. k0 + tile_k`` for outputs ``offs_n``: fp32 ``[tile_k, BLOCK_N]``."""
+def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N,
+                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """``q - zero`` (exact, fp32) of inputs ``k0 .. k0 + tile_k`` for outputs ``offs_n``, shaped
+    ``[pack, 16, BLOCK_N]``: element ``[i, r, n]`` is input ``k0 + 16 i + r`` (tile_order)."""
     PACK: tl.constexpr = 32 // BITS
-    TILE_K: tl.constexpr = _SUBTILE_K * PACK
-    n_mask = offs_n < N
     rows = k0 // PACK + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
     words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-    # Field i of the 16 rows holds inputs k0 + 16 i ... k0 + 16 i + 15 (weight_layout.tile_order).
     shifts = tl.arange(0, PACK) * BITS
-    u = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)  # [PACK, 16, BLOCK_N], unsigned
-    u_plus_2p23 = (u | 0x4B000000).to(tl.float32, bitcast=True)  # exactly 2**23 + u
-    if SCALE_PER_TILE:  # the whole tile lies in one group: one scale row
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, None, :]
-        if HAS_ZERO:
-            zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)[None, None, :]
-    else:  # groups of 16 * j inputs: one scale row per 16-input field
+    u = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)  # unsigned fields
+    # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
+    # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
+    u_plus_2p23 = (u | 0x4B000000).to(tl.float32, bitcast=True)
+    offset = 8388608.0 + (1 << (BITS - 1))
+    if HAS_ZERO:  # int8 zero points, one row per group: [1 or pack, BLOCK_N]
+        zero = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        offset = offset + zero.to(tl.float32)[:, None, :]
+    return u_plus_2p23 - offset
+
+
+@triton.jit
+def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
+    """Group row of each scale the tile needs: one when the tile lies in one group, else one per
+    16-input field (groups of 16 j inputs). Fields past K (padding) read group 0."""
+    PACK: tl.constexpr = 32 // BITS
+    if SCALE_PER_TILE:
+        g = k0 // GROUP + tl.zeros((1,), dtype=tl.int32)
+    else:
         k_field = k0 + tl.arange(0, PACK) * _SUBTILE_K
-        g = k_field // GROUP
-        gn_mask = (k_field < K)[:, None] & n_mask[None, :]
-        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=gn_mask, other=0.0).to(tl.float32)[:, None, :]
-        if HAS_ZERO:
-            zero = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=gn_mask, other=0).to(tl.float32)[:, None, :]
-    offset = 8388608.0 + (1 << (BITS - 1))  # 2**23 + 2**(bits-1): back to signed q
-    if HAS_ZERO:
-        offset = offset + zero
-    w = (u_plus_2p23 - offset) * scale  # (q - zero) * scale; q - zero is exact in fp32
-    return tl.reshape(w, (TILE_K, BLOCK_N))
+        g = tl.where(k_field < K, k_field // GROUP, 0)
+    return g
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _quant_matmul_kernel(
     pid_m = first_m + (pid % per_group) % rows_in_group
     pid_n = (pid % per_group) // rows_in_group
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N may pass 2**31 (lm_head)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     t_start = pid_k * tiles_per_split
@@ -102,30 +103,36 @@ def _quant_matmul_kernel(
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:  # GEMV: one row; per-(k, n) partial sums, reduced over k after the loop
-        acc = tl.zeros((TILE_K, BLOCK_N), dtype=tl.float32)
+    else:  # GEMV, one row: per-(k, n) partial sums, reduced over k once after the loop
+        acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
         k0 = t * TILE_K
-        offs_k = k0 + tl.arange(0, TILE_K)
-        w = _dequantize_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, N, K,
-                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, BLOCK_N)
+        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)
+        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
+        wq = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO)  # [PACK, 16, BLOCK_N]
         if USE_DOT:
+            offs_k = k0 + tl.arange(0, TILE_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-            w = w.to(x_ptr.dtype.element_ty)
+            # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
+            w = tl.reshape(wq * scale[:, None, :], (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
             if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
             else:
                 acc = tl.dot(x, w, acc)
         else:
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            acc += x[:, None] * w
+            offs_k = k0 + tl.arange(0, PACK)[:, None] * _SUBTILE_K + tl.arange(0, _SUBTILE_K)[None, :]
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [PACK, 16] like wq
+            if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
+                acc += tl.sum(x[:, :, None] * wq, axis=0) * scale
+            else:
+                acc += tl.sum(x[:, :, None] * (wq * scale[:, None, :]), axis=0)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:  # fp32 partial sums [split, M, N]; _split_k_sum_kernel adds them
-        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+        tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -135,7 +142,7 @@ def _quant_matmul_kernel(
 @triton.jit
 def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N,
                         SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLITS):  # fixed order: the same result every run
@@ -247,17 +254,17 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
     """What the autotuner times for M rows; the first is the untimed default."""
     num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
     if M == 1:
-        configs = [MatmulConfig(1, bn, s, use_dot=False, group_m=1, num_stages=st)
-                   for bn in (64, 128) for s in (8, 4, 16, 2, 1) for st in (3,)]
+        configs = [MatmulConfig(1, bn, s, use_dot=False, group_m=1) for bn in (64, 32, 128) for s in (8, 4, 16, 2, 1)]
         configs += [MatmulConfig(16, 64, s, group_m=1) for s in (4, 8)]
     elif M <= DECODE_MAX_M:
-        configs = [MatmulConfig(16, bn, s, group_m=1) for bn in (64, 128) for s in (4, 8, 2, 1, 16)]
+        configs = [MatmulConfig(16, bn, s, group_m=1) for bn in (64, 128, 32) for s in (4, 8, 2, 1, 16)]
         configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8) for s in (1, 2)]
     elif M <= 64:
         configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
-    else:
+    else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it
         configs = [MatmulConfig(bm, bn, 1, num_warps=w, num_stages=st)
-                   for bm, bn, w in ((128, 128, 8), (64, 128, 4), (128, 64, 4), (128, 256, 8), (64, 256, 8))
+                   for bm, bn, w in ((128, 128, 8), (64, 128, 4), (128, 64, 4), (128, 256, 8), (256, 128, 8),
+                                     (64, 256, 8))
                    for st in (3, 4)]
     kept = [c for c in configs if c.split_k <= num_tiles]
     return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
