@@ -1,0 +1,244 @@
+"""Speed of the W4 weight kernels against torch fp16 (cuBLAS) on Llama-3 linear shapes.
+
+    python bench/kernels.py [--ms 1 4 16 64 256 1024 4096] [--shapes 4096x4096 ...]
+                            [--bits 4] [--group 128] [--dtype float16] [--out PATH]
+
+Needs a CUDA GPU (it refuses to run without one). For every shape ``KxN`` (inputs x outputs:
+Llama-3-8B and -70B projections) and every row count M, it times
+
+* ``lowbit``: ``runtime.kernels.quant_matmul`` on a random weight quantized with quant's own
+  math (4-bit, group 128, asymmetric: scales and zero points included), autotuned first;
+* ``torch-fp16``: ``torch.nn.functional.linear`` with the dense fp16 weight (cuBLAS),
+
+in the same run, and reports median time, achieved TFLOP/s (2 M N K / t) and GB/s (weight,
+scale, zero-point, activation and output bytes / t), with the device's measured copy bandwidth
+and bf16 matmul rate (``evals.diagnose.measure_ceilings``) as ceilings.
+
+Method: each timed sample runs the op once per weight copy, over enough copies that together
+they are three times the L2 cache, so weights come from HBM as in a real model; the median of
+the per-call times is reported. Cases with M <= 256 run as a CUDA graph (as the engine will run
+decode steps; eager launches at these sizes would time the Python launch path), larger M as
+plain launches. Results go to
+``bench/results/<device>-<commit>.json`` with device, versions and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x8192", "8192x28672"]  # in x out
+SEVENTY_B = {"8192x8192", "8192x28672"}
+ROWS = [1, 4, 16, 64, 256, 1024, 4096]
+# Up to here each case runs as one CUDA graph: decode steps will (the engine captures them), and
+# at these sizes a plain Triton launch costs more CPU time than the kernel takes on the GPU, so
+# eager timing would measure Python, not the kernel. Larger M runs as plain launches.
+GRAPH_MAX_M = 256
+
+
+def refuse_without_cuda() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py measures GPU kernels and needs a CUDA device; none is visible "
+                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). Nothing was measured.")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("TRITON_INTERPRET=1 is set: the kernels would run in the interpreter. Unset it to benchmark.")
+
+
+def quantized_weight(K: int, N: int, bits: int, group: int, device):
+    """A random [N, K] weight through quant's math, as a checkpoint stores it, then re-laid."""
+    from quant.affine import QuantScheme, choose_qparams, quantize
+    from quant.packing import pack
+    from runtime.kernels import reference
+    from runtime.kernels.weight_layout import make_kernel_weight
+
+    scheme = QuantScheme(bits, group, symmetric=False)
+    w = torch.randn(N, K, device=device) * 0.02
+    scale, zero = choose_qparams(w, scheme, scale_dtype=torch.float16)
+    packed, zero_packed = pack(quantize(w, scale, zero, scheme), bits, dim=1), pack(zero, bits, dim=0)
+    kw = make_kernel_weight(packed, scale, zero_packed, (N, K), scheme)
+    dense = reference.dequantize_weight(packed, scale, zero_packed, (N, K), scheme, torch.float16)
+    return kw, dense, scheme
+
+
+def copies_of_kernel_weight(kw, n: int):
+    from dataclasses import replace
+
+    def clone(t):
+        return None if t is None else t.clone()
+
+    return [kw] + [replace(kw, qweight=kw.qweight.clone(), scales=kw.scales.clone(), zeros=clone(kw.zeros))
+                   for _ in range(n - 1)]
+
+
+def kernel_weight_bytes(kw) -> int:
+    return sum(t.numel() * t.element_size() for t in (kw.qweight, kw.scales, kw.zeros) if t is not None)
+
+
+def l2_bytes(device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
+
+
+def median_seconds_per_call(calls, graph: bool, samples: int) -> float:
+    """Median over ``samples`` of (time of running every call once) / len(calls)."""
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (allocations, autotuned configs)
+            for _ in range(2):
+                for c in calls:
+                    c()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        run = g.replay
+    else:
+        def run():
+            for c in calls:
+                c()
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / len(calls))
+    return statistics.median(times)
+
+
+def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, device, samples: int) -> list[dict]:
+    from runtime.kernels import quant_matmul as qm
+
+    K, N = (int(v) for v in shape.split("x"))
+    kw, dense, scheme = quantized_weight(K, N, bits, group, device)
+    dense = dense.to(dtype)
+    q_bytes, w16_bytes = kernel_weight_bytes(kw), dense.numel() * dense.element_size()
+    enough = 3 * l2_bytes(device)
+    q_copies = copies_of_kernel_weight(kw, max(2, math.ceil(enough / q_bytes)))
+    w16_copies = [dense] + [dense.clone() for _ in range(max(2, math.ceil(enough / w16_bytes)) - 1)]
+    out = []
+    for M in rows:
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        # correctness first: the kernel against the dense dequantized weight
+        got, want = qm.quant_matmul(x, kw), F.linear(x, dense)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        if err > 1e-2:
+            raise AssertionError(f"{shape} M={M}: kernel output differs from the dense reference (rel. error {err:.2e})")
+        config = qm.choose_config(M, kw, dtype, x.device)  # tuned by the call above
+        graph = M <= GRAPH_MAX_M
+        t_q = median_seconds_per_call([lambda w=w: qm.quant_matmul(x, w) for w in q_copies], graph, samples)
+        t_16 = median_seconds_per_call([lambda w=w: F.linear(x, w) for w in w16_copies], graph, samples)
+        io_bytes = (M * K + M * N) * x.element_size()
+        flops = 2 * M * N * K
+        for impl, t, w_bytes in (("lowbit", t_q, q_bytes), ("torch-fp16", t_16, w16_bytes)):
+            out.append({
+                "shape": shape, "in_features": K, "out_features": N, "M": M, "impl": impl,
+                "median_s": t, "tflops": flops / t / 1e12, "gb_per_s": (w_bytes + io_bytes) / t / 1e9,
+                "weight_bytes": w_bytes, "cuda_graph": graph,
+                **({"config": config.__dict__, "rel_error_vs_dense": err} if impl == "lowbit" else {}),
+            })
+        print(f"{shape:>11} M={M:<5} lowbit {t_q * 1e6:9.1f} us   fp16 {t_16 * 1e6:9.1f} us   "
+              f"speedup {t_16 / t_q:5.2f}x   {out[-2]['gb_per_s']:7.0f} GB/s  {out[-2]['tflops']:6.1f} TFLOP/s", flush=True)
+    return out
+
+
+def targets(results: list[dict], ceilings: dict) -> list[dict]:
+    """The issue's targets, evaluated on these measurements (a missing case is reported as such)."""
+    by = {(r["shape"], r["M"], r["impl"]): r for r in results}
+    checks = []
+
+    def speedup(shape, M):
+        q, t = by.get((shape, M, "lowbit")), by.get((shape, M, "torch-fp16"))
+        return None if q is None or t is None else t["median_s"] / q["median_s"]
+
+    for shape in SHAPES:
+        big = shape in SEVENTY_B
+        checks.append({"target": f"M=1 >= {3.0 if big else 2.5}x fp16", "shape": shape,
+                       "measured": speedup(shape, 1), "goal": 3.0 if big else 2.5})
+        if big:
+            q = by.get((shape, 1, "lowbit"))
+            frac = None if q is None else q["gb_per_s"] * 1e9 / ceilings["copy_bytes_per_s"]
+            checks.append({"target": "M=1 >= 70% of copy bandwidth", "shape": shape, "measured": frac, "goal": 0.7})
+            checks.append({"target": "M=16 >= 2.5x fp16", "shape": shape, "measured": speedup(shape, 16), "goal": 2.5})
+        for M in (1024, 4096):
+            checks.append({"target": f"M={M} >= 0.9x fp16 cuBLAS", "shape": shape, "measured": speedup(shape, M),
+                           "goal": 0.9})
+    for c in checks:
+        c["met"] = None if c["measured"] is None else c["measured"] >= c["goal"]
+    return checks
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=SHAPES, help="KxN (inputs x outputs)")
+    ap.add_argument("--ms", nargs="*", type=int, default=ROWS, help="rows M (tokens) per call")
+    ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--samples", type=int, default=30, help="timed samples per case (median reported)")
+    ap.add_argument("--out", type=Path, help="default: bench/results/<device>-<commit>.json")
+    args = ap.parse_args()
+    refuse_without_cuda()
+
+    from evals.diagnose import measure_ceilings
+    from evals.provenance import commit, provenance
+
+    code_version = commit()  # before the run, so a later commit cannot mislabel it
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    started = time.time()
+    ceilings = measure_ceilings(device, torch.bfloat16)
+    print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s, bf16 matmul "
+          f"{ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    torch.manual_seed(0)
+    results = []
+    with torch.inference_mode():
+        for shape in args.shapes:
+            results += bench_shape(shape, args.ms, args.bits, args.group, dtype, device, args.samples)
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(device)
+    record = {
+        "benchmark": "bench/kernels.py",
+        "provenance": {**provenance(device), "commit": code_version},
+        "scheme": f"w{args.bits} g{args.group} asymmetric (scales {args.dtype}, int8 zero points)",
+        "activations": args.dtype,
+        "method": ("median of per-call times; each sample calls once per weight copy, copies together 3x L2; "
+                   f"CUDA graphs for M <= {GRAPH_MAX_M}; GB/s counts weight + scales + zeros + activations + "
+                   "output bytes; TFLOP/s = 2 M N K / t"),
+        "ceilings": ceilings,
+        "results": results,
+        "targets": targets(results, ceilings),
+        "wall_s": time.time() - started,
+    }
+    out = args.out or ROOT / "bench" / "results" / f"{device_slug(name)}-{code_version}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str))
+    print(f"wrote {out}")
+    for t in record["targets"]:
+        m = t["measured"]
+        print(f"  {t['target']:<32} {t['shape']:>11}: {'n/a' if m is None else f'{m:.2f}'} "
+              f"({'met' if t['met'] else 'not met' if t['met'] is False else 'not measured'})")
+
+
+if __name__ == "__main__":
+    main()
