@@ -215,10 +215,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, start, k, v)
-        # enable_gqa: SDPA broadcasts the KV heads itself instead of us copying them per query head
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+        out = None
+        if cache is not None and q.is_cuda:
+            # GPU: Triton kernels write the quantized cache and attend over it in place
+            # (runtime/kernels/attention.py); None when they do not take this cache's scheme.
+            from runtime.kernels.attention import cache_attention
+
+            out = cache_attention(cache, layer, start, q, k, v, mask, cfg.sliding_windows[layer])
+        if out is None:
+            if cache is not None:
+                k, v = cache.update(layer, start, k, v)
+            # enable_gqa: SDPA broadcasts the KV heads itself instead of us copying them per query head
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 enable_gqa=cfg.num_kv_heads != cfg.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

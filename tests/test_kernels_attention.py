@@ -1,0 +1,239 @@
+"""The Triton KV-cache attention kernels (runtime/kernels/attention.py) against their PyTorch
+references (runtime/kernels/kv_reference.py, built on kvquant), in the Triton interpreter on CPU
+tensors where there is no GPU (compiled on CUDA tensors where there is one).
+
+What the interpreter checks: the paged layout walk (block table, residual, per-sequence lengths),
+unpacking and dequantization, GQA row mapping, the online softmax, the split-and-combine, the
+quantize-on-write math bit for bit, the two-launch write order. What it cannot: speed (see
+bench/attention.py), compiled code generation (register layouts, ``tl.dot`` on tensor cores),
+bfloat16 (raw uint16 in the interpreter: its ``tl.dot`` multiplies integers, so bf16 is not
+tested here), and the GPU's own fp32 -> fp8 cast (the writer rounds to the e4m3 grid itself, so
+the cast only sees representable values).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are built (tests/conftest.py does the same)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kvquant import KVScheme, parse_kv, quantize_kv  # noqa: E402
+from runtime.cache import KVCache  # noqa: E402
+from runtime.kernels import attention as kernels  # noqa: E402
+from runtime.kernels import kv_reference as ref  # noqa: E402
+from runtime.kernels.kv_reference import PagedKV  # noqa: E402
+from runtime.model import attention_mask  # noqa: E402
+
+DEVICE = torch.device("cpu" if kernels.interpreting() else "cuda")
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+B = 32  # block (residual) size of the small test caches; KIVI groups of 16 tokens / channels
+SCHEMES = ["fp16-r32", "int8-r32", "int4-g16-r32", "int2-g16-r32", "fp8-r32"]
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int, dtype=torch.float16, offset_channels: bool = False) -> torch.Tensor:
+    x = torch.randn(*shape, generator=generator(seed))
+    if offset_channels:  # keys as LLMs make them: a few channels with a large persistent offset
+        x[..., :: max(shape[-1] // 4, 1)] += 6.0
+    return x.to(dtype).to(DEVICE)
+
+
+def empty_paged(scheme: KVScheme, seqs: int, heads: int, dim: int, max_len: int, dtype=torch.float16,
+                seed: int = 0) -> PagedKV:
+    """A cache layer whose blocks are all allocated, scattered over the pool (paging, not a ramp)."""
+    cache = KVCache(1, seqs, heads, dim, max_len, dtype, DEVICE, scheme=scheme)
+    n = cache.block_table.numel()
+    cache.block_table.copy_(torch.randperm(n, generator=generator(seed)).view_as(cache.block_table))
+    return PagedKV.from_cache(cache, 0)
+
+
+def clone(p: PagedKV) -> PagedKV:
+    copy = lambda q: q.map(torch.clone)  # noqa: E731
+    return PagedKV(copy(p.k), copy(p.v), p.residual_k.clone(), p.residual_v.clone(), p.block_table.clone(), p.scheme)
+
+
+def fill(p: PagedKV, lens: list[int], seed: int) -> None:
+    """Write ``lens[s]`` random positions into sequence s (reference writer, one sequence at a time)."""
+    H, D = p.residual_k.shape[1], p.residual_k.shape[3]
+    for s, n in enumerate(lens):
+        one = PagedKV(p.k, p.v, p.residual_k[s:s + 1], p.residual_v[s:s + 1], p.block_table[s:s + 1], p.scheme)
+        k = randn(1, H, n, D, seed=seed + 2 * s, dtype=p.dtype, offset_channels=True)
+        v = randn(1, H, n, D, seed=seed + 2 * s + 1, dtype=p.dtype)
+        ref.write_kv(one, torch.zeros(1, dtype=torch.int32, device=DEVICE), k, v)
+
+
+def lengths(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def assert_same_cache(actual: PagedKV, expected: PagedKV) -> None:
+    for got, want in ((actual.k, expected.k), (actual.v, expected.v)):
+        for a, e in zip(got, want):
+            if a is None:
+                continue
+            if a.dtype == torch.float8_e4m3fn:  # compare the bytes (-0 and 0 differ)
+                a, e = a.view(torch.uint8), e.view(torch.uint8)
+            assert torch.equal(a, e)
+    assert torch.equal(actual.residual_k, expected.residual_k)
+    assert torch.equal(actual.residual_v, expected.residual_v)
+
+
+# ------------------------------------------------------------------------------ quantize-on-write
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_write_is_bit_identical_to_the_reference(name):
+    scheme = parse_kv(name)
+    S, H, D = 3, 2, 64
+    paged = empty_paged(scheme, S, H, D, max_len=4 * B, seed=1)
+    # an empty sequence, one shorter than a block, one with a residual one token from full
+    fill(paged, [0, 5, B - 1], seed=10)
+    starts = [0, 5, B - 1]
+    for step, T in enumerate((1, 40, 3)):  # a decode step (fills seq 2's block), a prefill chunk, a few more
+        k = randn(S, H, T, D, seed=100 + step, offset_channels=True)
+        v = randn(S, H, T, D, seed=200 + step)
+        expected, actual = clone(paged), paged
+        ref.write_kv(expected, lengths(starts), k, v)
+        kernels.write_kv(actual, lengths(starts), k, v)
+        assert_same_cache(actual, expected)
+        starts = [s + T for s in starts]
+
+
+@pytest.mark.parametrize("name", ["int8-r32", "int4-g16-r32", "int2-g16-r32"])
+def test_written_blocks_equal_kvquant_quantize_kv(name):
+    """Tie the kernel straight to kvquant: a prefill of 2 blocks + 7 positions, head_dim 128."""
+    scheme = parse_kv(name)
+    paged = empty_paged(scheme, 1, 1, 128, max_len=3 * B, seed=2)
+    k = randn(1, 1, 2 * B + 7, 128, seed=3, offset_channels=True)
+    v = randn(1, 1, 2 * B + 7, 128, seed=4)
+    kernels.write_kv(paged, lengths([0]), k, v)
+    for j in range(2):
+        block = paged.block_table[0, j].long()
+        for keys, x in ((True, k), (False, v)):
+            want = quantize_kv(x[0, :, j * B:(j + 1) * B], scheme, keys)  # [H, ...]
+            for stored, expected in zip(paged.pool(keys), want):
+                assert torch.equal(stored[block], expected)
+    assert torch.equal(paged.residual_k[0, :, :7], k[0, :, 2 * B:])
+    assert torch.equal(paged.residual_v[0, :, :7], v[0, :, 2 * B:])
+
+
+# ------------------------------------------------------------------------------- decode attention
+
+MIXED_LENGTHS = [7, B, 2 * B - 1, 2 * B + 13]  # < a block, empty residual, full residual, uneven
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_decode_attention_matches_the_reference(name, gqa, dim):
+    scheme = parse_kv(name)
+    S, H = len(MIXED_LENGTHS), 2
+    paged = empty_paged(scheme, S, H, dim, max_len=3 * B, seed=gqa)
+    fill(paged, MIXED_LENGTHS, seed=dim + gqa)
+    q = randn(S, H * gqa, dim, seed=7)
+    lens = lengths(MIXED_LENGTHS)
+    want = ref.decode_attention(q, paged, lens)
+    got = kernels.decode_attention(q, paged, lens)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_attention_splits_and_sliding_window(splits, window):
+    scheme = parse_kv("int4-g16-r32")
+    lens = [0, 3, 2 * B + 13, 4 * B]  # an idle slot (zeros), and splits that hold nothing
+    paged = empty_paged(scheme, len(lens), 1, 64, max_len=4 * B, seed=5)
+    fill(paged, lens, seed=50)
+    q = randn(len(lens), 4, 64, seed=8)
+    want = ref.decode_attention(q, paged, lengths(lens), window=window)
+    got = kernels.decode_attention(q, paged, lengths(lens), window=window, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+def test_decode_attention_in_float32():
+    scheme = parse_kv("int8-r32")
+    paged = empty_paged(scheme, 2, 2, 64, max_len=2 * B, dtype=torch.float32, seed=6)
+    fill(paged, [B + 9, 17], seed=60)
+    q = randn(2, 8, 64, seed=9, dtype=torch.float32)
+    want = ref.decode_attention(q, paged, lengths([B + 9, 17]))
+    torch.testing.assert_close(kernels.decode_attention(q, paged, lengths([B + 9, 17])), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8-r32", "int4-g16-r32", "fp8-r32"])
+def test_dequantize_cache_is_bit_identical(name):
+    paged = empty_paged(parse_kv(name), 3, 2, 64, max_len=3 * B, seed=11)
+    lens = [2 * B + 5, B, 9]
+    fill(paged, lens, seed=70)
+    for length in (2 * B + 5, B + 3):  # the whole cache, and a cut through a sequence
+        want = ref.dequantize_cache(paged, lengths(lens), length)
+        got = kernels.dequantize_cache(paged, lengths(lens), length)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ------------------------------------------------------------------------- the cache's attention
+
+
+@pytest.mark.parametrize("name", ["int4-g16-r32", "int8-r32"])
+def test_cache_attention_through_prefill_chunks_and_decode(name):
+    """The runtime's GPU path (kernels) against the same path on the references, and its decode
+    steps against the CPU path (cache.update + SDPA), on one cache history."""
+    scheme = parse_kv(name)
+    S, H, Hq, D, max_len = 2, 2, 8, 64, 3 * B
+    caches = [KVCache(1, S, H, D, max_len, torch.float16, DEVICE, scheme=scheme) for _ in range(3)]
+    fused, reference, cpu_path = caches
+    pos, step = 0, 0
+    for T in (40, 13) + (1,) * 14:  # a prefill, a chunk that reads the first from the cache, decode over 64
+        q = randn(S, Hq, T, D, seed=300 + step)
+        k = randn(S, H, T, D, seed=400 + step, offset_channels=True)
+        v = randn(S, H, T, D, seed=500 + step)
+        mask = attention_mask(T, pos + T, None, DEVICE)
+        got = kernels.cache_attention(fused, 0, pos, q, k, v, mask)
+        want = ref.cache_attention(reference, 0, pos, q, k, v, mask)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        keys, values = cpu_path.update(0, pos, k, v)
+        if T == 1:
+            plain = torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            torch.testing.assert_close(got, plain, atol=2e-3, rtol=2e-3)
+        pos, step = pos + T, step + 1
+    assert fused.lengths == reference.lengths == [pos]
+    assert torch.equal(fused.block_table, cpu_path.block_table)
+    assert_same_cache(PagedKV.from_cache(fused, 0), PagedKV.from_cache(cpu_path, 0))
+
+
+def test_unsupported_caches_fall_back_or_fail_clearly():
+    odd = parse_kv("int4-g16-r48")  # a block of 48 tokens: not a power of two
+    cache = KVCache(1, 1, 1, 64, 96, torch.float16, DEVICE, scheme=odd)
+    q, k = randn(1, 1, 1, 64, seed=1), randn(1, 1, 1, 64, seed=2)
+    assert kernels.cache_attention(cache, 0, 0, q, k, k) is None  # the model then takes cache.update + SDPA
+    with pytest.raises(ValueError, match="block size .*48"):
+        kernels.decode_attention(q[:, :, 0], PagedKV.from_cache(cache, 0), lengths([1]))
+    paged = empty_paged(parse_kv("int4-g16-r32"), 2, 2, 64, max_len=B)
+    with pytest.raises(ValueError, match="multiple of the 2 KV heads"):
+        kernels.decode_attention(randn(2, 3, 64, seed=3), paged, lengths([1, 1]))
+    with pytest.raises(ValueError, match=r"\[S=2, H=2, T, D=64\]"):
+        kernels.write_kv(paged, lengths([0, 0]), randn(2, 2, 1, 32, seed=4), randn(2, 2, 1, 32, seed=5))
+
+
+def test_ties_round_half_to_even_like_torch_round():
+    """Exact halves on the grid: scale 1 and zero 0 (a token spanning -128..127 at 8 bits), the
+    other channels at k + 0.5. Rounding half up would move every odd k + 0.5 one step."""
+    scheme = parse_kv("int8-r32")
+    x = torch.randint(-120, 120, (1, 1, B, 64), generator=generator(12)).float() + 0.5
+    x[..., 0], x[..., 1] = -128.0, 127.0
+    paged = empty_paged(scheme, 1, 1, 64, max_len=B)
+    kernels.write_kv(paged, lengths([0]), x.half().to(DEVICE), x.half().to(DEVICE))
+    want = quantize_kv(x[0, :, :].half().to(DEVICE), scheme, keys=True)
+    assert float(want.scale.float().unique()) == 1.0 and float(want.zero.float().abs().max()) == 0.0
+    block = paged.block_table[0, 0].long()
+    assert torch.equal(paged.k.data[block], want.data)
