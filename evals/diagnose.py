@@ -119,7 +119,7 @@ def prefill_flops(model, batch: int, prompt_len: int) -> dict:
 def diagnose(model, workload: Workload, scheme: KVScheme | None = None, ceilings: dict | None = None,
              repeats: int = 1) -> dict:
     """Measure both phases of ``workload``, compare them with the ceilings, name the dominant phase and the lever."""
-    scheme = scheme or KVScheme()
+    scheme = scheme or model.kv_scheme
     ceilings = ceilings or measure_ceilings(model.device, model.dtype)
     timing: PhaseTiming = measure(model, workload, scheme, repeats)
     w_bytes, held = weight_bytes_per_step(model, workload.batch)

@@ -7,12 +7,14 @@ and ``lowbit eval CKPT --tasks ...`` runs tasks from lowbit's CLI.
 
 Scoring runs on :func:`runtime.load`'s model:
 
-* ``kv=fp16`` (default): plain forwards (``Model.logits``), several requests per
+* ``kv``: the KV-cache scheme (``fp16``, ``int8``, ``int4``, ``int2``, ``fp8``, with
+  ``-g``/``-r`` settings); default: the one saved with the checkpoint;
+* an unquantized cache: plain forwards (``Model.logits``), several requests per
   batch, right-padded (causal attention: padding after a request cannot change it);
-* a quantized ``kv``: one request at a time through the runtime's KV cache, as
-  serving runs it: the context is prefilled in one forward, then the
-  continuation goes in chunks of ``kv_chunk`` tokens, so attention reads the
-  quantized keys and values of every full block before it.
+* a quantized cache: one request at a time through the runtime's KV cache, as
+  serving runs it (``evals.kv``'s chunked path): the context is prefilled in one
+  forward, then the continuation goes in chunks of ``kv_chunk`` tokens, so
+  attention reads the quantized keys and values of every full block before it.
 
 ``generate_until`` decodes through the same cache (greedy unless the task asks
 for a temperature) and stops at the task's ``until`` strings.
@@ -28,8 +30,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 import runtime
-from evals.speed import new_cache
-from kvquant import KVScheme, parse_kv
+from evals.kv import chunked_logits_fn, runtime_session
+from kvquant import KVScheme
 from runtime.generate import check_sampling, sample
 
 DEFAULT_MAX_LENGTH = 2048  # CPU-friendly default window for rolling log-likelihoods
@@ -43,17 +45,16 @@ def _bool(value) -> bool:
 class LowbitLM(TemplateLM):
     """An lm-eval model over a lowbit (or any compressed-tensors / float HF) checkpoint."""
 
-    def __init__(self, pretrained: str = "smollm2-135m", kv: str = "fp16", device: str = "cpu",
+    def __init__(self, pretrained: str = "smollm2-135m", kv: str | None = None, device: str = "cpu",
                  batch_size: int | str = 8, max_length: int | None = None, kv_chunk: int = 32,
                  model: runtime.Model | None = None, **kwargs):
         super().__init__()
-        self.model = model or runtime.load(pretrained, device=device)
+        self.model = model or runtime.load(pretrained, device=device, kv=kv)
         if self.model.tokenizer is None:
             raise ValueError(f"{self.model.path} has no tokenizer: lm-eval tasks are text")
         self.tokenizer = self.model.tokenizer
         self.pretrained = str(pretrained)
-        self.kv: KVScheme = parse_kv(kv)
-        self.kv.check_head_dim(self.model.decoder.cfg.head_dim)
+        self.kv: KVScheme = self.model.kv_scheme
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto" is a GPU notion
         self.max_length = min(int(max_length or DEFAULT_MAX_LENGTH), self.model.max_positions)
         self.kv_chunk = int(kv_chunk)
@@ -103,19 +104,12 @@ class LowbitLM(TemplateLM):
             out.append(_score(scored, cont))
         return out
 
-    @torch.inference_mode()
     def _score_cached(self, ids: list[int], cont: list[int]) -> tuple[float, bool]:
         """Prefill the context through the quantized cache, then feed the continuation in chunks."""
-        cache = new_cache(self.model, 1, len(ids), self.kv)
-        split = len(ids) - len(cont) + 1  # positions before this are context; its logits score cont[0]
-        pieces = [ids[:split]] + [ids[i: i + self.kv_chunk] for i in range(split, len(ids), self.kv_chunk)]
-        logits, pos = [], 0
-        for piece in pieces:
-            out = self.model.decoder(torch.tensor([piece], device=self.model.device), cache, pos)[0].float()
-            logits.append(out)
-            pos += len(piece)
-        scored = torch.cat(logits)[split - 1:]
-        return _score(scored, cont)
+        split = len(ids) - len(cont) + 1  # the context; the logits at its last position score cont[0]
+        logits_fn = chunked_logits_fn(runtime_session(self.model, self.kv), split, self.kv_chunk)
+        logits = logits_fn(torch.tensor([ids]))[0]
+        return _score(logits[split - 1:], cont)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         windows = [self._window(ctx, cont) for _, ctx, cont in requests]
@@ -167,7 +161,7 @@ class LowbitLM(TemplateLM):
         if room < 1:
             raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in max_length {self.max_length}")
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-room:]
-        cache = new_cache(self.model, 1, len(ids) + max_new, self.kv)
+        cache = self.model.new_cache(len(ids) + max_new)
         inputs, pos, new = torch.tensor([ids], device=self.model.device), 0, []
         text = ""
         for _ in range(max_new):

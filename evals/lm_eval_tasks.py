@@ -152,7 +152,7 @@ def load_tasks(names: list[str], manager) -> dict:
             "in the local cache first") from None
 
 
-def run_tasks(ckpt: str, tasks: list[str], kv: str = "fp16", limit: int | float | None = None,
+def run_tasks(ckpt: str, tasks: list[str], kv: str | None = None, limit: int | float | None = None,
               num_fewshot: int | None = None, batch_size: int = 8, device: str = "cpu", model=None) -> dict:
     """Evaluate ``tasks`` on ``ckpt`` through lm-eval; per task its metrics, plus the settings that produced them."""
     import lm_eval
@@ -187,7 +187,7 @@ def tasks_table(result: dict) -> str:
     lines = ["| task | metric | value |", "|---|---|---|"]
     for task, metrics in result["tasks"].items():
         for key, value in metrics.items():
-            if "stderr" in key or value is None:
+            if "stderr" in key or key == "sample_len" or not isinstance(value, (int, float)):
                 continue
             lines.append(f"| {task} | {key.split(',')[0]} | {value:.4f} |")
     return "\n".join(lines)

@@ -147,7 +147,8 @@ def plan(spec: str, memory: int, context: int, schemes=DEFAULT_SCHEMES, reserve:
                       "max_position_embeddings": config.get("max_position_embeddings")},
         "kv_dtype": str(KV_DTYPE).replace("torch.", ""),
         "schemes": rows,
-        "counted": "weights as stored + KV cache (full blocks, scales, one unquantized residual block per sequence); "
+        "counted": "weights as stored + KV cache as the runtime allocates it (blocks for the whole context, scales, one "
+                   "unquantized residual block per sequence); "
                    "activations and framework memory not counted (use reserve)",
     }
 

@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from runtime.cache import KVCache
-
 PROTOCOL = ("random token ids (seed 0), batch of equal-length prompts prefilled in one forward through the "
             "runtime KV cache, greedy decode; TTFT = prefill + first sampling; ITL = one decode step for the batch; "
             "one warm-up run, medians over repeats")
@@ -61,16 +59,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def new_cache(model, batch: int, max_len: int, scheme=None) -> KVCache:
-    cfg = model.decoder.cfg
-    return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype, model.device, scheme)
-
-
 @torch.inference_mode()
 def run_request(model, prompt_ids: torch.Tensor, output_len: int, scheme=None) -> tuple[float, list[float]]:
     """Prefill ``prompt_ids`` [B, P] and decode greedily; return (TTFT, per-step ITLs) in seconds."""
     batch, prompt_len = prompt_ids.shape
-    cache = new_cache(model, batch, prompt_len + output_len, scheme)
+    cache = model.new_cache(prompt_len + output_len, batch, scheme)  # None: the model's own scheme
     ids = prompt_ids.to(model.device)
     _sync(model.device)
     start = time.perf_counter()
@@ -107,7 +100,7 @@ def measure(model, workload: Workload, scheme=None, repeats: int = 1) -> PhaseTi
         itls += steps
     ttft = statistics.median(ttfts)
     itl = statistics.median(itls) if itls else 0.0
-    name = scheme.name if scheme is not None else "fp16"
+    name = (scheme or model.kv_scheme).name
     return PhaseTiming(workload, name, ttft, itl, workload.batch * workload.prompt_len / ttft,
                        workload.batch / itl if itl else 0.0, repeats)
 

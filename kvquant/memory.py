@@ -1,10 +1,11 @@
-"""Bytes a whole sequence's KV cache takes, as the runtime's paged cache lays it out.
+"""Bytes a whole sequence's KV cache takes, as the runtime's paged cache allocates it.
 
-``bytes_per_token`` is the per-token rate of the quantized blocks; a sequence also
-holds one unquantized residual block of ``residual`` tokens (keys and values in the
-model dtype, every layer and KV head), whatever its length. Tokens of the newest,
-partial block live in that residual, so ``n`` full blocks hold up to
-``n * B + B - 1`` tokens. The memory planner sizes budgets with these two functions.
+``bytes_per_token`` is the per-token rate of the quantized blocks; a sequence of up
+to ``n * B`` tokens gets ``n`` pool blocks (``runtime.cache.KVCache`` allocates
+``ceil(max_len / B)`` per sequence) and one unquantized residual block of
+``residual`` tokens (keys and values in the model dtype, every layer and KV head),
+whatever its length. The memory planner sizes budgets with these functions; a
+test holds them to the bytes an allocated cache really has.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ def residual_bytes(scheme: KVScheme, num_layers: int, kv_heads: int, head_dim: i
 
 def sequence_bytes(scheme: KVScheme, num_layers: int, kv_heads: int, head_dim: int, tokens: int,
                    dtype: torch.dtype = torch.float16) -> int:
-    """KV bytes of one sequence of ``tokens`` positions: its full blocks (scales included) and its residual."""
-    full_blocks = tokens // scheme.block_size
+    """KV bytes allocated for one sequence of up to ``tokens`` positions: its pool blocks (scales included)
+    and its residual block (the block table, 4 bytes per block, is left out)."""
+    blocks = -(-tokens // scheme.block_size)
     per_block = num_layers * kv_heads * block_bytes(scheme, head_dim, dtype)
-    return full_blocks * per_block + residual_bytes(scheme, num_layers, kv_heads, head_dim, dtype)
+    return blocks * per_block + residual_bytes(scheme, num_layers, kv_heads, head_dim, dtype)
 
 
 def max_tokens(scheme: KVScheme, num_layers: int, kv_heads: int, head_dim: int, budget: int,
@@ -38,7 +40,7 @@ def max_tokens(scheme: KVScheme, num_layers: int, kv_heads: int, head_dim: int, 
         return 0
     per_block = num_layers * kv_heads * block_bytes(scheme, head_dim, dtype)
     blocks = (budget - fixed) // per_block
-    return blocks * scheme.block_size + scheme.block_size - 1  # the residual holds a partial block
+    return blocks * scheme.block_size
 
 
 def stored_bytes(scheme: KVScheme, num_layers: int, kv_heads: int, head_dim: int, tokens: int,

@@ -71,17 +71,52 @@ def quantize(recipe, model, output, overwrite, resume, device):
 @click.option("--stride", type=int, default=pipeline.DEFAULT_PROTOCOL.stride, show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write a Markdown report.")
+@click.option("--tasks", help="Also run lm-eval tasks, comma-separated (offline: lowbit_offline).")
+@click.option("--limit", type=float, help="lm-eval: documents per task (or a fraction below 1).")
+@click.option("--speed", "speed_batches", help="Also time prefill and decode at these batch sizes, e.g. 1,2,4.")
+@click.option("--speed-prompt-len", default="128", show_default=True, help="Prompt lengths for --speed (comma-separated).")
+@click.option("--speed-output-len", default="32", show_default=True, help="Output lengths for --speed (comma-separated).")
 @_fail_cleanly
-def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, report):
-    """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight."""
+def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, report, tasks, limit, speed_batches,
+          speed_prompt_len, speed_output_len):
+    """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight; optionally tasks and speed."""
     protocol = pipeline.make_protocol(window=window, stride=stride, tokens=tokens)
     result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol)
     md = pipeline.report_markdown(result)
+    task_result = speed = None
+    if tasks:
+        from evals.lm_eval_tasks import run_tasks, tasks_table
+
+        task_result = run_tasks(ckpt, _names(tasks), limit=int(limit) if limit and limit >= 1 else limit)
+        md += "\n\n" + tasks_table(task_result)
+    if speed_batches:
+        speed = _speed_sweep(ckpt, None, speed_batches, speed_prompt_len, speed_output_len)
+        md += "\n\n" + speed["table"]
     click.echo(md)
     if json_out:
-        json_out.write_text(json.dumps(result, indent=2))
+        from evals.report import complete_run
+
+        json_out.write_text(json.dumps(complete_run(result, ckpt, speed=speed, tasks=task_result), indent=2))
     if report:
         report.write_text(md)
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _speed_sweep(ckpt, kv, batches, prompt_lens, output_lens, repeats: int = 1) -> dict:
+    """Time both phases of every (batch, prompt, output) combination; a JSON-ready dict with its protocol."""
+    import runtime
+    from evals import speed as sp
+    from evals.provenance import describe_device, device_info
+
+    model = runtime.load(ckpt, kv=kv)
+    loads = sp.workloads(sp.parse_lengths(prompt_lens), sp.parse_lengths(output_lens), sp.parse_lengths(batches))
+    timings = sp.sweep(model, loads, repeats=repeats)
+    device = device_info(model.device)
+    return {"protocol": sp.PROTOCOL, "device": device, "rows": [t.to_dict() for t in timings],
+            "table": f"Speed on {describe_device(device)} ({sp.PROTOCOL}):\n" + sp.timing_table(timings)}
 
 
 @main.command()
@@ -135,6 +170,81 @@ def demo(recipe, tokens, overwrite):
         pipeline.quantize(r, overwrite=overwrite)
     result = pipeline.evaluate(str(output), protocol=pipeline.make_protocol(tokens=tokens))
     click.echo(pipeline.report_markdown(result))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--memory", required=True, help="Memory budget: 24GB, 24GiB, 512MB or bytes.")
+@click.option("--context", type=int, default=8192, show_default=True, help="Tokens per sequence.")
+@click.option("--reserve", default="0", show_default=True, help="Memory held back for activations and the framework.")
+@click.option("--kv", "schemes", multiple=True, help="KV schemes to plan (repeatable; default fp16, int8, int4, int2, fp8).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan as JSON.")
+@_fail_cleanly
+def plan(model, memory, context, reserve, schemes, json_out):
+    """How many sequences of --context tokens fit in --memory beside MODEL's weights, per KV scheme (config only)."""
+    from evals import planner
+    from evals.provenance import commit, versions
+
+    result = planner.plan(model, planner.parse_memory(memory), context, schemes or planner.DEFAULT_SCHEMES,
+                          planner.parse_memory(reserve))
+    click.echo(planner.plan_text(result))
+    if json_out:
+        json_out.write_text(json.dumps({**result, "versions": versions(), "commit": commit()}, indent=2))
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--batch", "batches", default="1,2,4", show_default=True, help="Batch sizes (comma-separated).")
+@click.option("--prompt-len", default="128,512", show_default=True, help="Prompt lengths (comma-separated).")
+@click.option("--output-len", default="32", show_default=True, help="Output lengths (comma-separated).")
+@click.option("--kv", help="KV-cache scheme (fp16, int8, int4, int2, fp8); default: the checkpoint's.")
+@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the timings as JSON.")
+@_fail_cleanly
+def speed(ckpt, batches, prompt_len, output_len, kv, repeats, json_out):
+    """Prefill (TTFT, prompt tokens/s) and decode (ITL, tokens/s) of CKPT on this device."""
+    from evals.provenance import provenance
+
+    result = _speed_sweep(ckpt, kv, batches, prompt_len, output_len, repeats)
+    click.echo(result.pop("table"))
+    if json_out:
+        json_out.write_text(json.dumps({"model": ckpt, **result, **provenance()}, indent=2))
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--prompt-len", type=int, default=512, show_default=True)
+@click.option("--output-len", type=int, default=64, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--kv", help="KV-cache scheme (fp16, int8, int4, int2, fp8); default: the checkpoint's.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the diagnosis as JSON.")
+@_fail_cleanly
+def diagnose(ckpt, prompt_len, output_len, batch, kv, json_out):
+    """Measure both phases here, compare with this device's measured ceilings, say what dominates and what helps."""
+    import runtime
+    from evals import diagnose as dg
+    from evals.provenance import describe_device, provenance
+    from evals.speed import Workload
+
+    model = runtime.load(ckpt, kv=kv)
+    result = dg.diagnose(model, Workload(prompt_len, output_len, batch))
+    prov = provenance(model.device)
+    click.echo(dg.diagnose_text(result, describe_device(prov["device"])))
+    if json_out:
+        json_out.write_text(json.dumps({"model": ckpt, **result, **prov}, indent=2))
+
+
+@main.command()
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output directory.")
+@_fail_cleanly
+def report(runs, out_dir):
+    """Put eval runs (JSON from `lowbit eval --json`, or directories of them) side by side: JSON, Markdown, HTML."""
+    from evals.report import write_report
+
+    files = write_report(runs, out_dir)
+    click.echo(Path(files["markdown"]).read_text())
+    click.echo("wrote " + ", ".join(str(f) for f in files.values()))
 
 
 if __name__ == "__main__":
