@@ -22,6 +22,9 @@ for a temperature) and stops at the task's ``until`` strings.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
@@ -49,6 +52,10 @@ class LowbitLM(TemplateLM):
                  batch_size: int | str = 8, max_length: int | None = None, kv_chunk: int = 32,
                  model: runtime.Model | None = None, **kwargs):
         super().__init__()
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's command line asks for cuda unless told otherwise: run where we can, and say so
+            warnings.warn(f"device {device!r} is not available here; running on cpu")
+            device = "cpu"
         self.model = model or runtime.load(pretrained, device=device, kv=kv)
         if self.model.tokenizer is None:
             raise ValueError(f"{self.model.path} has no tokenizer: lm-eval tasks are text")
@@ -193,4 +200,8 @@ def main() -> None:
     """``lowbit-lm-eval``: lm-eval's own command line, with the ``lowbit`` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
+    from evals.lm_eval_tasks import build_offline_tasks
+
+    if "--include_path" not in sys.argv:  # the offline tasks are always there to be named
+        sys.argv += ["--include_path", str(build_offline_tasks())]
     cli_evaluate()
