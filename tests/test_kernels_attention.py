@@ -237,3 +237,35 @@ def test_ties_round_half_to_even_like_torch_round():
     assert float(want.scale.float().unique()) == 1.0 and float(want.zero.float().abs().max()) == 0.0
     block = paged.block_table[0, 0].long()
     assert torch.equal(paged.k.data[block], want.data)
+
+
+def test_a_value_group_as_wide_as_the_head():
+    """int4 with group 64 on head_dim 64 (SmolLM2's shape): one value group per token, 64-token tiles."""
+    scheme = parse_kv("int4-g64-r64")
+    lens = [64 + 17, 30]
+    paged = empty_paged(scheme, 2, 1, 64, max_len=2 * 64, seed=13)
+    expected = clone(paged)
+    k = randn(2, 1, 64 + 17, 64, seed=81, offset_channels=True)
+    v = randn(2, 1, 64 + 17, 64, seed=82)
+    kernels.write_kv(paged, lengths([0, 0]), k, v)
+    ref.write_kv(expected, lengths([0, 0]), k, v)
+    assert_same_cache(paged, expected)
+    q = randn(2, 3, 64, seed=83)
+    torch.testing.assert_close(kernels.decode_attention(q, paged, lengths(lens)),
+                               ref.decode_attention(q, paged, lengths(lens)), atol=2e-3, rtol=2e-3)
+
+
+def test_cache_attention_with_a_sliding_window():
+    scheme = parse_kv("int8-r32")
+    S, H, Hq, D, window = 1, 1, 4, 64, 24
+    fused, reference = (KVCache(1, S, H, D, 2 * B, torch.float16, DEVICE, scheme=scheme) for _ in range(2))
+    pos = 0
+    for step, T in enumerate((40, 1, 1, 1)):
+        q = randn(S, Hq, T, D, seed=600 + step)
+        k = randn(S, H, T, D, seed=700 + step, offset_channels=True)
+        v = randn(S, H, T, D, seed=800 + step)
+        mask = attention_mask(T, pos + T, window, DEVICE)
+        got = kernels.cache_attention(fused, 0, pos, q, k, v, mask, window)
+        want = ref.cache_attention(reference, 0, pos, q, k, v, mask, window)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        pos += T

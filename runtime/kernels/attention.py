@@ -33,6 +33,7 @@ size and head_dim powers of two >= 16, KIVI group sizes powers of two >= 16, fp1
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -312,6 +313,7 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, SPLITS: tl.constexpr, SPL
     tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: a few splits, so the tests exercise the combine
