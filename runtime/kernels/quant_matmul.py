@@ -5,7 +5,14 @@ One kernel, two inner loops, chosen per call by the number of rows M:
 * ``use_dot`` (prefill, and small M through a 16-row tile): each K tile of weights is
   dequantized in registers to the activation dtype (fp16/bf16) and fed to ``tl.dot`` with an
   fp32 accumulator; the dequantized tile never touches global memory, so the weight bytes
-  read are the packed ones.
+  read are the packed ones. The product is computed transposed, ``out.T = W @ x.T``, so the
+  dequantized weight is the *first* operand: tensor-core instructions take that one from
+  registers (Hopper's wgmma takes only the first from registers, the second must sit in
+  shared memory), while the activations stream into shared memory asynchronously. With W
+  second, the compiled code stored every dequantized tile to shared memory first and waited
+  on each wgmma; transposed, it keeps W in registers and overlaps the next tile's
+  dequantization with the running wgmma (read off the sm_90 PTX; not timed). Small M also
+  maps better: the rows become wgmma's narrow N dimension (down to 8) instead of a 64-row M.
 * GEMV (M == 1): multiply-adds on CUDA cores into a ``[tile_k, BLOCK_N]`` fp32 accumulator that
   is reduced over K once, after the loop (a reduction per tile would cross warps every step).
 
@@ -101,8 +108,8 @@ def _quant_matmul_kernel(
     t_start = pid_k * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, tl.cdiv(K, TILE_K))
 
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:  # transposed, out.T = W @ x.T: see the module docstring
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:  # GEMV, one row: per-(k, n) partial sums, reduced over k once after the loop
         acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
@@ -117,9 +124,9 @@ def _quant_matmul_kernel(
             # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
             w = tl.reshape(wq * scale[:, None, :], (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
             if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
+                acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
             else:
-                acc = tl.dot(x, w, acc)
+                acc = tl.dot(tl.trans(w), tl.trans(x), acc)
         else:
             offs_k = k0 + tl.arange(0, PACK)[:, None] * _SUBTILE_K + tl.arange(0, _SUBTILE_K)[None, :]
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [PACK, 16] like wq
@@ -127,7 +134,9 @@ def _quant_matmul_kernel(
                 acc += tl.sum(x[:, :, None] * wq, axis=0) * scale
             else:
                 acc += tl.sum(x[:, :, None] * (wq * scale[:, None, :]), axis=0)
-    if not USE_DOT:
+    if USE_DOT:
+        acc = tl.trans(acc)
+    else:
         acc = tl.sum(acc, axis=0)[None, :]
 
     out_mask = m_mask[:, None] & n_mask[None, :]
