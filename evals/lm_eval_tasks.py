@@ -16,6 +16,7 @@ read by lm-eval as local jsonl (``dataset_path: json``), one per request type:
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import random
 import re
@@ -105,10 +106,16 @@ def build_offline_tasks(directory: Path | None = None) -> Path:
     return directory
 
 
-def task_manager(include: Path | None = None):
+@functools.lru_cache(maxsize=4)
+def _task_manager(include: str):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(include or build_offline_tasks()))
+    return TaskManager(include_path=include)
+
+
+def task_manager(include: Path | None = None):
+    """lm-eval's index of tasks plus the offline ones (built once per process: indexing takes ~10 s)."""
+    return _task_manager(str(include or build_offline_tasks()))
 
 
 def check_task_names(names: list[str], manager) -> None:
@@ -152,6 +159,14 @@ def load_tasks(names: list[str], manager) -> dict:
             "in the local cache first") from None
 
 
+def prepare_tasks(tasks: list[str]):
+    """Check the names and fetch the datasets before any slow work; the task manager to run them with."""
+    manager = task_manager()
+    check_task_names(tasks, manager)
+    load_tasks(tasks, manager)
+    return manager
+
+
 def run_tasks(ckpt: str, tasks: list[str], kv: str | None = None, limit: int | float | None = None,
               num_fewshot: int | None = None, batch_size: int = 8, device: str = "cpu", model=None) -> dict:
     """Evaluate ``tasks`` on ``ckpt`` through lm-eval; per task its metrics, plus the settings that produced them."""
@@ -159,9 +174,7 @@ def run_tasks(ckpt: str, tasks: list[str], kv: str | None = None, limit: int | f
 
     import evals.lm_eval_adapter as adapter
 
-    manager = task_manager()
-    check_task_names(tasks, manager)
-    load_tasks(tasks, manager)  # fails early, and clearly, on a dataset out of reach
+    manager = prepare_tasks(tasks)
     lm = adapter.LowbitLM(pretrained=ckpt, kv=kv, device=device, batch_size=batch_size, model=model)
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot,
                                   limit=limit, task_manager=manager, bootstrap_iters=0, log_samples=False)

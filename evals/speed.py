@@ -60,8 +60,9 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def run_request(model, prompt_ids: torch.Tensor, output_len: int, scheme=None) -> tuple[float, list[float]]:
-    """Prefill ``prompt_ids`` [B, P] and decode greedily; return (TTFT, per-step ITLs) in seconds."""
+def run_request(model, prompt_ids: torch.Tensor, output_len: int, scheme=None) -> tuple[float, list[float], torch.Tensor]:
+    """Prefill ``prompt_ids`` [B, P] and decode greedily; return TTFT and per-step ITLs in seconds, and
+    the generated ids [B, output_len]."""
     batch, prompt_len = prompt_ids.shape
     cache = model.new_cache(prompt_len + output_len, batch, scheme)  # None: the model's own scheme
     ids = prompt_ids.to(model.device)
@@ -70,14 +71,15 @@ def run_request(model, prompt_ids: torch.Tensor, output_len: int, scheme=None) -
     token = model.decoder(ids, cache, 0)[:, -1].argmax(-1, keepdim=True)
     _sync(model.device)
     ttft = time.perf_counter() - start
-    itls, pos = [], prompt_len
+    itls, pos, tokens = [], prompt_len, [token]
     for _ in range(output_len - 1):
         step = time.perf_counter()
         token = model.decoder(token, cache, pos)[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)
         itls.append(time.perf_counter() - step)
+        tokens.append(token)
         pos += 1
-    return ttft, itls
+    return ttft, itls, torch.cat(tokens, dim=1).cpu()
 
 
 def random_prompts(model, workload: Workload, seed: int = 0) -> torch.Tensor:
@@ -95,7 +97,7 @@ def measure(model, workload: Workload, scheme=None, repeats: int = 1) -> PhaseTi
     run_request(model, prompts[:, : min(workload.prompt_len, 16)], min(workload.output_len, 2), scheme)  # warm-up
     ttfts, itls = [], []
     for _ in range(repeats):
-        ttft, steps = run_request(model, prompts, workload.output_len, scheme)
+        ttft, steps, _ = run_request(model, prompts, workload.output_len, scheme)
         ttfts.append(ttft)
         itls += steps
     ttft = statistics.median(ttfts)

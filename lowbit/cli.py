@@ -31,7 +31,7 @@ def _fail_cleanly(fn):
             click.echo("interrupted: no checkpoint was written (a calibrated run can continue with --resume)", err=True)
             sys.exit(130)
         except (RecipeError, CheckpointError, PlanError, runtime.UnsupportedModelError,
-                FileNotFoundError, FileExistsError, ValueError) as e:
+                OSError, ValueError) as e:  # OSError: unreadable files (FileNotFoundError, a bad config, ...)
             raise click.ClickException(str(e)) from None
 
     return wrapper
@@ -81,11 +81,14 @@ def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, r
           speed_prompt_len, speed_output_len):
     """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight; optionally tasks and speed."""
     protocol = pipeline.make_protocol(window=window, stride=stride, tokens=tokens)
+    if tasks:  # a mistyped task or an unreachable dataset fails now, not after the perplexity run
+        from evals.lm_eval_tasks import prepare_tasks, run_tasks, tasks_table
+
+        prepare_tasks(_names(tasks))
     result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol)
     md = pipeline.report_markdown(result)
     task_result = speed = None
     if tasks:
-        from evals.lm_eval_tasks import run_tasks, tasks_table
 
         task_result = run_tasks(ckpt, _names(tasks), limit=int(limit) if limit and limit >= 1 else limit)
         md += "\n\n" + tasks_table(task_result)
