@@ -282,3 +282,42 @@ def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu,
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=0, atol=5e-3 * scale)  # fp16 through one layer
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+
+
+# -- compiled for GPUs, without one ------------------------------------------------------------------
+
+
+def test_kernels_compile_for_nvidia_gpus_without_one():
+    """The interpreter never compiles: compile to cubin for sm_90 and sm_80 (ptxas ships with
+    triton) and check what the design relies on: no per-weight integer-to-float conversion, and
+    on Hopper the dequantized weight enters wgmma from registers."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton build has no NVIDIA backend (ptxas)")
+    cases = [
+        dict(arch=90, dtype="bf16", bits=4, group=128, zero=True, split=False, block_m=128, block_n=128, num_warps=8),
+        dict(arch=90, dtype="fp16", bits=8, group=32, zero=False, split=True, block_m=16, block_n=64, num_warps=4),
+        dict(arch=90, dtype="fp16", bits=4, group=64, zero=True, split=True, block_m=1, block_n=64, num_warps=4),
+        dict(arch=80, dtype="bf16", bits=4, group=128, zero=False, split=False, block_m=64, block_n=128, num_warps=4),
+    ]
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run([sys.executable, str(root / "tests" / "kernels_aot.py"), json.dumps(cases)],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for case, got in zip(cases, results):
+        assert got["int32_to_float"] == 0, (case, got)
+        assert got["shared_bytes"] <= 227 * 1024, (case, got)
+        if case["block_m"] > 1 and case["arch"] == 90:
+            assert got["wgmma"] and got["wgmma_first_operand"] == ["registers"], (case, got)
+        if case["block_m"] > 1 and case["arch"] == 80:
+            assert got["mma_sync"], (case, got)

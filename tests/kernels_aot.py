@@ -1,0 +1,56 @@
+"""Compile runtime/kernels/quant_matmul.py for NVIDIA GPUs on a machine without one, and print
+facts about the generated code as JSON (used by tests/test_kernels_linear.py).
+
+    python tests/kernels_aot.py '[{"arch": 90, "dtype": "bf16", "bits": 4, "group": 128, ...}]'
+
+The Triton wheel ships ptxas, so the whole pipeline down to a cubin runs without a GPU: this
+catches compile errors the interpreter never sees (layouts, dot shapes, shared memory). It uses
+Triton's compiler entry points (``ASTSource``, ``GPUTarget``), which are internal: keep it out
+of the library. Must run without TRITON_INTERPRET (compiled, not interpreted, kernels).
+"""
+
+import json
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from runtime.kernels import quant_matmul as qm
+
+
+def compile_case(case: dict):
+    fn = qm._quant_matmul_kernel
+    dtype, split = case["dtype"], case["split"]
+    signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                 "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
+    constants = dict(BITS=case["bits"], GROUP=case["group"], HAS_ZERO=case["zero"],
+                     SCALE_PER_TILE=case["group"] % (16 * 32 // case["bits"]) == 0, HAS_BIAS=not split,
+                     USE_DOT=case["block_m"] > 1, SPLIT=split, DOT_IN_FP32=False,
+                     BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8)
+    signature.update({name: "constexpr" for name in constants})
+    # what Triton specializes at launch for aligned tensors and sizes divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9)}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", case["arch"], 32),
+                          options={"num_warps": case["num_warps"], "num_stages": 3})
+
+
+def facts(kernel) -> dict:
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    # "... = ttng.warp_group_dot %a, %b, %c {attributes} : <type of a> * <type of b> -> ..."
+    dots = [m.group(1) for m in re.finditer(r"warp_group_dot %.*?\}\s*:\s*(\S+)", ttgir)]
+    return {
+        "shared_bytes": kernel.metadata.shared,
+        # integer-to-float conversions of 32-bit values (the per-weight path must have none)
+        "int32_to_float": len(re.findall(r"cvt\.rn\.f(?:16|32)\.[su]32", ptx)),
+        "wgmma": "wgmma.mma_async" in ptx,
+        "mma_sync": "mma.sync" in ptx,
+        # where wgmma reads its first operand (the dequantized weight) from
+        "wgmma_first_operand": sorted({"registers" if d.startswith("tensor") else "shared" for d in dots}),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps([facts(compile_case(case)) for case in json.loads(sys.argv[1])]))
