@@ -146,6 +146,8 @@ def load_tasks(names: list[str], manager) -> dict:
     from lm_eval.tasks import get_task_dict
 
     try:
+        if hasattr(manager, "load"):  # lm-eval 0.4.10+; get_task_dict is deprecated there
+            return manager.load(names)
         return get_task_dict(names, manager)
     except Exception as e:  # lm-eval and datasets raise many types; only the unreachable-hub case is reworded
         if not _is_unreachable(e):
