@@ -37,9 +37,13 @@ def bytes_on_disk(path) -> int:
 
 
 def read_header(file: Path) -> dict:
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        # a truncated or altered file: say which one, not just what the JSON parser saw
+        raise ValueError(f"{file}: not a readable safetensors file, its header is cut short or corrupt ({e})") from None
     header.pop("__metadata__", None)
     return header
 
