@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-import lowbit
 from lowbit.recipe import IMPLEMENTED_METHODS, Recipe, RecipeError
 from quant import checkpoint, models
 from quant.calibration import calibration_samples, load_calibration_text
@@ -22,16 +20,9 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 
 def versions() -> dict[str, str]:
-    import safetensors
-    import transformers
+    from evals.provenance import versions as library_versions  # one definition, shared with every eval result
 
-    return {
-        "lowbit": lowbit.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": safetensors.__version__,
-        "python": platform.python_version(),
-    }
+    return library_versions()
 
 
 def work_dir_for(output: Path) -> Path:
@@ -57,7 +48,11 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     if output.exists() and not overwrite:  # fail before the slow work, and again at the final move
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     source = models.resolve(recipe.model)
-    runtime.check_supported(checkpoint.read_config(source))
+    cfg = runtime.check_supported(checkpoint.read_config(source))
+    try:
+        recipe.kv_cache.check_head_dim(cfg.head_dim)
+    except ValueError as e:
+        raise RecipeError(f"kv_cache: {e}") from None
     model, tokenizer = models.load_float_model(source)
 
     calibrated = w.method != "rtn"
@@ -91,6 +86,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         "producer": "lowbit",
         "versions": versions(),
         "recipe": recipe.to_dict(),
+        "kv_cache": recipe.kv_cache.to_dict(),  # the runtime's default KV scheme for this checkpoint
         "source_model": {"spec": recipe.model, "path": str(source)},
         "layers": layer_stats,
         "notes": notes,
@@ -130,6 +126,35 @@ def _perplexity(model_dir: Path, token_ids, protocol, label: str, progress: bool
     return perplexity(model.logits, token_ids, protocol, progress=progress).ppl
 
 
+def _kv_results(ckpt_dir: Path, scheme, token_ids, protocol, chunks, progress: bool) -> dict:
+    """KV-perplexity of the checkpoint with ``scheme`` and with an fp16 cache, through the same chunked path."""
+    import runtime
+    from evals.kv import kv_perplexity, runtime_session
+    from kvquant import KVScheme, bytes_per_token
+
+    model = runtime.load(ckpt_dir, kv=scheme)
+    ppl = {}
+    for label, s in (("kv", scheme), ("kv_baseline", KVScheme())):
+        if progress:
+            print(f"KV-perplexity with a {s.name} cache")
+        ppl[label] = kv_perplexity(runtime_session(model, s), token_ids, protocol, chunks, progress=progress).ppl
+    cfg = model.decoder.cfg
+    size = lambda s: bytes_per_token(s, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float16)  # noqa: E731
+    return {
+        "kv_cache": {**scheme.to_dict(), "name": scheme.name},
+        "kv_protocol": {**chunks.to_dict(), "description": chunks.describe(protocol)},
+        "kv_ppl": ppl["kv"],
+        "kv_baseline_ppl": ppl["kv_baseline"],
+        "kv_delta_ppl_pct": 100.0 * (ppl["kv"] / ppl["kv_baseline"] - 1.0),
+        "kv_bytes_per_token": size(scheme),
+        "kv_baseline_bytes_per_token": size(KVScheme()),
+    }
+
+
+KV_KEYS = ("kv_cache", "kv_protocol", "kv_ppl", "kv_baseline_ppl", "kv_delta_ppl_pct", "kv_bytes_per_token",
+           "kv_baseline_bytes_per_token")
+
+
 def evaluate(
     ckpt: str,
     baseline: str | None = None,
@@ -137,8 +162,14 @@ def evaluate(
     text: str = "default",
     protocol=None,
     progress: bool = True,
+    kv: str | None = None,
+    kv_chunks=None,
 ) -> dict:
-    """Perplexity of ``ckpt`` and of its baseline on the same tokens, plus sizes."""
+    """Perplexity of ``ckpt`` and of its baseline on the same tokens, plus sizes.
+
+    With a quantized KV scheme (``kv``, e.g. ``"int4"``, else the one saved with the checkpoint),
+    also the KV-perplexity of ``ckpt`` with that cache and with an fp16 cache, same tokens, same path.
+    """
     import runtime
     from evals import size
     from evals.perplexity import tokenize_text
@@ -168,6 +199,12 @@ def evaluate(
         "delta_ppl_pct": None,
         "versions": versions(),
     }
+    from evals.kv import ChunkProtocol
+
+    kv_scheme = runtime.load_kv_scheme(ckpt_dir, manifest, kv)
+    result.update(dict.fromkeys(KV_KEYS))
+    if kv_scheme.quantized:
+        result.update(_kv_results(ckpt_dir, kv_scheme, token_ids, protocol, kv_chunks or ChunkProtocol(), progress))
     if use_baseline and baseline:
         base_dir = models.resolve(baseline)
         base_ppl = _perplexity(base_dir, token_ids, protocol, f"baseline {baseline}", progress)
@@ -199,6 +236,18 @@ def report_markdown(r: dict) -> str:
     if r["baseline"]:
         lines.append(f"| {r['baseline']} (baseline) | {r['baseline_ppl']:.4f} | | {_mb(r['baseline_bytes_on_disk'])} | |")
     lines += ["", "bits/weight counts packed weights, scales and zero points of the quantized Linear layers."]
+    if r.get("kv_ppl") is not None:
+        ratio = r["kv_bytes_per_token"] / r["kv_baseline_bytes_per_token"]
+        lines += [
+            "",
+            f"KV cache: {r['kv_protocol']['description']}.",
+            "",
+            "| KV cache | perplexity | Δ vs fp16 cache | bytes/token (fp16 scales) |",
+            "|---|---|---|---|",
+            f"| {r['kv_cache']['name']} | {r['kv_ppl']:.4f} | {r['kv_delta_ppl_pct']:+.2f}% | "
+            f"{r['kv_bytes_per_token']:.0f} ({ratio:.2f}x) |",
+            f"| fp16 | {r['kv_baseline_ppl']:.4f} | | {r['kv_baseline_bytes_per_token']:.0f} |",
+        ]
     return "\n".join(lines)
 
 
