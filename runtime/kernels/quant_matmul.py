@@ -13,8 +13,10 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   on each wgmma; transposed, it keeps W in registers and overlaps the next tile's
   dequantization with the running wgmma (read off the sm_90 PTX; not timed). Small M also
   maps better: the rows become wgmma's narrow N dimension (down to 8) instead of a 64-row M.
-* GEMV (M == 1): multiply-adds on CUDA cores into a ``[tile_k, BLOCK_N]`` fp32 accumulator that
-  is reduced over K once, after the loop (a reduction per tile would cross warps every step).
+* GEMV (M == 1): multiply-adds on CUDA cores. The ``pack`` fields of each word are summed
+  in-thread and scaled once per tile (when the tile lies in one group) into a ``[16, BLOCK_N]``
+  fp32 accumulator that is reduced across threads once, after the loop (a cross-thread
+  reduction per tile would go through shared memory every step).
 
 Both split K across programs when the output alone has too few tiles to fill the GPU: each
 split writes fp32 partial sums and a small kernel adds them (with the bias) in a fixed order,
@@ -24,13 +26,15 @@ so results are deterministic. The configuration (tile sizes, split, path) is aut
 Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` signed. Stored
 values are ``u = q + 2**(bits-1)``; ``u - 2**(bits-1) - zero`` is formed exactly in fp32 with
 the ``2**23`` trick (OR the integer into the mantissa of 2**23, subtract 2**23 + offset) so no
-integer-to-float conversion instruction (a quarter-rate one) runs per weight. The dot path
+integer-to-float conversion instruction (a low-throughput one) runs per weight. The dot path
 then rounds ``(q - zero) * scale`` to the activation dtype exactly as
 ``quant.affine.dequantize(...).to(dtype)`` does, so both see the same weight.
 
 The reference is ``weight_layout.reference_matmul`` (and, from the checkpoint tensors,
 ``reference.dequantize_weight`` + ``reference.quant_linear``); tests run these kernels in the
-Triton interpreter on CPU against it.
+Triton interpreter on CPU against it, and compile them for sm_80/sm_90 without a GPU to check
+the properties above in the generated code (tests/kernels_aot.py). Speed is measured only by
+bench/kernels.py on a GPU.
 """
 
 from __future__ import annotations
