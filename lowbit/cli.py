@@ -11,6 +11,8 @@ import click
 from lowbit import pipeline
 
 DEFAULT_RECIPE = Path(__file__).parent.parent / "recipes" / "default.yaml"
+KV_HELP = ("KV-cache scheme: fp16, int8, int4, int2 or fp8, optionally with -g<group_size> and -r<residual> "
+           "(int4-g64-r128); default: the checkpoint's.")
 
 
 def _fail_cleanly(fn):
@@ -76,16 +78,24 @@ def quantize(recipe, model, output, overwrite, resume, device):
 @click.option("--speed", "speed_batches", help="Also time prefill and decode at these batch sizes, e.g. 1,2,4.")
 @click.option("--speed-prompt-len", default="128", show_default=True, help="Prompt lengths for --speed (comma-separated).")
 @click.option("--speed-output-len", default="32", show_default=True, help="Output lengths for --speed (comma-separated).")
+@click.option("--kv", default=None, help=KV_HELP + " A quantized scheme adds KV-perplexity next to an fp16 cache's.")
+@click.option("--kv-chunk", type=int, default=32, show_default=True,
+              help="KV-perplexity: tokens per forward after each window's prefill.")
 @_fail_cleanly
 def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, report, tasks, limit, speed_batches,
-          speed_prompt_len, speed_output_len):
-    """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight; optionally tasks and speed."""
+          speed_prompt_len, speed_output_len, kv, kv_chunk):
+    """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight; KV-perplexity with a quantized
+    cache; optionally tasks and speed."""
+    from evals.kv import ChunkProtocol
+
     protocol = pipeline.make_protocol(window=window, stride=stride, tokens=tokens)
+    kv_chunks = ChunkProtocol(chunk=kv_chunk)
     if tasks:  # a mistyped task or an unreachable dataset fails now, not after the perplexity run
         from evals.lm_eval_tasks import prepare_tasks, run_tasks, tasks_table
 
         prepare_tasks(_names(tasks))
-    result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol)
+    result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol,
+                               kv=kv, kv_chunks=kv_chunks)
     md = pipeline.report_markdown(result)
     task_result = speed = None
     if tasks:
@@ -93,7 +103,7 @@ def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, r
         task_result = run_tasks(ckpt, _names(tasks), limit=int(limit) if limit and limit >= 1 else limit)
         md += "\n\n" + tasks_table(task_result)
     if speed_batches:
-        speed = _speed_sweep(ckpt, None, speed_batches, speed_prompt_len, speed_output_len)
+        speed = _speed_sweep(ckpt, kv, speed_batches, speed_prompt_len, speed_output_len)
         md += "\n\n" + speed["table"]
     click.echo(md)
     if json_out:
@@ -130,12 +140,13 @@ def _speed_sweep(ckpt, kv, batches, prompt_lens, output_lens, repeats: int = 1) 
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--kv", default=None, help=KV_HELP)
 @_fail_cleanly
-def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat):
+def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
     """Stream a continuation of PROMPT, then print TTFT and mean ITL."""
     import runtime
 
-    model = runtime.load(ckpt)
+    model = runtime.load(ckpt, kv=kv)
     if chat:
         prompt = model.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
@@ -145,7 +156,8 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat):
         click.echo(token.text, nl=False)
     click.echo()
     n = len(gen.itl_s) + 1
-    click.echo(f"[{n} tokens, TTFT {gen.ttft_s * 1000:.1f} ms, mean ITL {gen.mean_itl_s * 1000:.1f} ms]", err=True)
+    click.echo(f"[{n} tokens, TTFT {gen.ttft_s * 1000:.1f} ms, mean ITL {gen.mean_itl_s * 1000:.1f} ms, "
+               f"KV cache {model.kv_scheme.name}]", err=True)
 
 
 @main.command()

@@ -200,8 +200,9 @@ def evaluate(
         "versions": versions(),
     }
     from evals.kv import ChunkProtocol
+    from runtime.load import kv_scheme_of
 
-    kv_scheme = runtime.load_kv_scheme(ckpt_dir, manifest, kv)
+    kv_scheme = kv_scheme_of(manifest, kv)
     result.update(dict.fromkeys(KV_KEYS))
     if kv_scheme.quantized:
         result.update(_kv_results(ckpt_dir, kv_scheme, token_ids, protocol, kv_chunks or ChunkProtocol(), progress))

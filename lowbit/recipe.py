@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
 from quant.affine import SUPPORTED_BITS
 from quant.awq import AWQConfig
 from quant.gptq import GPTQConfig
@@ -55,6 +56,7 @@ class Recipe:
     dtype: str = "bfloat16"
     calibration: Calibration = field(default_factory=Calibration)
     weights: Weights = field(default_factory=Weights)
+    kv_cache: KVScheme = field(default_factory=KVScheme)  # used by the runtime, saved in the manifest
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,8 +183,25 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
     weights.gptq = _settings(c, w.get("gptq"), "weights.gptq", GPTQConfig, {"actorder": ("weight", "group", "none")})
     weights.awq = _settings(c, w.get("awq"), "weights.awq", AWQConfig, {})
 
+    recipe.kv_cache = _kv_cache(c, top.get("kv_cache"))
     recipe.output = c.string(top["output"], "output") if top.get("output") is not None else default_output(recipe)
     return recipe
+
+
+def _kv_cache(c: _Checker, value, path: str = "kv_cache") -> KVScheme:
+    data = c.mapping(value or {}, path, _names(KVScheme))
+    checked = {}
+    if "bits" in data:
+        checked["bits"] = c.choice(c.integer(data["bits"], f"{path}.bits"), f"{path}.bits", SUPPORTED_KV_BITS)
+    if "type" in data:
+        checked["type"] = c.choice(data["type"], f"{path}.type", ("int", "float"))
+    for key in ("group_size", "residual"):
+        if key in data:
+            checked[key] = c.positive(data[key], f"{path}.{key}")
+    try:
+        return KVScheme(**checked)
+    except ValueError as e:  # settings that do not fit together (residual vs group_size, float vs bits)
+        c.fail(path, str(e))
 
 
 def _settings(c: _Checker, value, path: str, cls, choices: dict):
