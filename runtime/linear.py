@@ -59,6 +59,8 @@ class QuantLinear(nn.Module):
         """Prepare the weight for inference in ``dtype`` on the buffers' device (at load).
 
         On GPU the fused kernels read a re-laid copy of the packed weight (``kernel_weight``).
+        The checkpoint-layout buffers stay (state_dict, the dense fallback), so a GPU holds the
+        packed weight twice; keeping only the kernel copy there is a known follow-up.
         On CPU the reference path is the implementation: unpacking every weight on every decode
         step would dominate the step, so the dense weight is built once and kept: correct and
         fast enough for CPU, at the memory of a float model.
