@@ -150,11 +150,8 @@ def report_markdown(rep: dict) -> str:
     lines += ["", "Protocols:"] + [f"- {s['label']}: {s['protocol']}" for s in rep["summary"]]
     speed = _speed_rows(rep["runs"])
     if speed:
-        lines += ["", "## Speed by phase", "", "| run | batch | prompt | output | KV | TTFT ms | prefill tok/s | ITL ms | decode tok/s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {label} | {t['batch']} | {t['prompt_len']} | {t['output_len']} | {t['kv']} | {t['ttft_s'] * 1e3:.1f} | "
-                  f"{t['prefill_tokens_per_s']:,.0f} | {t['itl_s'] * 1e3:.1f} | {t['decode_tokens_per_s']:,.1f} |"
-                  for label, t in speed]
+        lines += ["", "## Speed by phase", "", "| " + " | ".join(SPEED_HEADERS) + " |", "|---" * len(SPEED_HEADERS) + "|"]
+        lines += ["| " + " | ".join(str(c) for c in _speed_cells(label, t)) + " |" for label, t in speed]
         lines += ["", f"Speed protocol: {_speed_protocol(rep['runs'])}"]
     tasks = _task_rows(rep["runs"])
     if tasks:
@@ -166,6 +163,16 @@ def report_markdown(rep: dict) -> str:
         lines.append(f"- {_label(r)}: {describe_device(r['device'])}; commit {r['commit']}; "
                      + ", ".join(f"{k} {val}" for k, val in v.items()) + f"; from {r['_source']}")
     return "\n".join(lines) + "\n"
+
+
+SPEED_HEADERS = ["run", "batch", "prompt", "output", "KV", "TTFT ms", "prefill tok/s", "ITL ms", "decode tok/s",
+                 "peak memory"]
+
+
+def _speed_cells(label: str, t: dict) -> list:
+    peak = t.get("peak_memory_bytes")
+    return [label, t["batch"], t["prompt_len"], t["output_len"], t["kv"], f"{t['ttft_s'] * 1e3:.1f}",
+            f"{t['prefill_tokens_per_s']:,.0f}", f"{t['itl_s'] * 1e3:.1f}", f"{t['decode_tokens_per_s']:,.1f}", _mb(peak)]
 
 
 def _speed_rows(runs) -> list[tuple[str, dict]]:
@@ -332,15 +339,13 @@ def report_html(rep: dict) -> str:
              _table(["run", "perplexity", "Δ vs baseline", "bits/weight", "weights", "on disk", "KV cache", "device", "commit"], summary),
              "<div class='plots'>" + "".join(p for p in plots if p) + "</div>",
              "<p class='note'>Perplexity protocols: " + "; ".join(_esc(f"{s['label']}: {s['protocol']}") for s in rep["summary"])
-             + f". The memory plot's KV bar is one sequence of {KV_REFERENCE_CONTEXT} tokens with the run's KV scheme "
-               "(16-bit unquantized part).</p>"]
+             + f". The memory plot shows weights as stored and one sequence of {KV_REFERENCE_CONTEXT} tokens in the "
+               "run's KV scheme (its unquantized part in 16 bits); peak memory in the speed table is measured (CPU: the "
+               "process's peak resident set, which includes any dequantized weight copies).</p>"]
     speed = _speed_rows(rep["runs"])
     if speed:
         parts += ["<h2>Speed by phase</h2>",
-                  _table(["run", "batch", "prompt", "output", "KV", "TTFT ms", "prefill tok/s", "ITL ms", "decode tok/s"],
-                         [[label, t["batch"], t["prompt_len"], t["output_len"], t["kv"], f"{t['ttft_s'] * 1e3:.1f}",
-                           f"{t['prefill_tokens_per_s']:,.0f}", f"{t['itl_s'] * 1e3:.1f}", f"{t['decode_tokens_per_s']:,.1f}"]
-                          for label, t in speed]),
+                  _table(SPEED_HEADERS, [_speed_cells(label, t) for label, t in speed]),
                   f"<p class='note'>Speed protocol: {_esc(_speed_protocol(rep['runs']))}</p>"]
     tasks = _task_rows(rep["runs"])
     if tasks:

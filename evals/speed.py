@@ -7,7 +7,10 @@ runtime's KV cache, then decoded greedily for ``output_len - 1`` more steps:
 * TTFT: from submitting the prompts to the first token of every sequence
   (the prefill forward and the sampling of its last position);
 * ITL: the time of each later step (one new token for every sequence);
-* prefill tokens/s = batch * prompt_len / TTFT; decode tokens/s = batch / mean ITL.
+* prefill tokens/s = batch * prompt_len / TTFT; decode tokens/s = batch / mean ITL;
+* peak memory of the request: on CUDA the most torch had allocated; on CPU the
+  process's peak resident set (weights, cache, activations and the interpreter),
+  its high-water mark reset before the request (Linux ``/proc/self/clear_refs``).
 
 Each configuration runs once untimed first (allocator and kernel warm-up), then
 ``repeats`` times; the reported numbers are medians over the repeats.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,6 +51,7 @@ class PhaseTiming:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     repeats: int
+    peak_memory_bytes: int | None = None  # None where the platform cannot say
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -57,6 +62,28 @@ class PhaseTiming:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    except OSError:
+        pass
+
+
+def peak_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 @torch.inference_mode()
@@ -96,15 +123,17 @@ def measure(model, workload: Workload, scheme=None, repeats: int = 1) -> PhaseTi
     prompts = random_prompts(model, workload)
     run_request(model, prompts[:, : min(workload.prompt_len, 16)], min(workload.output_len, 2), scheme)  # warm-up
     ttfts, itls = [], []
+    reset_peak_memory(model.device)
     for _ in range(repeats):
         ttft, steps, _ = run_request(model, prompts, workload.output_len, scheme)
         ttfts.append(ttft)
         itls += steps
+    peak = peak_memory(model.device)
     ttft = statistics.median(ttfts)
     itl = statistics.median(itls) if itls else 0.0
     name = (scheme or model.kv_scheme).name
     return PhaseTiming(workload, name, ttft, itl, workload.batch * workload.prompt_len / ttft,
-                       workload.batch / itl if itl else 0.0, repeats)
+                       workload.batch / itl if itl else 0.0, repeats, peak)
 
 
 def sweep(model, workloads, scheme=None, repeats: int = 1, progress=None) -> list[PhaseTiming]:
@@ -133,9 +162,10 @@ def workloads(prompt_lens, output_lens, batches) -> list[Workload]:
 
 def timing_table(timings: list[PhaseTiming]) -> str:
     lines = [f"{'batch':>5} {'prompt':>6} {'output':>6} {'kv':<14} {'TTFT ms':>9} {'prefill tok/s':>14} "
-             f"{'ITL ms':>8} {'decode tok/s':>13}"]
+             f"{'ITL ms':>8} {'decode tok/s':>13} {'peak MB':>8}"]
     for t in timings:
         w = t.workload
         lines.append(f"{w.batch:>5} {w.prompt_len:>6} {w.output_len:>6} {t.kv:<14} {t.ttft_s * 1e3:>9.1f} "
-                     f"{t.prefill_tokens_per_s:>14,.0f} {t.itl_s * 1e3:>8.1f} {t.decode_tokens_per_s:>13,.1f}")
+                     f"{t.prefill_tokens_per_s:>14,.0f} {t.itl_s * 1e3:>8.1f} {t.decode_tokens_per_s:>13,.1f} "
+                     f"{(t.peak_memory_bytes or 0) / 1e6:>8.0f}")
     return "\n".join(lines)

@@ -46,6 +46,8 @@ def test_measure_reports_consistent_rates(model):
     assert t.prefill_tokens_per_s == pytest.approx(3 * 16 / t.ttft_s)
     assert t.decode_tokens_per_s == pytest.approx(3 / t.itl_s)
     assert t.kv == "fp16" and t.repeats == 2
+    weights = sum(p.numel() * p.element_size() for p in model.decoder.parameters())
+    assert t.peak_memory_bytes > weights  # the process's peak resident set holds at least the weights
     d = t.to_dict()
     assert {"batch", "prompt_len", "output_len", "ttft_s", "itl_s", "prefill_tokens_per_s", "decode_tokens_per_s"} <= d.keys()
 
