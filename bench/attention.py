@@ -14,7 +14,9 @@ batch and context it times, in the same run and on the same keys and values:
   cache ``[S, 8, context, 128]`` (the baseline);
 * ``fused-<scheme>``: ``runtime.kernels.attention.decode_attention`` over the paged cache
   (blocks scattered through the pool by a random block table, built by the quantize-on-write
-  kernel); ``fused-fp16`` is the same kernel over an unquantized paged cache;
+  kernel); ``fused-fp16`` is the same kernel over an unquantized paged cache. ``fused-<scheme>``
+  is the default launch configuration (what the runtime runs); ``fused-<scheme>@t<tile>w<warps>s<stages>``
+  rows time the other configurations in ``SWEEP`` (``--no-sweep`` skips them);
 * ``dequant-sdpa-<scheme>``: what transformers' ``QuantizedCache`` does at every step: the
   quantized blocks are dequantized into a fresh fp16 copy with PyTorch ops (``kvquant``), then
   SDPA; ``dequant-triton-sdpa-<scheme>`` makes that copy with our Triton dequantize kernel
@@ -59,6 +61,8 @@ CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
 SCHEMES = ["fp16", "int8", "int4"]  # kvquant names: int4 = int4-g64-r128 (KIVI keys), int8 per token
 TARGETS = {"int4": 2.5, "int8": 1.6}  # speed-up over sdpa-fp16 at the longest context
 TARGET_BW_FRACTION = 0.7  # of copy bandwidth, at batch 32
+# launch configurations (tokens per tile, warps, pipeline stages) timed beside the default one
+SWEEP = [(16, 4, 3), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 8, 3)]
 SMOKE = dict(batches=[1, 2], contexts=[64, 160], q_heads=8, kv_heads=2, head_dim=64, block="-g16-r32")
 
 
@@ -196,7 +200,8 @@ def torch_dequantize(paged, length: int):
 # --------------------------------------------------------------------------------------- cases
 
 
-def bench_case(batch: int, context: int, schemes: list, shape: dict, samples: int, device) -> list[dict]:
+def bench_case(batch: int, context: int, schemes: list, shape: dict, samples: int, device,
+               sweep: list = ()) -> list[dict]:
     from kvquant import parse_kv
     from runtime.kernels import attention as kernels
 
@@ -241,7 +246,14 @@ def bench_case(batch: int, context: int, schemes: list, shape: dict, samples: in
 
         t, graphed = median_seconds_per_call(
             [lambda p=p: kernels.decode_attention(q, p, lens, max_seq_len=context) for p in copies], samples, device)
-        record(f"fused-{name}", scheme.name, t, graphed, cache_bytes + io_bytes, copies=n, max_abs_err=err)
+        record(f"fused-{name}", scheme.name, t, graphed, cache_bytes + io_bytes, copies=n, max_abs_err=err,
+               config="default")
+        for tile, warps, stages in sweep:
+            t, graphed = median_seconds_per_call(
+                [lambda p=p: kernels.decode_attention(q, p, lens, max_seq_len=context, tile=tile, num_warps=warps,
+                                                      num_stages=stages) for p in copies], samples, device)
+            record(f"fused-{name}@t{tile}w{warps}s{stages}", scheme.name, t, graphed, cache_bytes + io_bytes,
+                   copies=n, config={"tile": tile, "num_warps": warps, "num_stages": stages})
         if name != "fp16":
             fresh_copy = 2 * dense_bytes  # the fp16 copy is written, then SDPA reads it
             t, graphed = median_seconds_per_call(
@@ -304,6 +316,7 @@ def main():
     ap.add_argument("--schemes", nargs="*", default=SCHEMES, choices=["fp16", "int8", "int4", "int2", "fp8"])
     ap.add_argument("--samples", type=int, default=30, help="timed samples per case (median reported)")
     ap.add_argument("--out", type=Path, help="default: bench/results/attention-<device>-<commit>.json")
+    ap.add_argument("--no-sweep", action="store_true", help="time only the default launch configuration")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes: tests this script")
     args = ap.parse_args()
 
@@ -329,7 +342,8 @@ def main():
     rows = []
     for batch in args.batches:
         for context in args.contexts:
-            rows += bench_case(batch, context, args.schemes, shape, args.samples, device)
+            rows += bench_case(batch, context, args.schemes, shape, args.samples, device,
+                               sweep=[] if args.no_sweep or args.smoke else SWEEP)
             print(f"batch {batch} context {context}: done", file=sys.stderr, flush=True)
     result = {
         "device": device_name, "commit": code_version, "torch": torch.__version__, "triton": triton.__version__,

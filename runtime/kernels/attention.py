@@ -53,6 +53,11 @@ _LOG2E = 1.4426950408889634
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_SPLITS = 64
+# 32-token tiles: ptxas (sm_90, int4, head_dim 128, 4 warps) gives the decode kernel 128 registers
+# (4 programs per SM) against 190 for 64-token tiles. A register count, not a measured speed: the
+# benchmark sweeps tile, warps and stages (bench/attention.py) once a GPU is available.
+DEFAULT_TILE = 32
+WRITE_ROWS, WRITE_WARPS = 32, 8  # 64 rows x 4 warps spilled registers in the write kernel; 32 x 8 does not
 
 
 def interpreting() -> bool:
@@ -94,9 +99,12 @@ def _require_supported(paged: PagedKV) -> None:
                          "use runtime.kernels.kv_reference instead")
 
 
-def _tile(scheme: KVScheme) -> int:
+def _tile(scheme: KVScheme, tile: int | None = None) -> int:
     """Tokens per tile: divides the block and, for KIVI keys, the token group (one scale row per tile)."""
-    t = min(64, scheme.block_size)
+    t = tile or DEFAULT_TILE
+    if not (_pow2(t) and t >= 16):
+        raise ValueError(f"tile must be a power of two >= 16, got {t}")
+    t = min(t, scheme.block_size)
     return min(t, scheme.group_size) if scheme.kivi else t
 
 
@@ -322,11 +330,12 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, window: int | None = None,
                      scale: float | None = None, max_seq_len: int | None = None, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     tile: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Same as :func:`runtime.kernels.kv_reference.decode_attention` (q [S, Hq, D] -> [S, Hq, D]).
 
     ``max_seq_len`` (a bound on ``seq_lens``, known on the host) sizes the split; without it the
     block table's width is used. No host sync: lengths are only read on the device.
+    ``num_splits``, ``tile``, ``num_warps`` and ``num_stages`` override the launch configuration.
     """
     _require_supported(paged)
     group_q = ref.check_query(q, paged)
@@ -335,6 +344,8 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         raise ValueError(f"seq_lens must have one entry per sequence ({S}), got shape {tuple(seq_lens.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be a positive number of positions, got {window}")
+    if tile is None and paged.dtype == torch.float32:
+        tile = 16  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
     q_dtype = q.dtype
     q = q.to(paged.dtype).contiguous()  # attention runs in the cache dtype, as the reference
     out = torch.empty_like(q)
@@ -358,7 +369,7 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         q, kd, ks, kz, vd, vs, vz, paged.residual_k, paged.residual_v, paged.block_table,
         seq_lens.to(torch.int32), out, part_o, part_lse, scale * _LOG2E, window or 0,
         paged.block_table.stride(0), per_split,
-        H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged.scheme),
+        H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged.scheme, tile),
         SPLITS=splits, SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=_TL_DTYPES[q.dtype],
         **_scheme_constants(paged),
         num_warps=num_warps, num_stages=num_stages)
@@ -518,24 +529,27 @@ def _write_blocks_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, kd, ks, kz, vd, vs, vz, t
 
 @triton.jit
 def _write_residual_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, starts_ptr, T, new_ss, new_sh, new_st,
-                           H: tl.constexpr, B: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):
-    """Program (s, h): the new positions of the block that stays partial go to residual rows ``p % B``."""
+                           H: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                           CACHE: tl.constexpr):
+    """Program (s, h, c): new positions ``c*ROWS ..`` of the block that stays partial go to
+    residual rows ``p % B`` (one program per 16 positions: a decode step writes one row)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(starts_ptr + s)
     end = start + T
-    rows = tl.arange(0, B)
-    pos = (end // B) * B + rows
-    ok = (pos >= start) & (pos < end)
+    first = tl.maximum(start, (end // B) * B)  # the partial block's first new position
+    pos = first + tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    ok = pos < end
     t = tl.where(ok, pos - start, 0).to(tl.int64)
     cols = tl.arange(0, D)
     src = s.to(tl.int64) * new_ss + h * new_sh + t[:, None] * new_st + cols[None, :]
-    dst = (s * H + h).to(tl.int64) * B * D + rows[:, None] * D + cols[None, :]
+    dst = (s * H + h).to(tl.int64) * B * D + (pos % B)[:, None] * D + cols[None, :]
     tl.store(rk_ptr + dst, tl.load(k_ptr + src, mask=ok[:, None], other=0.0).to(CACHE), mask=ok[:, None])
     tl.store(rv_ptr + dst, tl.load(v_ptr + src, mask=ok[:, None], other=0.0).to(CACHE), mask=ok[:, None])
 
 
-def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_warps: int = 4) -> None:
+def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             num_warps: int = WRITE_WARPS) -> None:
     """Same as :func:`runtime.kernels.kv_reference.write_kv`. The caller allocates the blocks the
     write fills (``block_table`` entries >= 0); no host sync."""
     _require_supported(paged)
@@ -558,15 +572,17 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
     strides = (k.stride(0), k.stride(1), k.stride(2))
     fills = (B - 1 + T) // B  # most blocks one sequence can fill
     if fills:
-        rows = min(B, 64)
+        rows = min(B, WRITE_ROWS)
         key_rows = paged.scheme.group_size if paged.scheme.kivi else rows
         _write_blocks_kernel[(S, H, fills)](
             k, v, paged.residual_k, paged.residual_v, kd, ks, kz, vd, vs, vz, paged.block_table, starts,
             T, paged.block_table.stride(0), *strides, KEY_ROWS=key_rows, ROWS=rows, CACHE=cache_dtype, H=H, **c,
             num_warps=num_warps)
     # after the blocks (same stream): they read residual rows this overwrites
-    _write_residual_kernel[(S, H)](k, v, paged.residual_k, paged.residual_v, starts, T, *strides,
-                                   H=H, B=B, D=D, CACHE=cache_dtype, num_warps=num_warps)
+    residual_rows = 16
+    _write_residual_kernel[(S, H, triton.cdiv(min(T, B - 1), residual_rows))](
+        k, v, paged.residual_k, paged.residual_v, starts, T, *strides, H=H, B=B, D=D, ROWS=residual_rows,
+        CACHE=cache_dtype, num_warps=4)
 
 
 # ----------------------------------------------------------------------- the cache's attention
