@@ -116,3 +116,80 @@ def test_memory_is_measured_on_allocated_caches():
     assert fits["int4-g64-r128"]["sequences"] >= 3 * fits["fp16"]["sequences"]
     for r in rows:
         assert r["measured_bytes"] <= r["budget_bytes"] < r["measured_bytes"] + r["bytes_per_sequence"]
+
+
+# ------------------------------------------------------------- recipe and CLI
+
+
+def run_cli(*args):
+    from click.testing import CliRunner
+
+    from lowbit.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def kv_recipe(path, model_dir, **kv_cache):
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "model": str(model_dir), "output": str(path.parent / "ckpt"), "dtype": "float32",
+        "weights": {"method": "rtn", "bits": 8, "group_size": -1, "symmetric": True},
+        "kv_cache": kv_cache,
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def kv_ckpt(tiny_dir, tmp_path_factory):
+    recipe = kv_recipe(tmp_path_factory.mktemp("q") / "r.yaml", tiny_dir, bits=4, group_size=16, residual=32)
+    result = run_cli("quantize", recipe)
+    assert result.exit_code == 0, result.output
+    return recipe.parent / "ckpt"
+
+
+def test_the_recipes_kv_scheme_is_saved_and_used_by_default(kv_ckpt):
+    import json
+
+    manifest = json.loads((kv_ckpt / "lowbit_manifest.json").read_text())
+    assert manifest["kv_cache"] == {"bits": 4, "type": "int", "group_size": 16, "residual": 32}
+    assert runtime.load(kv_ckpt).kv_scheme == INT4
+    assert runtime.load(kv_ckpt, kv="int2").kv_scheme == INT2  # a name keeps the saved group and residual
+    assert runtime.load(kv_ckpt, kv="fp16").kv_scheme == KVScheme(group_size=16, residual=32)
+
+
+def test_eval_reports_kv_perplexity_next_to_the_fp16_cache(kv_ckpt, tmp_path):
+    import json
+
+    out = tmp_path / "r.json"
+    args = ["eval", kv_ckpt, "--no-baseline", "--tokens", 150, "--window", 64, "--stride", 32, "--kv-chunk", 8]
+    result = run_cli(*args, "--json", out)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    assert r["kv_cache"]["name"] == "int4-g16-r32"
+    assert r["kv_baseline_ppl"] == pytest.approx(r["ppl"], rel=1e-5)  # the fp16 cache reproduces perplexity
+    assert r["kv_ppl"] != r["kv_baseline_ppl"]
+    assert r["kv_delta_ppl_pct"] == pytest.approx(100 * (r["kv_ppl"] / r["kv_baseline_ppl"] - 1))
+    assert r["kv_bytes_per_token"] < 0.5 * r["kv_baseline_bytes_per_token"]
+    assert "chunks of 8" in r["kv_protocol"]["description"] and "int4-g16-r32" in result.output
+    result = run_cli(*args, "--kv", "fp16", "--json", out)
+    assert result.exit_code == 0 and json.loads(out.read_text())["kv_ppl"] is None
+
+
+def test_generate_takes_a_kv_scheme(kv_ckpt):
+    result = run_cli("generate", kv_ckpt, "--prompt", "Anne", "--max-new-tokens", 40, "--kv", "int2")
+    assert result.exit_code == 0, result.output
+    assert "KV cache int2-g16-r32" in result.output
+
+
+def test_bad_kv_settings_are_clear_errors(kv_ckpt, tiny_dir, tmp_path):
+    result = run_cli("generate", kv_ckpt, "--prompt", "Anne", "--kv", "int3")
+    assert result.exit_code != 0 and "unknown KV cache scheme 'int3'" in result.output
+    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=3))
+    assert result.exit_code != 0 and "kv_cache.bits: must be one of 16, 8, 4, 2" in result.output
+    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=4, residual=100))
+    assert result.exit_code != 0 and "kv_cache: KV cache residual 100 is not a multiple of group_size 64" in result.output
+    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=4, gruop_size=16))
+    assert result.exit_code != 0 and "kv_cache.gruop_size: unknown key (did you mean 'group_size'?)" in result.output
+    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=2))  # group 64, heads of 32
+    assert result.exit_code != 0 and "kv_cache: KV cache group_size 64 does not divide head_dim 32" in result.output
