@@ -57,9 +57,12 @@ def empty_paged(scheme: KVScheme, seqs: int, heads: int, dim: int, max_len: int,
     return PagedKV.from_cache(cache, 0)
 
 
-def clone(p: PagedKV) -> PagedKV:
-    copy = lambda q: q.map(torch.clone)  # noqa: E731
-    return PagedKV(copy(p.k), copy(p.v), p.residual_k.clone(), p.residual_v.clone(), p.block_table.clone(), p.scheme)
+def on_cpu(p: PagedKV) -> PagedKV:
+    """A CPU copy: kvquant on the CPU is the truth the writer must match bit for bit (PyTorch on CUDA
+    divides by a Python scalar through its reciprocal, which can move a scale's last bit)."""
+    copy = lambda q: q.map(lambda t: t.cpu().clone())  # noqa: E731
+    return PagedKV(copy(p.k), copy(p.v), p.residual_k.cpu().clone(), p.residual_v.cpu().clone(),
+                   p.block_table.cpu().clone(), p.scheme)
 
 
 def fill(p: PagedKV, lens: list[int], seed: int) -> None:
@@ -77,6 +80,7 @@ def lengths(values) -> torch.Tensor:
 
 
 def assert_same_cache(actual: PagedKV, expected: PagedKV) -> None:
+    actual, expected = on_cpu(actual), on_cpu(expected)
     for got, want in ((actual.k, expected.k), (actual.v, expected.v)):
         for a, e in zip(got, want):
             if a is None:
@@ -102,8 +106,8 @@ def test_write_is_bit_identical_to_the_reference(name):
     for step, T in enumerate((1, 40, 3)):  # a decode step (fills seq 2's block), a prefill chunk, a few more
         k = randn(S, H, T, D, seed=100 + step, offset_channels=True)
         v = randn(S, H, T, D, seed=200 + step)
-        expected, actual = clone(paged), paged
-        ref.write_kv(expected, lengths(starts), k, v)
+        expected, actual = on_cpu(paged), paged
+        ref.write_kv(expected, torch.tensor(starts, dtype=torch.int32), k.cpu(), v.cpu())
         kernels.write_kv(actual, lengths(starts), k, v)
         assert_same_cache(actual, expected)
         starts = [s + T for s in starts]
@@ -120,9 +124,9 @@ def test_written_blocks_equal_kvquant_quantize_kv(name):
     for j in range(2):
         block = paged.block_table[0, j].long()
         for keys, x in ((True, k), (False, v)):
-            want = quantize_kv(x[0, :, j * B:(j + 1) * B], scheme, keys)  # [H, ...]
+            want = quantize_kv(x[0, :, j * B:(j + 1) * B].cpu(), scheme, keys)  # [H, ...]
             for stored, expected in zip(paged.pool(keys), want):
-                assert torch.equal(stored[block], expected)
+                assert torch.equal(stored[block].cpu(), expected)
     assert torch.equal(paged.residual_k[0, :, :7], k[0, :, 2 * B:])
     assert torch.equal(paged.residual_v[0, :, :7], v[0, :, 2 * B:])
 
@@ -190,8 +194,8 @@ def test_cache_attention_through_prefill_chunks_and_decode(name):
     steps against the CPU path (cache.update + SDPA), on one cache history."""
     scheme = parse_kv(name)
     S, H, Hq, D, max_len = 2, 2, 8, 64, 3 * B
-    caches = [KVCache(1, S, H, D, max_len, torch.float16, DEVICE, scheme=scheme) for _ in range(3)]
-    fused, reference, cpu_path = caches
+    fused, reference = (KVCache(1, S, H, D, max_len, torch.float16, DEVICE, scheme=scheme) for _ in range(2))
+    cpu_path = KVCache(1, S, H, D, max_len, torch.float16, "cpu", scheme=scheme)
     pos, step = 0, 0
     for T in (40, 13) + (1,) * 14:  # a prefill, a chunk that reads the first from the cache, decode over 64
         q = randn(S, Hq, T, D, seed=300 + step)
@@ -201,13 +205,13 @@ def test_cache_attention_through_prefill_chunks_and_decode(name):
         got = kernels.cache_attention(fused, 0, pos, q, k, v, mask)
         want = ref.cache_attention(reference, 0, pos, q, k, v, mask)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-        keys, values = cpu_path.update(0, pos, k, v)
+        keys, values = cpu_path.update(0, pos, k.cpu(), v.cpu())
         if T == 1:
-            plain = torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-            torch.testing.assert_close(got, plain, atol=2e-3, rtol=2e-3)
+            plain = torch.nn.functional.scaled_dot_product_attention(q.cpu(), keys, values, enable_gqa=True)
+            torch.testing.assert_close(got.cpu(), plain, atol=2e-3, rtol=2e-3)
         pos, step = pos + T, step + 1
     assert fused.lengths == reference.lengths == [pos]
-    assert torch.equal(fused.block_table, cpu_path.block_table)
+    assert torch.equal(fused.block_table.cpu(), cpu_path.block_table)
     assert_same_cache(PagedKV.from_cache(fused, 0), PagedKV.from_cache(cpu_path, 0))
 
 
@@ -233,10 +237,10 @@ def test_ties_round_half_to_even_like_torch_round():
     x[..., 0], x[..., 1] = -128.0, 127.0
     paged = empty_paged(scheme, 1, 1, 64, max_len=B)
     kernels.write_kv(paged, lengths([0]), x.half().to(DEVICE), x.half().to(DEVICE))
-    want = quantize_kv(x[0, :, :].half().to(DEVICE), scheme, keys=True)
+    want = quantize_kv(x[0, :, :].half(), scheme, keys=True)
     assert float(want.scale.float().unique()) == 1.0 and float(want.zero.float().abs().max()) == 0.0
     block = paged.block_table[0, 0].long()
-    assert torch.equal(paged.k.data[block], want.data)
+    assert torch.equal(paged.k.data[block].cpu(), want.data)
 
 
 def test_a_value_group_as_wide_as_the_head():
@@ -244,11 +248,11 @@ def test_a_value_group_as_wide_as_the_head():
     scheme = parse_kv("int4-g64-r64")
     lens = [64 + 17, 30]
     paged = empty_paged(scheme, 2, 1, 64, max_len=2 * 64, seed=13)
-    expected = clone(paged)
+    expected = on_cpu(paged)
     k = randn(2, 1, 64 + 17, 64, seed=81, offset_channels=True)
     v = randn(2, 1, 64 + 17, 64, seed=82)
     kernels.write_kv(paged, lengths([0, 0]), k, v)
-    ref.write_kv(expected, lengths([0, 0]), k, v)
+    ref.write_kv(expected, torch.zeros(2, dtype=torch.int32), k.cpu(), v.cpu())
     assert_same_cache(paged, expected)
     q = randn(2, 3, 64, seed=83)
     torch.testing.assert_close(kernels.decode_attention(q, paged, lengths(lens)),
