@@ -287,3 +287,33 @@ def test_kernels_compile_for_a_hopper_gpu():
     run = subprocess.run([sys.executable, str(script), "90", "--quick"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("compiled") == 2 * 5, run.stdout
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the model takes the kernels for real")
+def test_the_models_gpu_path_runs_the_kernels_and_matches_the_cpu_path(monkeypatch):
+    """runtime.model.Attention sends CUDA tensors to kernels.cache_attention. Here CPU tensors pose
+    as CUDA ones for the model's forward, so the hook (mask, window, layer index, one cache shared
+    by the layers) runs the interpreted kernels; decoding token by token, it must give the CPU
+    path's logits."""
+    from runtime.model import Decoder, DecoderConfig
+
+    cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1))
+    torch.manual_seed(0)
+    model = Decoder(cfg).eval()
+    scheme = parse_kv("int4-g16-r16")
+    ids = torch.randint(0, 64, (2, 20), generator=generator(14))
+    plain, fused = (KVCache(2, 2, 1, cfg.head_dim, 32, torch.float32, "cpu", scheme=scheme) for _ in range(2))
+    calls = []
+    spy = ref.AttentionOps(kernels.write_kv, kernels.dequantize_cache,
+                           lambda *a, **k: calls.append(1) or kernels.decode_attention(*a, **k))
+    monkeypatch.setattr(kernels, "KERNEL_OPS", spy)
+    want, got = [], []
+    with torch.inference_mode():
+        for pos in range(20):  # crosses a block boundary: 16 tokens fill and quantize one
+            want.append(model(ids[:, pos:pos + 1], plain, pos))
+            with monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+                got.append(model(ids[:, pos:pos + 1], fused, pos))
+    assert len(calls) == 20 * cfg.num_layers
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=1e-4)
