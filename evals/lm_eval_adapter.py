@@ -16,8 +16,8 @@ Scoring runs on :func:`runtime.load`'s model:
   forward, then the continuation goes in chunks of ``kv_chunk`` tokens, so
   attention reads the quantized keys and values of every full block before it.
 
-``generate_until`` decodes through the same cache (greedy unless the task asks
-for a temperature) and stops at the task's ``until`` strings.
+``generate_until`` is the runtime's streaming generation (through the model's KV
+cache; greedy unless the task asks for sampling), cut at the task's ``until`` strings.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 import runtime
 from evals.kv import chunked_logits_fn, runtime_session
 from kvquant import KVScheme
-from runtime.generate import check_sampling, sample
 
 DEFAULT_MAX_LENGTH = 2048  # CPU-friendly default window for rolling log-likelihoods
 
@@ -67,7 +66,11 @@ class LowbitLM(TemplateLM):
         self.kv_chunk = int(kv_chunk)
         if self.kv_chunk < 1:
             raise ValueError(f"kv_chunk must be at least 1, got {kv_chunk}")
-        self.add_bos = _bool(kwargs.get("add_bos_token", False))
+        self.add_bos = _bool(kwargs.pop("add_bos_token", False))
+        kwargs.pop("max_batch_size", None)  # lm-eval passes it to every model; batches here are fixed
+        if kwargs:
+            warnings.warn(f"the lowbit model ignores {', '.join(sorted(kwargs))}; it takes pretrained, kv, device, "
+                          "batch_size, max_length, kv_chunk, add_bos_token")
 
     # ------------------------------------------------------------ tokens
 
@@ -154,37 +157,24 @@ class LowbitLM(TemplateLM):
             out.append(self._generate(context, dict(gen_kwargs or {})))
         return out
 
-    @torch.inference_mode()
     def _generate(self, context: str, kwargs: dict) -> str:
+        """The runtime's own streaming generation (through the model's KV cache), cut at the first stop string."""
         until = kwargs.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
-        eos_text = self.tok_decode([self.eot_token_id])
+        until = [stop for stop in ([until] if isinstance(until, str) else until) if stop]
         max_new = int(kwargs.pop("max_gen_toks", 256))
         temperature = float(kwargs.pop("temperature", 0.0)) if _bool(kwargs.pop("do_sample", False)) else 0.0
-        top_p = float(kwargs.pop("top_p", 1.0))
-        check_sampling(max_new, temperature, top_p)
-        generator = torch.Generator().manual_seed(int(kwargs.pop("seed", 1234)))
         room = self.max_length - max_new  # the answer must fit in the window too: cut the prompt from the left
         if room < 1:
             raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in max_length {self.max_length}")
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-room:]
-        cache = self.model.new_cache(len(ids) + max_new)
-        inputs, pos, new = torch.tensor([ids], device=self.model.device), 0, []
         text = ""
-        for _ in range(max_new):
-            logits = self.model.decoder(inputs, cache, pos)[0, -1]
-            pos += inputs.shape[1]
-            token = sample(logits, temperature, top_p, generator)
-            if token in self.model.eos_token_ids or token == self.eot_token_id:
+        for token in self.model.generate(ids, max_new_tokens=max_new, temperature=temperature,
+                                         top_p=float(kwargs.pop("top_p", 1.0)), seed=int(kwargs.pop("seed", 1234))):
+            text += token.text
+            if any(stop in text for stop in until):
                 break
-            new.append(token)
-            text = self.tok_decode(new)
-            if any(stop and stop in text for stop in until + [eos_text]):
-                break
-            inputs = torch.tensor([[token]], device=self.model.device)
         for stop in until:
-            if stop:
-                text = text.split(stop)[0]
+            text = text.split(stop)[0]
         return text
 
 

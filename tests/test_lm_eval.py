@@ -167,3 +167,8 @@ def test_lm_eval_command_line_runs_the_lowbit_model(model_dir, monkeypatch, caps
     lm_eval_main()
     out = capsys.readouterr().out
     assert "lowbit_persuasion_cloze" in out and "acc" in out and not math.isnan(len(out))
+
+
+def test_a_mistyped_model_argument_is_not_silently_dropped(model_dir, lm):
+    with pytest.warns(UserWarning, match="ignores kv_chunck"):
+        LowbitLM(pretrained=str(model_dir), model=lm.model, kv_chunck=3)
