@@ -1,6 +1,6 @@
 """Triton kernels for attention over the paged quantized KV cache (GPU; tested in the interpreter).
 
-Three kernels, each with the same signature as its PyTorch reference in
+Three operations, each with the same signature as its PyTorch reference in
 :mod:`runtime.kernels.kv_reference` (which is built on ``kvquant``), reading and writing the
 layout that ``runtime/cache.py``'s module docstring fixes:
 
@@ -47,6 +47,7 @@ from runtime.kernels.kv_reference import PagedKV
 
 _MAGIC_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + M - M rounds |x| < 2**22 half-to-even
 _FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny, kvquant's scale floor
+_ZERO_BOUND = tl.constexpr(2.0**-14)  # scale >= max|x| * 2**-14 keeps |zero| < 2**14 (quant.affine)
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny (FP8 scale floor)
 _FP8_MAX = tl.constexpr(448.0)
 _LOG2E = 1.4426950408889634
@@ -388,7 +389,7 @@ def _qparams(lo, hi, BITS: tl.constexpr):
     QMIN: tl.constexpr = -(1 << (BITS - 1))
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     # the floor keeps |zero| = |lo| / scale below 2**14, so a constant group's zero fits fp16
-    floor = tl.maximum(tl.maximum(tl.abs(lo), tl.abs(hi)) * 6.103515625e-05, _FP16_TINY)
+    floor = tl.maximum(tl.maximum(tl.abs(lo), tl.abs(hi)) * _ZERO_BOUND, _FP16_TINY)
     scale = tl.maximum(tl.div_rn(hi - lo, QMAX - QMIN + 0.0), floor).to(tl.float16)
     zero = (QMIN - tl.div_rn(lo, scale.to(tl.float32))).to(tl.float16)
     return scale, zero
