@@ -37,8 +37,13 @@ With ``H`` KV heads of ``D`` channels, ``N`` physical blocks, ``S`` sequences
 * ``residual_k[layer]``, ``residual_v[layer]``: ``[S, H, B, D]`` in the model dtype:
   the newest ``length % B`` positions of each sequence (the partial block), never
   quantized. A block is quantized and moved into the pool when it fills.
-* ``lengths[layer]``: positions written in that layer (the CPU path advances all
-  sequences of the batch together; ``seq_lens(layer)`` gives it as ``[S]`` int32).
+* ``lengths[layer]``: positions written in that layer when all sequences of the batch
+  advance together (``update``; ``seq_lens(layer)`` gives it as ``[S]`` int32).
+* ``seq_lengths[s]``: positions held by sequence ``s`` when sequences are used one by one
+  (the serving engine: ``add_sequence``, ``reserve``, ``write_sequence``, ``advance``,
+  ``free_sequence``, ``swap_sequences``): each sequence has its own length and its own blocks, and the rows
+  of the block table and residual are slots that sequences come and go from. The layout
+  above does not change: a slot is a row.
 
 So position ``p < (length // B) * B`` of sequence ``s`` is row ``p % B`` of
 physical block ``block_table[s, p // B]``; a later position is row ``p % B`` of
@@ -78,6 +83,8 @@ class KVCache:
         self.block_table = torch.full((batch, max_blocks), -1, dtype=torch.int32, device=self.device)
         self.lengths = [0] * num_layers
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.seq_lengths = [0] * batch  # per sequence, when sequences are used one by one
+        self._free_slots = list(range(batch - 1, -1, -1))
 
     def _alloc_pool(self, keys: bool) -> QuantizedKV:
         parts = layout(self.scheme, self.head_dim, self.dtype, keys)
@@ -105,27 +112,33 @@ class KVCache:
                 f"layer {layer} of the KV cache holds {self.lengths[layer]} positions; new ones must follow them "
                 f"(got start={start}); reset() starts over"
             )
+        end = self._store(layer, slice(None), start, k, v)
+        self.lengths[layer] = end
+        return self.read(layer, end)
+
+    def _store(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences in ``rows``; the end position."""
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
         B, r = self.block_size, start % self.block_size
+        residual_k, residual_v = self.residual_k[layer][rows], self.residual_v[layer][rows]  # views
         # The residual's tokens and the new ones, from the start of the current block.
-        pending_k = torch.cat([self.residual_k[layer][:, :, :r], k.to(self.dtype)], dim=2)
-        pending_v = torch.cat([self.residual_v[layer][:, :, :r], v.to(self.dtype)], dim=2)
+        pending_k = torch.cat([residual_k[:, :, :r], k.to(self.dtype)], dim=2)
+        pending_v = torch.cat([residual_v[:, :, :r], v.to(self.dtype)], dim=2)
         full = pending_k.shape[2] // B
         if full:
-            ids = self._allocate(start // B, full)  # [S, full]
+            ids = self._allocate(start // B, full, rows)  # [rows, full]
             self._write_blocks(layer, ids, pending_k[:, :, : full * B], pending_v[:, :, : full * B])
         rest = pending_k.shape[2] - full * B
-        self.residual_k[layer][:, :, :rest] = pending_k[:, :, full * B:]
-        self.residual_v[layer][:, :, :rest] = pending_v[:, :, full * B:]
-        self.lengths[layer] = end
-        return self.read(layer, end)
+        residual_k[:, :, :rest] = pending_k[:, :, full * B:]
+        residual_v[:, :, :rest] = pending_v[:, :, full * B:]
+        return end
 
-    def _allocate(self, first: int, count: int) -> torch.Tensor:
-        """Physical ids of logical blocks ``first .. first+count`` of every sequence, allocating the
-        missing ones (the first layer to fill a block allocates it; the others find it)."""
-        table = self.block_table[:, first: first + count]
+    def _allocate(self, first: int, count: int, rows: slice = slice(None)) -> torch.Tensor:
+        """Physical ids of logical blocks ``first .. first+count`` of every sequence in ``rows``,
+        allocating the missing ones (the first layer to fill a block allocates it; the others find it)."""
+        table = self.block_table[rows, first: first + count]
         missing = int((table < 0).sum())
         if missing > len(self._free):
             raise RuntimeError(
@@ -151,29 +164,140 @@ class KVCache:
         """Keys and values [S, H, length, D] of the first ``length`` positions, dequantized."""
         if length > self.lengths[layer]:
             raise ValueError(f"layer {layer} of the KV cache holds {self.lengths[layer]} positions, asked for {length}")
+        return self._read(layer, slice(None), length, self.lengths[layer] // self.block_size)
+
+    def _read(self, layer: int, rows: slice, length: int, stored: int):
+        """Keys and values [rows, H, length, D] of the sequences in ``rows``, whose first ``stored``
+        blocks are in the pool."""
         B = self.block_size
-        stored = self.lengths[layer] // B  # full blocks in the pool
         from_pool = min(math.ceil(length / B), stored)
-        ids = self.block_table[:, :from_pool].long()  # [S, n]
+        ids = self.block_table[rows, :from_pool].long()  # [rows, n]
         out = []
-        for name, residual in (("k", self.residual_k[layer]), ("v", self.residual_v[layer])):
+        for name, residual in (("k", self.residual_k[layer][rows]), ("v", self.residual_v[layer][rows])):
             tail = residual[:, :, : max(length - from_pool * B, 0)]
             if not from_pool:
                 out.append(tail)
                 continue
-            q = self.pool[layer][name].map(lambda t: t[ids])  # [S, n, H, ...]
-            x = dequantize_blocks(q, self.scheme, name == "k", self.head_dim, self.dtype)  # [S, H, n*B, D]
+            q = self.pool[layer][name].map(lambda t: t[ids])  # [rows, n, H, ...]
+            x = dequantize_blocks(q, self.scheme, name == "k", self.head_dim, self.dtype)  # [rows, H, n*B, D]
             out.append(torch.cat([x, tail], dim=2)[:, :, :length])
         return out[0], out[1]
 
     def seq_lens(self, layer: int) -> torch.Tensor:
         return torch.full((self.batch,), self.lengths[layer], dtype=torch.int32, device=self.device)
 
+    # ------------------------------------------------ sequences one by one (the serving engine)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def add_sequence(self, slot: int | None = None) -> int:
+        """A free slot (row) for a new sequence of length 0: ``slot`` if given, else the lowest free one."""
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.batch} sequence slots of the KV cache are in use; free_sequence() one first")
+        if slot is None:
+            slot = self._free_slots.pop()
+        elif slot in self._free_slots:
+            self._free_slots.remove(slot)
+        else:
+            raise ValueError(f"slot {slot} is in use or out of range (the cache has {self.batch} slots)")
+        self.seq_lengths[slot] = 0
+        return slot
+
+    def blocks_needed(self, slot: int, end: int) -> int:
+        """Pool blocks sequence ``slot`` still lacks to hold positions up to ``end`` (blocks fill at B tokens)."""
+        return int((self.block_table[slot, : end // self.block_size] < 0).sum())
+
+    def reserve(self, slot: int, end: int) -> bool:
+        """Allocate the blocks positions up to ``end`` of ``slot`` fill; False (allocating nothing)
+        when the pool has too few free blocks. Writers that store tokens themselves (the GPU
+        kernels) need their blocks allocated before they run."""
+        self._check_slot(slot)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions per sequence, asked for {end}")
+        if self.blocks_needed(slot, end) > len(self._free):
+            return False
+        if end // self.block_size:
+            self._allocate(0, end // self.block_size, slice(slot, slot + 1))
+        return True
+
+    def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v`` [H, T, D] of sequence ``slot`` at ``start`` (= its length: every layer
+        writes at the same start until ``advance`` moves it)."""
+        self._check_slot(slot)
+        if start != self.seq_lengths[slot]:
+            raise ValueError(f"sequence {slot} of the KV cache holds {self.seq_lengths[slot]} positions; new ones "
+                             f"must follow them (got start={start})")
+        if not 0 <= layer < self.num_layers or k.ndim != 3 or k.shape != v.shape or (k.shape[0], k.shape[2]) != (
+                self.kv_heads, self.head_dim):
+            raise ValueError(f"a sequence's new keys and values are [H={self.kv_heads}, T, D={self.head_dim}] for one "
+                             f"of {self.num_layers} layers; got layer {layer}, keys {tuple(k.shape)}, values "
+                             f"{tuple(v.shape)}")
+        self._store(layer, slice(slot, slot + 1), start, k[None], v[None])
+
+    def read_sequence(self, layer: int, slot: int, length: int):
+        """Keys and values [H, length, D] of sequence ``slot``, dequantized; ``length`` is all it holds
+        in this layer (its length, plus what this step wrote)."""
+        self._check_slot(slot)
+        k, v = self._read(layer, slice(slot, slot + 1), length, length // self.block_size)
+        return k[0], v[0]
+
+    def advance(self, slot: int, count: int) -> None:
+        """Sequence ``slot`` now holds ``count`` more positions (every layer has written them)."""
+        self._check_slot(slot)
+        self.seq_lengths[slot] += count
+
+    def free_sequence(self, slot: int) -> None:
+        """Return the sequence's blocks to the pool and its slot to the free slots."""
+        self._check_slot(slot)
+        row = self.block_table[slot]
+        self._free.extend(sorted(row[row >= 0].tolist(), reverse=True))
+        row.fill_(-1)
+        self.seq_lengths[slot] = 0
+        self._free_slots.append(slot)
+
+    def swap_sequences(self, a: int, b: int) -> None:
+        """Exchange the contents of slots ``a`` and ``b`` (block-table rows, residuals, lengths;
+        either may be free). The pool blocks stay where they are. The engine keeps its decoding
+        sequences in the first rows this way, so a batch of ``n`` is the views ``[:n]``."""
+        if a == b:
+            return
+        for t in [self.block_table] + self.residual_k + self.residual_v:
+            t[[a, b]] = t[[b, a]]
+        self.seq_lengths[a], self.seq_lengths[b] = self.seq_lengths[b], self.seq_lengths[a]
+        free_a, free_b = a in self._free_slots, b in self._free_slots
+        if free_a != free_b:
+            self._free_slots[self._free_slots.index(a if free_a else b)] = b if free_a else a
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.batch or slot in self._free_slots:
+            raise ValueError(f"slot {slot} holds no sequence (the cache has {self.batch} slots; add_sequence() first)")
+
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds whatever its length: its residual block (keys and values, every
+        layer) and its block-table row."""
+        residual = sum(t[0].numel() * t.element_size() for t in self.residual_k + self.residual_v)
+        return residual + self.block_table.shape[1] * self.block_table.element_size()
+
+    def block_bytes(self) -> int:
+        """Bytes of one pool block over all layers, keys and values (scales included)."""
+        tensors = [t for layer in self.pool for q in layer.values() for t in q if t is not None]
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------- all
+
     def reset(self) -> None:
         """Forget every position (the memory stays allocated)."""
         self.lengths = [0] * self.num_layers
         self.block_table.fill_(-1)
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self.seq_lengths = [0] * self.batch
+        self._free_slots = list(range(self.batch - 1, -1, -1))
 
     def nbytes(self) -> int:
         """Bytes this cache holds: pool, residual blocks and block table."""
