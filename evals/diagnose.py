@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from evals.speed import PhaseTiming, Workload, measure
+from evals.speed import PROTOCOL, PhaseTiming, Workload, measure
 from kvquant import KVScheme, bytes_per_token
 from kvquant.memory import stored_bytes
 from runtime.linear import QuantLinear
@@ -127,6 +127,7 @@ def diagnose(model, workload: Workload, scheme: KVScheme | None = None, ceilings
     flops = prefill_flops(model, workload.batch, workload.prompt_len)
     decode_s = timing.itl_s * (workload.output_len - 1)
     result = {
+        "protocol": f"{PROTOCOL}; ceilings: {ceilings['method']}",
         "workload": {"prompt_len": workload.prompt_len, "output_len": workload.output_len, "batch": workload.batch,
                      "kv": scheme.name},
         "timing": timing.to_dict(),

@@ -131,6 +131,6 @@ def test_speed_and_diagnose_commands_write_json_with_provenance(model_dir, tmp_p
     assert "ceilings: copy" in result.output and "takes" in result.output
     data = json.loads(out.read_text())
     assert data["dominant_phase"] in ("prefill", "decode") and data["ceilings"]["matmul_flops_per_s"] > 0
-    assert data["device"]["type"] == "cpu" and data["commit"]
+    assert data["device"]["type"] == "cpu" and data["commit"] and "greedy decode" in data["protocol"]
     result = run("speed", model_dir, "--batch", "0")
     assert result.exit_code != 0 and "positive integers" in result.output
