@@ -143,7 +143,7 @@ def l2_bytes(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
 
 
-def copies_for(nbytes: int, device: torch.device, cap: int = 64) -> int:
+def copies_for(nbytes: int, device: torch.device, cap: int = 128) -> int:
     """Cache copies (layers) to cycle through so that together they exceed the L2 cache 3 times."""
     if device.type != "cuda":
         return 1  # --smoke
@@ -349,7 +349,7 @@ def main():
         "device": device_name, "commit": code_version, "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "shape": {**shape, "dtype": "float16", "new_tokens_per_sequence": 1},
-        "copy_bytes_per_s": copy_bw,
+        "copy_bytes_per_s": copy_bw, "l2_bytes": l2_bytes(device),
         "method": "median over samples of one CUDA graph running the op once per cache copy (copies exceed 3x "
                   "L2); GB/s = bytes the path must read and write / time; copy bandwidth from "
                   "evals.diagnose.measure_ceilings in the same run",
