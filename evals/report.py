@@ -374,13 +374,17 @@ def complete_run(result: dict, ckpt: str, device: str = "cpu", speed: dict | Non
     """An eval result made a run: provenance, memory breakdown, the baseline's bits/weight, speed and tasks."""
     from evals import size
     from evals.provenance import provenance
+    from kvquant import kv_scheme_from_dict
     from quant import checkpoint, models
     from runtime.load import kv_scheme_of
 
     ckpt_dir = models.resolve(ckpt)
     run = {**result, **provenance(device)}
-    kv = result.get("kv")  # a KV-cache scheme name the eval ran with, when it names one
-    scheme = kv_scheme_of(checkpoint.read_manifest(ckpt_dir), kv if isinstance(kv, str) else None)
+    ran_with = result.get("kv_cache")  # the KV scheme of a KV-perplexity run, else the checkpoint's own
+    if isinstance(ran_with, dict):
+        scheme = kv_scheme_from_dict({k: v for k, v in ran_with.items() if k != "name"})
+    else:
+        scheme = kv_scheme_of(checkpoint.read_manifest(ckpt_dir), None)
     run["memory"] = memory_summary(ckpt_dir, scheme)
     if result.get("baseline"):
         run["baseline_bits_per_weight"] = size.weight_stats(models.resolve(result["baseline"])).bits_per_weight

@@ -99,8 +99,7 @@ def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, r
     md = pipeline.report_markdown(result)
     task_result = speed = None
     if tasks:
-
-        task_result = run_tasks(ckpt, _names(tasks), limit=int(limit) if limit and limit >= 1 else limit)
+        task_result = run_tasks(ckpt, _names(tasks), kv=kv, limit=int(limit) if limit and limit >= 1 else limit)
         md += "\n\n" + tasks_table(task_result)
     if speed_batches:
         speed = _speed_sweep(ckpt, kv, speed_batches, speed_prompt_len, speed_output_len)

@@ -139,3 +139,16 @@ def test_a_checkpoint_that_fails_to_load_names_the_file(tmp_path):
     (broken / "config.json").write_text('{"model_type": "llama"')
     result = run("eval", broken, "--no-baseline")
     assert result.exit_code != 0 and "config.json" in result.output and "Traceback" not in result.output
+
+
+def test_a_kv_quantized_run_shows_its_kv_scheme(tmp_path):
+    model, tokenizer = tiny_llama(hidden=64)
+    model_dir = save_model(model, tokenizer, tmp_path / "tiny")
+    out = tmp_path / "kv.json"
+    result = run("eval", model_dir, "--no-baseline", "--tokens", "200", "--window", "64", "--stride", "32",
+                 "--kv", "int8-r16", "--json", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["memory"]["kv_scheme"] == "int8"
+    rep = run("report", out, "--out", tmp_path / "o")
+    assert rep.exit_code == 0 and "| tiny |" in rep.output and "| int8 |" in rep.output
