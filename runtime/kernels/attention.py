@@ -407,12 +407,17 @@ def _codes(x, scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
 def _pack_rows(u, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """Codes [ROWS, D] into int32 words [ROWS, D*BITS/32], value i at bits [i*BITS, (i+1)*BITS)."""
     PACK: tl.constexpr = 32 // BITS
     shifts = tl.arange(0, PACK) * BITS
     fields = tl.reshape(u, (ROWS, D // PACK, PACK)) << shifts[None, None, :]
-    return tl.sum(fields, axis=2)  # disjoint bit fields: the sum is their OR (wrapping into the sign bit)
+    return tl.reduce(fields, 2, _bitwise_or)  # the top field reaches the sign bit: OR, not a sum that overflows
 
 
 @triton.jit
