@@ -55,9 +55,11 @@ def one(method: str) -> dict:
             path = pipeline.quantize(recipe, device="cpu", progress=False)
             seconds = time.perf_counter() - start
         peak = peak_rss_bytes()
+        load = os.getloadavg()  # other work on the machine stretches wall time: say how much there was
         model = runtime.load(path)
         texts = score_texts(model.logits, model.tokenizer)
-    return {"tool": "lowbit", "method": method, "quantize_s": seconds, "peak_rss_bytes": peak, "texts": texts}
+    return {"tool": "lowbit", "method": method, "quantize_s": seconds, "load_average": load, "peak_rss_bytes": peak,
+            "texts": texts}
 
 
 def run_child(command: list[str]) -> dict:
@@ -100,16 +102,15 @@ def main():
     jobs = [[sys.executable, __file__, "--one", m] for m in args.methods]
     if args.peer_python:
         jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m] for m in args.peer_methods]
-    rows = []
-    for job in jobs:
-        rows.append(run_child(job))
-        print(json.dumps(rows[-1]), flush=True)
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
               "scheme": "4-bit, group 64, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
-              "rows": rows}
+              "load_average_at_start": os.getloadavg(), "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(table(rows))
+    for job in jobs:
+        result["rows"].append(run_child(job))
+        print(json.dumps(result["rows"][-1]), flush=True)
+        args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+    print(table(result["rows"]))
 
 
 if __name__ == "__main__":
