@@ -147,7 +147,10 @@ def _dequant_pool_tile(data_ptr, scale_ptr, zero_ptr, plane, t0, row_ok,
         # value i of a token sits in bits [i*BITS, (i+1)*BITS) of its words: word i // PACK, field i % PACK
         shifts = tl.arange(0, PACK) * BITS
         u = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(u, (TILE, D)).to(tl.float32) - (1 << (BITS - 1))  # signed code, exact in fp32
+        # the signed code, exact in fp32: OR the bits into the mantissa of 2**23 and subtract, which
+        # spares the int-to-float conversion (a quarter-rate instruction) on every element
+        u_plus_2p23 = (tl.reshape(u, (TILE, D)) | 0x4B000000).to(tl.float32, bitcast=True)
+        q = u_plus_2p23 - (8388608.0 + (1 << (BITS - 1)))
         if not KIVI:  # int8: one scale and zero per token
             s = tl.load(scale_ptr + plane * B + rows, mask=row_ok, other=0.0).to(tl.float32)
             z = tl.load(zero_ptr + plane * B + rows, mask=row_ok, other=0.0).to(tl.float32)
