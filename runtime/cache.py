@@ -196,6 +196,10 @@ class KVCache:
     def free_slots(self) -> int:
         return len(self._free_slots)
 
+    @property
+    def free_slot_ids(self) -> list[int]:
+        return sorted(self._free_slots)
+
     def add_sequence(self, slot: int | None = None) -> int:
         """A free slot (row) for a new sequence of length 0: ``slot`` if given, else the lowest free one."""
         if not self._free_slots:

@@ -216,6 +216,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = None
+        if hasattr(cache, "attend"):
+            # sequences at positions of their own (runtime.engine's batches): the batch stores
+            # the new keys and values and attends per sequence, on the kernels or the reference
+            return self.o_proj(cache.attend(layer, q, k, v, mask, cfg.sliding_windows[layer]).transpose(1, 2)
+                               .reshape(B, T, -1))
         if cache is not None and q.is_cuda:
             # GPU: Triton kernels write the quantized cache and attend over it in place
             # (runtime/kernels/attention.py); None when they do not take this cache's scheme.
@@ -277,25 +282,35 @@ class Decoder(nn.Module):
         self.lm_head = make_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def rope(self, start: int, length: int, dtype):
-        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)
+    def rope(self, start: int | torch.Tensor, length: int, dtype):
+        """cos, sin [T, D] for positions ``start .. start+T``; [B, 1, T, D] when ``start`` is a
+        tensor [B] of per-sequence starts (the same products, so the same values)."""
+        steps = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        if isinstance(start, torch.Tensor):
+            pos = start.to(self.inv_freq.device, torch.float32)[:, None] + steps  # [B, T]
+            freqs = (pos[..., None] * self.inv_freq)[:, None]  # [B, 1, T, D/2]
+        else:
+            freqs = torch.outer(start + steps, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, cache=None, start: int = 0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0) -> torch.Tensor:
         """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T``.
 
         With a ``cache`` the new keys/values are stored and attention reads every
         position before them; without one ``start`` must be 0 (a plain forward).
+        ``start`` may be a tensor [B] of per-sequence positions: sequences of different
+        lengths in one batch (the serving engine); the cache then masks per sequence.
         """
-        if cache is None and start:
+        per_sequence = isinstance(start, torch.Tensor)
+        if cache is None and (per_sequence or start):
             raise ValueError("a forward from a position other than 0 needs the KV cache")
         T = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(start, T, x.dtype)
         # one mask per distinct window, shared by the layers (not rebuilt per layer)
-        masks = {w: attention_mask(T, start + T, w, x.device) for w in set(self.cfg.sliding_windows)}
+        masks = {w: None if per_sequence else attention_mask(T, start + T, w, x.device)
+                 for w in set(self.cfg.sliding_windows)}
         for block in self.model.layers:
             x = block(x, cos, sin, masks[block.window], cache, start)
         return self.lm_head(self.model.norm(x))

@@ -219,16 +219,29 @@ def cache_attention(cache, layer: int, start: int, q: torch.Tensor, k: torch.Ten
     through the quantizer: prefill is compute-bound, and the fresh values are the better ones.
     """
     end = reserve(cache, layer, start, k, v)
-    paged = PagedKV.from_cache(cache, layer)
-    S, T = k.shape[0], k.shape[2]
-    ops.write_kv(paged, torch.full((S,), start, dtype=torch.int32, device=k.device), k, v)
+    starts = torch.full((k.shape[0],), start, dtype=torch.int32, device=k.device)
+    out = paged_attention(PagedKV.from_cache(cache, layer), starts, q, k, v, mask, window, ops, max_seq_len=end,
+                          start=start)
     cache.lengths[layer] = end
-    lens = torch.full((S,), end, dtype=torch.int32, device=k.device)
+    return out
+
+
+def paged_attention(paged: PagedKV, starts: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None = None, window: int | None = None, ops: AttentionOps = REFERENCE_OPS,
+                    max_seq_len: int | None = None, start: int | None = None) -> torch.Tensor:
+    """:func:`cache_attention` on one layer's tensors, sequence ``s`` writing at ``starts[s]``
+    (its blocks allocated by the caller). Decode (T = 1) takes a different start per sequence;
+    prefill (T > 1) one start for all (``start``, when the host knows it), and ``mask`` for it.
+    ``max_seq_len`` bounds the lengths (None: the block table's reach; decode then needs no host
+    sync, as CUDA graphs require)."""
+    T = k.shape[2]
+    ops.write_kv(paged, starts, k, v)
     gqa = q.shape[1] != k.shape[1]
     if T == 1:
-        return ops.decode_attention(q[:, :, 0], paged, lens, window=window, max_seq_len=end)[:, :, None]
+        return ops.decode_attention(q[:, :, 0], paged, starts + 1, window=window, max_seq_len=max_seq_len)[:, :, None]
+    start = int(starts[0]) if start is None else start
     if start:  # chunked prefill: earlier chunks come back from the quantized cache
-        old_k, old_v = ops.dequantize_cache(paged, lens - T, length=start)
+        old_k, old_v = ops.dequantize_cache(paged, starts, length=start)
         k = torch.cat([old_k, k.to(old_k.dtype)], dim=2)
         v = torch.cat([old_v, v.to(old_v.dtype)], dim=2)
     if start == 0 and (window is None or T <= window):
