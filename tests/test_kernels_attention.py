@@ -290,15 +290,17 @@ def test_kernels_compile_for_a_hopper_gpu():
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the model takes the kernels for real")
-def test_the_models_gpu_path_runs_the_kernels_and_matches_the_cpu_path(monkeypatch):
+@pytest.mark.parametrize("family", [{"model_type": "llama"}, {"model_type": "mistral", "sliding_window": 12}],
+                         ids=["llama", "mistral-window"])
+def test_the_models_gpu_path_runs_the_kernels_and_matches_the_cpu_path(monkeypatch, family):
     """runtime.model.Attention sends CUDA tensors to kernels.cache_attention. Here CPU tensors pose
     as CUDA ones for the model's forward, so the hook (mask, window, layer index, one cache shared
     by the layers) runs the interpreted kernels; decoding token by token, it must give the CPU
-    path's logits."""
+    path's logits (Mistral: a sliding window the 20 tokens outgrow)."""
     from runtime.model import Decoder, DecoderConfig
 
-    cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1))
+    cfg = DecoderConfig.from_hf(dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, **family))
     torch.manual_seed(0)
     model = Decoder(cfg).eval()
     scheme = parse_kv("int4-g16-r16")
