@@ -42,6 +42,17 @@ def recipe_for(method: str):
     raise SystemExit(f"unknown method {method}")
 
 
+def allow_cpu_only():
+    """llm-compressor 0.14's AWQ pins its cached activations for faster host-to-GPU copies,
+    which raises on a machine without an accelerator. Pinning changes no value, so on such a
+    machine skip it: the peer then runs on CPU exactly as it would otherwise compute."""
+    if torch.cuda.is_available():
+        return
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("method", choices=["gptq", "awq", "awq+gptq"])
@@ -52,6 +63,7 @@ def main():
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    allow_cpu_only()
     source = resolve("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(source)
     samples = calibration_samples(tokenizer, load_calibration_text("default"), 128, 512, seed=0)
