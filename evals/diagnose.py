@@ -177,7 +177,8 @@ def advice(r: dict, model) -> list[str]:
 def _decode_advice(dec: dict, w: dict, model) -> list[str]:
     frac = dec["fraction_of_copy_ceiling"] or 0.0
     wb, kb = dec["weight_bytes_per_step"], dec["kv_bytes_per_step"]
-    lines = [f"Each decode step reads {wb / 1e6:.1f} MB of weights and {kb / 1e6:.1f} MB of KV cache: "
+    dense = " (dequantized at load: this runtime's reference path)" if "dequantized at load" in dec["weights_held_as"] else ""
+    lines = [f"Each decode step reads {wb / 1e6:.1f} MB of weights{dense} and {kb / 1e6:.1f} MB of KV cache: "
              f"{(dec['achieved_bytes_per_s'] or 0) / 1e9:.1f} GB/s, {_pct(frac)} of the measured copy bandwidth."]
     if frac < BANDWIDTH_BOUND:
         lines.append("Decode is below the bandwidth ceiling: per-step overhead (framework, kernel launches), not "
