@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.sampling import check_sampling, sample  # noqa: F401  (check_sampling: re-exported)
+
 
 @dataclass
 class Token:
@@ -15,28 +17,48 @@ class Token:
     t: float  # seconds since the request started
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+class TextStream:
+    """Incremental detokenization: the new text each token completes, for streaming.
 
+    Decodes the whole output and diffs against what was already given out: a token can end
+    mid-character (byte-level BPE), so an incomplete multi-byte character is held back until a
+    later token completes it. With ``stop`` strings, text that could be the start of one is held
+    back too, and the output ends before the first one that appears (``stopped``).
+    """
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """One token id from the last position's logits [V]."""
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        outside = sorted_p.cumsum(-1) - sorted_p >= top_p
-        sorted_p[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    # Sample on the CPU with a CPU generator: the same seed gives the same tokens on any device.
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.text = ""  # given out so far
+        self.stopped = False
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int], done: bool) -> str:
+        """The next piece of text, given all output ``ids`` so far (``done``: no more will come)."""
+        full = self.decode(ids)
+        cut = self._stop_at(full)
+        if cut is not None:
+            self.stopped = True
+            full, done = full[:cut], True
+        end = len(full)
+        if not done:
+            if full.endswith("\ufffd"):
+                end = len(self.text)
+            end = min(end, len(full) - self._partial_stop(full))
+        piece = full[len(self.text):max(end, len(self.text))]
+        self.text += piece
+        return piece
+
+    def _stop_at(self, full: str) -> int | None:
+        # a stop string cannot start in text already given out (it was held back), so search the rest
+        found = [i for i in (full.find(s, len(self.text)) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _partial_stop(self, full: str) -> int:
+        """Length of the longest end of ``full`` that begins some stop string."""
+        return max((n for s in self.stop for n in range(min(len(s) - 1, len(full)), 0, -1)
+                    if full.endswith(s[:n])), default=0)
 
 
 @dataclass
@@ -64,11 +86,7 @@ class Generation:
 
     @property
     def text(self) -> str:
-        return self._decode(self.ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        tok = self.model.tokenizer
-        return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+        return TextStream(self.model.tokenizer).decode(self.ids)
 
     def __iter__(self):
         m = self.model
@@ -78,10 +96,11 @@ class Generation:
         total = min(len(self.prompt_ids) + self.max_new_tokens, m.max_positions)
         cache = m.new_cache(total)  # quantized as the model's kv_scheme says
         eos = set(m.eos_token_ids) if self.stop_at_eos else set()
+        stream = TextStream(m.tokenizer)
 
         # Prefill: the whole prompt in one forward; then one token per step through the cache.
         inputs = torch.tensor([self.prompt_ids], device=m.device)
-        pos, text, last = 0, "", start
+        pos, last = 0, start
         while True:
             with torch.inference_mode():
                 logits = m.decoder(inputs, cache, pos)[0, -1]
@@ -97,12 +116,7 @@ class Generation:
             if token in eos:
                 return
             done = len(self.ids) >= self.max_new_tokens or pos >= total
-            # Decode the whole sequence and diff: a token can end mid-character (byte-level BPE),
-            # so hold an incomplete multi-byte character back until a later token completes it.
-            full = self._decode(self.ids)
-            piece = "" if full.endswith("\ufffd") and not done else full[len(text):]
-            text += piece
-            yield Token(token, piece, now - start)
+            yield Token(token, stream.push(self.ids, done), now - start)
             if done:
                 return
             inputs = torch.tensor([[token]], device=m.device)
