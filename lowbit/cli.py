@@ -261,5 +261,49 @@ def report(runs, out_dir):
     click.echo("wrote " + ", ".join(str(f) for f in files.values()))
 
 
+@main.command()
+@click.option("--smoke", is_flag=True, help="Run the benchmark's code on a tiny CPU model at fixed tiny sizes (checks the script; "
+              "its timings mean nothing).")
+@click.option("--configs", default="fp16,w4g128,w4g128+kv-int4", show_default=True,
+              help="Engine configurations (comma-separated).")
+@click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes (comma-separated).")
+@click.option("--prompt-len", "prompt_lens", default="512,4096", show_default=True, help="Prompt lengths.")
+@click.option("--output-len", type=int, default=256, show_default=True)
+@click.option("--arrivals", type=int, default=64, show_default=True,
+              help="Requests in the continuous-batching run (Poisson arrivals).")
+@click.option("--rate", type=float, default=4.0, show_default=True, help="Arrivals per second in that run.")
+@click.option("--no-baseline", is_flag=True, help="Skip transformers generate (fp16).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Default: bench/results/engine-<device>-<commit>.json (smoke: not written unless given).")
+@_fail_cleanly
+def bench(smoke, configs, batches, prompt_lens, output_len, arrivals, rate, no_baseline, json_out):
+    """Serving speed of the engine (fp16, W4 g128, W4 + INT4 KV cache) against transformers generate, on a
+    Llama-3-8B-shaped model with random weights, on this CUDA GPU. Refuses without one (see --smoke)."""
+    import re
+
+    from evals import serving
+    from evals.speed import parse_lengths
+
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in serving.CONFIGS]
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(serving.CONFIGS)}", param_hint="--configs")
+    try:
+        record = serving.run(smoke=smoke, configs=names, batches=parse_lengths(batches),
+                             prompt_lens=parse_lengths(prompt_lens), output_len=output_len, arrivals=arrivals,
+                             rate=rate, baseline=not no_baseline, progress=lambda m: click.echo(m, err=True))
+    except serving.NoGPUError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(serving.table(record))
+    if json_out is None and not smoke:
+        prov = record["provenance"]
+        slug = re.sub(r"[^a-z0-9]+", "-", prov["device"]["name"].lower()).strip("-")
+        json_out = Path(__file__).resolve().parent.parent / "bench" / "results" / f"engine-{slug}-{prov['commit']}.json"
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(record, indent=2, default=str))
+        click.echo(f"wrote {json_out}", err=True)
+
+
 if __name__ == "__main__":
     main()

@@ -318,3 +318,34 @@ def test_parse_bytes_and_sample_top_k():
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     draws = {sample(logits, 5.0, 1.0, torch.Generator().manual_seed(s), top_k=2) for s in range(40)}
     assert draws == {1, 2}
+
+
+# ----------------------------------------------------------------------------- lowbit bench
+
+
+def test_bench_refuses_without_a_gpu_and_runs_its_smoke_mode(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from lowbit.cli import main
+
+    runner = CliRunner()
+    if not torch.cuda.is_available():
+        refused = runner.invoke(main, ["bench"])
+        assert refused.exit_code != 0 and "CUDA GPU" in refused.output and "--smoke" in refused.output
+    bad = runner.invoke(main, ["bench", "--smoke", "--configs", "w3"])
+    assert bad.exit_code != 0 and "w4g128" in bad.output
+    out = tmp_path / "bench.json"
+    run = runner.invoke(main, ["bench", "--smoke", "--configs", "w4g128+kv-int4", "--json", str(out)])
+    assert run.exit_code == 0, run.output
+    record = json.loads(out.read_text())
+    assert record["smoke"] and record["model"]["weights"].startswith("random")
+    assert record["provenance"]["device"]["type"] == "cpu" and record["provenance"]["commit"]
+    engine, hf = record["engine"], record["transformers"]
+    assert len(engine) == 2 * 2 + 1 and len(hf) == 2 * 2  # batches x prompt lengths (+ the arrivals run)
+    assert {r["kv_scheme"] for r in engine} == {"int4-g16-r16"}
+    for r in engine + hf:
+        assert r["output_tokens"] == r.get("batch", r.get("requests")) * r["output_len"]
+        assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["mean"] > 0
+    assert engine[-1]["mode"] == "continuous" and engine[-1]["requests"] == 4
