@@ -232,6 +232,27 @@ def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: tor
     return False
 
 
+def cache_size(model, scheme: KVScheme, kv_memory, max_batch: int, max_len: int) -> tuple[int, int]:
+    """``(budget, pool blocks)``: the slots' residual blocks come first, blocks take the rest.
+    Default budget: every slot at ``max_len``, capped on CUDA at 80% of the free memory (activations
+    and CUDA graphs need the rest)."""
+    cfg = model.decoder.cfg
+    per_block = cfg.num_layers * cfg.num_kv_heads * block_bytes(scheme, cfg.head_dim, model.dtype)
+    per_slot = residual_bytes(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    if kv_memory is not None:
+        budget = parse_bytes(kv_memory)
+    else:
+        budget = max_batch * (per_slot + -(-max_len // scheme.block_size) * per_block)
+        if model.device.type == "cuda":
+            budget = min(budget, int(0.8 * torch.cuda.mem_get_info(model.device)[0]))
+    blocks = (budget - max_batch * per_slot) // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"a KV budget of {budget:,} bytes holds no cache block beside {max_batch} slots' residual blocks "
+            f"({per_slot:,} bytes each, {scheme.name}); raise kv_memory or lower max_batch")
+    return budget, int(blocks)
+
+
 class Engine:
     """Continuous batching over one loaded :class:`runtime.Model` (see the module docstring).
 
@@ -258,19 +279,9 @@ class Engine:
         self.model, self.max_len, self.prefill_chunk = model, max_len, prefill_chunk
         self.kernels = kernels_for(scheme, cfg.head_dim, model.dtype, model.device, attention)
 
-        per_block = cfg.num_layers * cfg.num_kv_heads * block_bytes(scheme, cfg.head_dim, model.dtype)
-        per_slot = residual_bytes(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
-        blocks_per_seq = -(-max_len // scheme.block_size)
-        budget = (max_batch * (per_slot + blocks_per_seq * per_block) if kv_memory is None
-                  else parse_bytes(kv_memory))
-        num_blocks = (budget - max_batch * per_slot) // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"a KV budget of {budget:,} bytes holds no cache block beside {max_batch} slots' residual blocks "
-                f"({per_slot:,} bytes each, {scheme.name}); raise kv_memory or lower max_batch")
+        self.kv_budget, num_blocks = cache_size(model, scheme, kv_memory, max_batch, max_len)
         self.cache = KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype,
-                             model.device, scheme=scheme, num_blocks=int(num_blocks))
-        self.kv_budget = budget
+                             model.device, scheme=scheme, num_blocks=num_blocks)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last is the first preempted
         self.decoding = 0  # the decoding sequences sit in cache rows 0 .. decoding-1
@@ -297,6 +308,10 @@ class Engine:
     def capacity_tokens(self) -> int:
         """Positions the cache can hold at once over all sequences (pool blocks plus residuals)."""
         return self.cache.num_blocks * self.cache.block_size + self.cache.batch * (self.cache.block_size - 1)
+
+    def sequences_at(self, length: int) -> int:
+        """How many sequences of ``length`` tokens the cache holds at once (what the KV scheme buys)."""
+        return min(self.cache.batch, self.cache.num_blocks // max(length // self.cache.block_size, 1))
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **sampling) -> Request:
         """Queue a request (its prompt as text or token ids; ``SamplingParams`` or their fields as
@@ -370,6 +385,7 @@ class Engine:
             kv_scheme=self.scheme.name if cache else None, kv_budget_bytes=self.kv_budget,
             num_blocks=cache.num_blocks if cache else None, block_size=cache.block_size if cache else None,
             max_batch=cache.batch if cache else None, capacity_tokens=self.capacity_tokens if cache else None,
+            sequences_at_max_len=self.sequences_at(self.max_len) if cache else None,
             attention="triton" if self.kernels else "reference", cuda_graph_buckets=sorted(self._graphs),
         )
 

@@ -137,6 +137,16 @@ def test_full_cache_makes_requests_wait(models, prompts):
     assert a.output_ids == plain(model, prompts[3], 8) and b.output_ids == plain(model, prompts[1], 8)
 
 
+def test_the_kv_scheme_sets_how_many_sequences_fit_a_budget(models):
+    engines = {kv: Engine(models[FP16], max_batch=64, max_len=64, kv_memory="2MB", kv=kv) for kv in (FP16, INT4)}
+    for e in engines.values():  # what is allocated is what the budget says (the block table aside)
+        assert 2_000_000 - e.cache.block_bytes() < e.cache.nbytes() - e.cache.block_table.numel() * 4 <= 2_000_000
+    fp16, int4 = engines[FP16], engines[INT4]
+    assert int4.cache.num_blocks > 3 * fp16.cache.num_blocks
+    assert fp16.sequences_at(64) < int4.sequences_at(64) == 64
+    assert int4.stats()["sequences_at_max_len"] == 64
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_preemption_recomputes_and_gives_the_same_tokens(models, prompts, sampled):
     """A pool too small for every running sequence to grow: the newest is preempted and later
@@ -196,7 +206,8 @@ def test_chunked_prefill_of_a_long_prompt(models, prompts):
 def test_streaming_drives_the_engine_and_metrics_are_sane(models, prompts):
     model = models[FP16]
     engine = Engine(model, max_batch=4, max_len=64)
-    a, b = engine.submit(prompts[0], greedy(8)), engine.submit(prompts[2], greedy(5))
+    a, b = engine.submit(prompts[0], greedy(8)), engine.submit(model.tokenizer.decode(prompts[2]), greedy(5))
+    assert b.prompt_ids == model.tokenizer(model.tokenizer.decode(prompts[2])).input_ids  # text prompts too
     streamed = list(a)  # iterating a alone runs the engine: b advances too
     assert [t.id for t in streamed] == a.output_ids and b.finished and len(b.output_ids) == 5
     assert "".join(t.text for t in streamed) == a.text == model.tokenizer.decode(a.output_ids)
