@@ -268,6 +268,26 @@ def test_triton_attention_kernels_through_the_engine(model_dir, prompts):
     assert [r.output_ids for r in requests] == [plain(model, p, 14) for p in short]
 
 
+def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
+    """The CUDA-graph decode step, run eagerly (no GPU here to capture it): static inputs for a
+    bucket of rows, padding rows that write into free slots, the kernels' lengths bounded by the
+    block table instead of the batch. Three sequences use the bucket of 4; prefilling sequences
+    sit in high rows, so padding never touches them."""
+    from runtime.engine import _DecodeGraph
+
+    model = models[INT4]
+    short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
+    engine = Engine(model, max_batch=6, max_len=32, attention="triton")
+    engine._graphs = {b: _DecodeGraph(engine, b, capture=False) for b in (2, 4)}
+    used = []
+    run = _DecodeGraph.run
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_DecodeGraph, "run", lambda self, ids, starts: used.append(len(self.starts)) or run(self, ids, starts))
+        requests = engine.generate(short, [greedy(n) for n in (8, 5, 3)])  # 3, then 2, then 1 decoding
+    assert set(used) == {2, 4} and len(used) == engine.stats()["decode_steps"]
+    assert [r.output_ids for r in requests] == [plain(model, p, n) for p, n in zip(short, (8, 5, 3))]
+
+
 def test_a_scheme_without_kernels_falls_back_with_a_warning_or_fails_clearly(models):
     odd = parse_kv("int4-g8-r24")  # block 24: the kernels take powers of two
     with pytest.warns(UserWarning, match="reference"):
