@@ -100,7 +100,7 @@ def random_model(config: dict, weights: str, kv: str, device: torch.device, dtyp
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)
-    return Model(decoder, config, None, device, dtype, Path(f"random-{weights}"), parse_kv(kv) if kv != "fp16" else None)
+    return Model(decoder, config, None, device, dtype, Path(f"random-{weights}"), parse_kv(kv))
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

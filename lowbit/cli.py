@@ -262,8 +262,8 @@ def report(runs, out_dir):
 
 
 @main.command()
-@click.option("--smoke", is_flag=True, help="Run the benchmark's code on a tiny CPU model at fixed tiny sizes (checks the script; "
-              "its timings mean nothing).")
+@click.option("--smoke", is_flag=True, help="Run the benchmark's code on a tiny CPU model at fixed tiny sizes "
+              "(checks the script; its timings mean nothing).")
 @click.option("--configs", default="fp16,w4g128,w4g128+kv-int4", show_default=True,
               help="Engine configurations (comma-separated).")
 @click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes (comma-separated).")

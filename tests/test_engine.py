@@ -170,7 +170,8 @@ def test_seeds_reproduce_sampled_output_in_any_batch(models, prompts):
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     alone = Engine(model, max_batch=1, max_len=64).generate([prompts[0]], params)[0].output_ids
     engine = Engine(model, max_batch=4, max_len=64)
-    others = [engine.submit(p, SamplingParams(max_tokens=6, temperature=0.8, seed=i)) for i, p in enumerate(prompts[1:])]
+    others = [engine.submit(p, SamplingParams(max_tokens=6, temperature=0.8, seed=i))
+              for i, p in enumerate(prompts[1:])]
     batched = engine.submit(prompts[0], params)
     other_seed = engine.submit(prompts[0], SamplingParams(**{**params.__dict__, "seed": 8}))
     engine.run()
@@ -279,10 +280,14 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=6, max_len=32, attention="triton")
     engine._graphs = {b: _DecodeGraph(engine, b, capture=False) for b in (2, 4)}
-    used = []
-    run = _DecodeGraph.run
+    used, run = [], _DecodeGraph.run
+
+    def counted(self, ids, starts):
+        used.append(len(self.starts))  # the bucket
+        return run(self, ids, starts)
+
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_DecodeGraph, "run", lambda self, ids, starts: used.append(len(self.starts)) or run(self, ids, starts))
+        m.setattr(_DecodeGraph, "run", counted)
         requests = engine.generate(short, [greedy(n) for n in (8, 5, 3)])  # 3, then 2, then 1 decoding
     assert set(used) == {2, 4} and len(used) == engine.stats()["decode_steps"]
     assert [r.output_ids for r in requests] == [plain(model, p, n) for p, n in zip(short, (8, 5, 3))]
