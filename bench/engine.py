@@ -2,7 +2,8 @@
 ``generate`` fp16, on a Llama-3-8B-shaped model with random weights, on one CUDA GPU.
 
     python bench/engine.py [--configs fp16,w4g128,w4g128+kv-int4] [--batch 1,8,32] [--prompt-len 512,4096]
-                           [--output-len 256] [--arrivals 64] [--rate 4] [--no-baseline] [--json OUT]
+                           [--output-len 256] [--arrivals 64] [--rate 4] [--prefill-chunk 4096] [--no-baseline]
+                           [--json OUT]
     python bench/engine.py --smoke      # the same code on a tiny CPU model: checks the script, times nothing real
 
 The same as ``lowbit bench`` (the code is ``evals/serving.py``). Refuses without a GPU. Writes

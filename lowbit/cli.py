@@ -272,11 +272,13 @@ def report(runs, out_dir):
 @click.option("--arrivals", type=int, default=64, show_default=True,
               help="Requests in the continuous-batching run (Poisson arrivals).")
 @click.option("--rate", type=float, default=4.0, show_default=True, help="Arrivals per second in that run.")
+@click.option("--prefill-chunk", type=int, default=4096, show_default=True,
+              help="Prompt tokens the engine prefills per step.")
 @click.option("--no-baseline", is_flag=True, help="Skip transformers generate (fp16).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Default: bench/results/engine-<device>-<commit>.json (smoke: not written unless given).")
 @_fail_cleanly
-def bench(smoke, configs, batches, prompt_lens, output_len, arrivals, rate, no_baseline, json_out):
+def bench(smoke, configs, batches, prompt_lens, output_len, arrivals, rate, prefill_chunk, no_baseline, json_out):
     """Serving speed of the engine (fp16, W4 g128, W4 + INT4 KV cache) against transformers generate, on a
     Llama-3-8B-shaped model with random weights, on this CUDA GPU. Refuses without one (see --smoke)."""
     import re
@@ -291,7 +293,8 @@ def bench(smoke, configs, batches, prompt_lens, output_len, arrivals, rate, no_b
     try:
         record = serving.run(smoke=smoke, configs=names, batches=parse_lengths(batches),
                              prompt_lens=parse_lengths(prompt_lens), output_len=output_len, arrivals=arrivals,
-                             rate=rate, baseline=not no_baseline, progress=lambda m: click.echo(m, err=True))
+                             rate=rate, baseline=not no_baseline, prefill_chunk=prefill_chunk,
+                             progress=lambda m: click.echo(m, err=True))
     except serving.NoGPUError as e:
         raise click.ClickException(str(e)) from None
     click.echo(serving.table(record))
