@@ -26,7 +26,7 @@ from evals.texts import load_text
 
 OFFLINE_GROUP = "lowbit_offline"
 OFFLINE_TASKS = ("lowbit_persuasion_ppl", "lowbit_persuasion_cloze", "lowbit_persuasion_gen")
-TASKS_VERSION = 1  # bump when the generated data or YAML change: a new directory is built
+TASKS_VERSION = 2  # bump when the generated data or YAML change: a new directory is built
 
 
 class TaskError(ValueError):
@@ -68,7 +68,10 @@ def _yaml(task: str, data_file: Path) -> str:
     bodies = {
         "lowbit_persuasion_ppl": (
             'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
-            "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"),
+            "metric_list:\n"
+            "  - metric: word_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n"
+            "  - metric: byte_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n"
+            "  - metric: bits_per_byte\n    aggregation: bits_per_byte\n    higher_is_better: false\n"),
         "lowbit_persuasion_cloze": (
             'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
             'doc_to_target: "{{label}}"\ntarget_delimiter: " "\n'
