@@ -269,6 +269,28 @@ def test_triton_attention_kernels_through_the_engine(model_dir, prompts):
     assert [r.output_ids for r in requests] == [plain(model, p, 14) for p in short]
 
 
+def test_chunked_prefill_through_the_kernels(model_dir, prompts):
+    """Later chunks read the earlier ones back through the dequantize kernel (fp16 blocks: the
+    same values the plain runtime's one-shot prefill attends to)."""
+    model = runtime.load(model_dir, kv=FP16)
+    engine = Engine(model, max_batch=2, max_len=48, prefill_chunk=16, attention="triton")
+    requests = engine.generate([prompts[3], prompts[0]], greedy(6))  # 34 tokens: chunks at 0, 16, 32
+    assert [r.output_ids for r in requests] == [plain(model, p, 6) for p in (prompts[3], prompts[0])]
+
+
+def test_sliding_window_model_through_the_engine(tmp_path, prompts):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                           sliding_window=8, initializer_range=0.3, eos_token_id=tok.eos_token_id)
+    model = runtime.load(save_model(MistralForCausalLM(config).eval(), tok, tmp_path / "m"), kv=FP16)
+    requests = Engine(model, max_batch=3, max_len=64).generate(prompts[:3], greedy(10))
+    assert [r.output_ids for r in requests] == [plain(model, p, 10) for p in prompts[:3]]
+
+
 def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     """The CUDA-graph decode step, run eagerly (no GPU here to capture it): static inputs for a
     bucket of rows, padding rows that write into free slots, the kernels' lengths bounded by the
