@@ -8,7 +8,7 @@ read by lm-eval as local jsonl (``dataset_path: json``), one per request type:
 * ``lowbit_persuasion_ppl``: paragraphs scored whole (loglikelihood_rolling):
   word and byte perplexity, bits per byte;
 * ``lowbit_persuasion_cloze``: two sentences, then pick the one that follows
-  among four (loglikelihood): accuracy;
+  among four of about the same length (loglikelihood): accuracy;
 * ``lowbit_persuasion_gen``: complete the last words of a sentence (generate_until):
   exact match.
 """
@@ -26,7 +26,7 @@ from evals.texts import load_text
 
 OFFLINE_GROUP = "lowbit_offline"
 OFFLINE_TASKS = ("lowbit_persuasion_ppl", "lowbit_persuasion_cloze", "lowbit_persuasion_gen")
-TASKS_VERSION = 2  # bump when the generated data or YAML change: a new directory is built
+TASKS_VERSION = 3  # bump when the generated data or YAML change: a new directory is built
 
 
 class TaskError(ValueError):
@@ -53,7 +53,9 @@ def offline_docs(seed: int = 0) -> dict[str, list[dict]]:
         sents = _sentences(p)
         if len(sents) >= 3 and len(cloze) < 40:
             answer = sents[2]
-            choices = [answer] + rng.sample([s for s in pool if s != answer], 3)
+            # distractors of about the answer's length: a summed log-likelihood must not win on length alone
+            near = sorted((s for s in pool if s != answer), key=lambda s: abs(len(s) - len(answer)))[:12]
+            choices = [answer] + rng.sample(near, 3)
             rng.shuffle(choices)
             cloze.append({"context": f"{sents[0]} {sents[1]}", "choices": choices, "label": choices.index(answer)})
         words = sents[-1].rstrip(".!?\"").split() if sents else []
