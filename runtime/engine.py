@@ -20,17 +20,21 @@ and requests leave as soon as they finish, freeing their blocks for the next one
 The KV cache is allocated once from a byte budget: ``max_batch`` slots (each holds its
 sequence's unquantized residual block) and as many pool blocks as the rest of the budget
 buys, so how many tokens, and so how many concurrent sequences, fit follows from the KV
-scheme (an INT4 block costs about a quarter of an fp16 one). When a decoding sequence needs a
-block and none is free, the newest running sequence is preempted: its blocks are freed and it
-waits again; when readmitted it recomputes its cache from its prompt and the tokens it already
-produced (its sampler state is kept, so its output is the same). Nothing is allocated after
-start-up, so a full cache makes requests wait; it never runs out of memory.
+scheme (an INT4 block, groups of 64 over head_dim 128, costs 28% of an fp16 one). When a
+decoding sequence needs a block and none is free, the newest running sequence is preempted:
+its blocks are freed and it waits again; when readmitted it recomputes its cache from its
+prompt and the tokens it already produced (its sampler state is kept, so its output is the
+same). The cache never grows after start-up, so a full cache makes requests wait; it does
+not run out of memory.
 
 Attention: on CUDA the Triton kernels read and write the cache in place (decode over
 sequences of different lengths in one launch); on CPU, or for a scheme the kernels do not
-take, each sequence runs the reference path (store, read back dequantized, SDPA), which is
-what ``runtime.generate`` computes, so a request's greedy output equals the plain runtime's.
-On CUDA the decode step can be captured in a CUDA graph per batch-size bucket.
+take, each sequence runs the reference path (store, read back dequantized, SDPA). Either way
+a request gets the plain runtime's computation (``runtime.generate`` on that device: prefill
+attends to its own tokens through the quantizer on the reference path, fresh on the
+kernels), so its greedy output is the plain runtime's; the tests check it on CPU, and through
+the kernels in the Triton interpreter. On CUDA the decode step is captured in a CUDA graph
+per batch-size bucket (not run on a GPU yet).
 """
 
 from __future__ import annotations
