@@ -266,6 +266,8 @@ class Engine:
     model's context). ``kv``: the cache scheme (default: the model's). ``prefill_chunk``: prompt
     tokens prefilled per step. ``attention``: see :func:`kernels_for`. ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
+
+    One thread drives it: ``step`` (or iterating a request, which steps) is not thread-safe.
     """
 
     def __init__(self, model, kv_memory=None, max_batch: int = 32, max_len: int | None = None,
