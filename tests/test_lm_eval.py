@@ -1,7 +1,6 @@
 """The lm-eval model type and the offline tasks, on a tiny random model: scores equal the runtime's own."""
 
 import json
-import math
 import sys
 
 import pytest
@@ -166,7 +165,7 @@ def test_lm_eval_command_line_runs_the_lowbit_model(model_dir, monkeypatch, caps
                                       "--limit", "2", "--device", "cpu"])
     lm_eval_main()
     out = capsys.readouterr().out
-    assert "lowbit_persuasion_cloze" in out and "acc" in out and not math.isnan(len(out))
+    assert "lowbit_persuasion_cloze" in out and "acc" in out
 
 
 def test_a_mistyped_model_argument_is_not_silently_dropped(model_dir, lm):
