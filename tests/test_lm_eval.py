@@ -12,7 +12,6 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-import runtime  # noqa: E402
 from evals import lm_eval_tasks  # noqa: E402
 from evals.lm_eval_adapter import LowbitLM  # noqa: E402
 from lowbit.cli import main  # noqa: E402
