@@ -197,6 +197,7 @@ def _task_rows(runs) -> list[tuple[str, str, str, float]]:
 # ------------------------------------------------------------------------ SVG
 
 W, H, PAD = 520, 300, 56
+LEGEND_ROW = 15
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -213,11 +214,14 @@ def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     return [lo + (hi - lo) * i / n for i in range(n + 1)]
 
 
-def _axes(title: str, xlabel: str, ylabel: str, xs: tuple[float, float], ys: tuple[float, float], kind: str) -> list[str]:
+def _axes(title: str, xlabel: str, ylabel: str, xs: tuple[float, float], ys: tuple[float, float], kind: str,
+          legend_lines: int = 0) -> list[str]:
+    """An SVG with axes, ticks and labels; ``legend_lines`` rows of legend go below the x-axis label."""
     sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="{kind}" width="{W}" height="{H}" '
-           f'viewBox="0 0 {W} {H}" role="img" aria-label="{_esc(title)}">',
-           f'<rect x="0" y="0" width="{W}" height="{H}" fill="#fff"/>',
+    height = H + LEGEND_ROW * legend_lines
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="{kind}" width="{W}" height="{height}" '
+           f'viewBox="0 0 {W} {height}" role="img" aria-label="{_esc(title)}">',
+           f'<rect x="0" y="0" width="{W}" height="{height}" fill="#fff"/>',
            f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">{_esc(title)}</text>',
            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 16}" y2="{H - PAD}" stroke="#333"/>',
            f'<line x1="{PAD}" y1="{H - PAD}" x2="{PAD}" y2="24" stroke="#333"/>',
@@ -238,11 +242,12 @@ def _padded(values: list[float]) -> tuple[float, float]:
 
 
 def _legend(labels: list[str]) -> list[str]:
+    """One row per label under the plot (long labels never cover the data)."""
     out = []
     for i, label in enumerate(labels):
-        y = 34 + 14 * i
-        out.append(f'<rect x="{W - 150}" y="{y - 9}" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>')
-        out.append(f'<text x="{W - 136}" y="{y}" font-size="10">{_esc(label)}</text>')
+        y = H + 4 + LEGEND_ROW * i
+        out.append(f'<rect x="{PAD}" y="{y - 9}" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>')
+        out.append(f'<text x="{PAD + 14}" y="{y}" font-size="11">{_esc(label)}</text>')
     return out
 
 
@@ -250,10 +255,13 @@ def svg_ppl_vs_bits(rep: dict) -> str:
     points = [(s["bits_per_weight"], s["ppl"], s["label"]) for s in rep["summary"]]
     bases = {(r.get("baseline"), r.get("baseline_ppl"), r.get("baseline_bits_per_weight")) for r in rep["runs"]
              if r.get("baseline_ppl") is not None and r.get("baseline_bits_per_weight") is not None}
-    points += [(bits, ppl, f"{name} (baseline)") for name, ppl, bits in sorted(bases, key=str)]
+    seen = {(round(x, 3), round(y, 4)) for x, y, _ in points}  # a baseline that is also a run is drawn once
+    points += [(bits, ppl, f"{name} (baseline)") for name, ppl, bits in sorted(bases, key=str)
+               if (round(bits, 3), round(ppl, 4)) not in seen]
     xs, ys = _padded([p[0] for p in points]), _padded([p[1] for p in points])
     sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    out = _axes("Perplexity vs bits per weight", "bits per weight (quantized Linears)", "perplexity", xs, ys, "ppl-vs-bits")
+    out = _axes("Perplexity vs bits per weight", "bits per weight (quantized Linears)", "perplexity", xs, ys,
+                "ppl-vs-bits", len(points))
     for i, (x, y, label) in enumerate(points):
         out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{COLORS[i % len(COLORS)]}">'
                    f'<title>{_esc(label)}: {y:.4f} at {x:.2f} bits</title></circle>')
@@ -270,7 +278,7 @@ def svg_memory(rep: dict) -> str:
         rows.append((_label(r), [mem.get("quantized_weight_bytes", 0), mem.get("other_weight_bytes", 0), _kv_bytes(r)]))
     top = max(sum(v) for _, v in rows) or 1.0
     bar_h = min(28, (H - PAD - 40) / max(len(rows), 1) - 6)
-    sx = _scale(0, top, 150, W - 20)
+    sx = _scale(0, top, 150, W - 60)  # room for the total after the longest bar
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="memory" width="{W}" height="{H}" '
            f'viewBox="0 0 {W} {H}" role="img" aria-label="Memory breakdown">',
            f'<rect x="0" y="0" width="{W}" height="{H}" fill="#fff"/>',
@@ -302,7 +310,7 @@ def svg_speed(rep: dict, key: str, title: str) -> str | None:
     xs = _padded([b for pts in series.values() for b, _ in pts])
     ys = (0.0, max(v for pts in series.values() for _, v in pts) * 1.15 or 1.0)
     sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    out = _axes(title, "batch size", "ms", xs, ys, key)
+    out = _axes(title, "batch size", "ms", xs, ys, key, len(series))
     for i, (name, pts) in enumerate(series.items()):
         pts = sorted(pts)
         color = COLORS[i % len(COLORS)]
