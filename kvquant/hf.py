@@ -7,9 +7,11 @@
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
 Each layer keeps the newest partial block (fewer than ``residual`` tokens)
-unquantized and quantizes a block when it fills, with the same functions and
-the same block layout as the runtime's cache (``runtime/cache.py``), so both
-give attention the same keys and values. Unlike transformers' own
+unquantized and quantizes a block when it fills, with the same functions, the
+same block layout and the same reading rule as the runtime's cache
+(``runtime/cache.py``: a prefill or chunk sees its own tokens fresh and earlier
+ones as stored; a decode step reads the cache), so both give attention the same
+keys and values. Unlike transformers' own
 ``QuantizedCache`` (quanto/HQQ backends), a filled block is quantized once and
 never again: the older blocks are not re-quantized at every flush, and keys are
 grouped per channel over tokens (KIVI) rather than per token.
@@ -77,7 +79,13 @@ class QuantizedKVLayer(DynamicLayer):
                 self.quantized_values, quantize_blocks(values[:, :, :filled], self.scheme, False)
             )
         self.keys, self.values = keys[:, :, filled:], values[:, :, filled:]
-        return self._read()
+        keys, values = self._read()
+        new = key_states.shape[-2]
+        if new == 1:  # decode reads its token from the cache, like the runtime's decode kernel
+            return keys, values
+        # several tokens (prefill, chunk): earlier positions as stored, the new ones fresh
+        return (torch.cat([keys[:, :, :-new], key_states], dim=-2),
+                torch.cat([values[:, :, :-new], value_states], dim=-2))
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.quantized_keys is None:

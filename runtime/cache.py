@@ -49,9 +49,14 @@ So position ``p < (length // B) * B`` of sequence ``s`` is row ``p % B`` of
 physical block ``block_table[s, p // B]``; a later position is row ``p % B`` of
 the residual.
 
-Attention reads what the cache holds: ``update`` writes first (quantizing any
-block that fills) and then reads, so a decode kernel that writes the new token
-and then attends over blocks + residual computes exactly the reference.
+What attention reads (``update``'s return, the same rule as the GPU path in
+``runtime/kernels/kv_reference.py``): the new tokens are written first, quantizing
+any block that fills; positions before ``start`` then come back as the cache now
+holds them. A decode step (one new token) reads itself from the cache too, so a
+decode kernel that writes the token and attends over blocks + residual computes
+exactly the reference. A prefill or chunk (several new tokens) reads its own
+tokens fresh, as a flash-attention prefill does: prefill is compute-bound and the
+fresh values are the better ones.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ class KVCache:
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v`` [S, H, T, D] at positions ``start..start+T``; return keys and values of all
-        positions up to there, [S, H, start+T, D], as attention will read them."""
+        positions up to there, [S, H, start+T, D], as attention reads them (module docstring)."""
         self._check(layer, k, v)
         if start != self.lengths[layer]:
             raise ValueError(
@@ -114,7 +119,10 @@ class KVCache:
             )
         end = self._store(layer, slice(None), start, k, v)
         self.lengths[layer] = end
-        return self.read(layer, end)
+        if k.shape[2] == 1:
+            return self.read(layer, end)
+        old_k, old_v = self.read(layer, start)
+        return torch.cat([old_k, k.to(self.dtype)], dim=2), torch.cat([old_v, v.to(self.dtype)], dim=2)
 
     def _store(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences in ``rows``; the end position."""

@@ -156,7 +156,8 @@ def test_cache_holds_full_blocks_quantized_and_the_partial_block_exact(name):
     k = keys_with_offset_channels(2, 3, tokens=150, seed=1)
     v = torch.randn(2, 3, 150, 64)
     cache = KVCache(2, 2, 3, 64, 160, torch.float32, "cpu", scheme=scheme)
-    keys, values = write_in_chunks(cache, 1, k, v, [50, 1, 1, 30, 3, 65])  # blocks fill mid-chunk
+    write_in_chunks(cache, 1, k, v, [50, 1, 1, 30, 3, 65])  # blocks fill mid-chunk
+    keys, values = cache.read(1, 150)
     assert keys.shape == values.shape == (2, 3, 150, 64)
     # Positions 0..127 sit in two quantized blocks, each quantized on its own; 128..149 are exact.
     for b in range(2):
@@ -167,6 +168,21 @@ def test_cache_holds_full_blocks_quantized_and_the_partial_block_exact(name):
     assert cache.block_table[:, :2].min() >= 0 and (cache.block_table[:, 2:] == -1).all()
     k_part, _ = cache.read(1, 100)  # a prefix ending inside a quantized block
     torch.testing.assert_close(k_part, keys[:, :, :100])
+
+
+def test_a_chunk_reads_its_own_tokens_fresh_and_a_decode_step_reads_the_cache():
+    scheme = parse_kv("int4-g32-r64")
+    cache = KVCache(1, 1, 2, 64, 200, torch.float32, "cpu", scheme=scheme)
+    k, v = keys_with_offset_channels(1, 2, tokens=200, seed=2), torch.randn(1, 2, 200, 64)
+    write_in_chunks(cache, 0, k, v, [40])
+    keys, values = cache.update(0, 40, k[:, :, 40:100], v[:, :, 40:100])  # fills block 0 mid-chunk
+    stored_k, stored_v = cache.read(0, 100)
+    assert torch.equal(keys[:, :, :40], stored_k[:, :, :40]) and not torch.equal(stored_k[:, :, :40], k[:, :, :40])
+    assert torch.equal(keys[:, :, 40:], k[:, :, 40:100]) and torch.equal(values[:, :, 40:], v[:, :, 40:100])
+    for pos in range(100, 128):  # decode up to the fill of block 1: each step reads the cache as stored
+        keys, _ = cache.update(0, pos, k[:, :, pos:pos + 1], v[:, :, pos:pos + 1])
+        assert torch.equal(keys, cache.read(0, pos + 1)[0])
+    torch.testing.assert_close(keys[:, :, 64:128], fake_quantize_kv(k[:, :, 64:128], scheme, True))
 
 
 def test_block_table_is_shared_by_layers_and_blocks_are_paged_from_one_pool():

@@ -215,7 +215,7 @@ def cache_attention(cache, layer: int, start: int, q: torch.Tensor, k: torch.Ten
       the model dtype; positions before ``start`` (earlier chunks of a chunked prefill) are
       read back from the cache. ``mask`` is the model's [T, start+T] causal (and window) mask.
 
-    Unlike ``cache.update`` + SDPA (the CPU path), a prefill chunk's own tokens are not seen
+    As with ``cache.update`` + SDPA (the CPU path), a prefill chunk's own tokens are not seen
     through the quantizer: prefill is compute-bound, and the fresh values are the better ones.
     """
     end = reserve(cache, layer, start, k, v)
