@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--skip-peers", action="store_true", help="Only lowbit's caches.")
+    ap.add_argument("--peers-from", type=Path, help="Take the transformers rows (fp16 baseline, quanto, HQQ) from an "
+                    "earlier result on the same protocol instead of running them again (marked with its commit).")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv-cpu.json")
     args = ap.parse_args()
 
@@ -87,7 +89,8 @@ def main():
 
     def record(row):
         rows.append(row)
-        partial = {"rows": rows, "protocol": protocol.to_dict(), "commit": code_version, "complete": False}
+        partial = {"rows": rows, "protocol": {**protocol.to_dict(), "chunk": chunks.chunk}, "commit": code_version,
+                   "complete": False}
         args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2))
         delta = "" if row.get("delta_ppl_pct") is None else f" ({row['delta_ppl_pct']:+.3f}%)"
         print(f"{row['cache']}: {row.get('ppl', row.get('unavailable'))}{delta}", flush=True)
@@ -100,6 +103,23 @@ def main():
         record({"cache": f"lowbit {scheme.name}", "runner": "lowbit runtime", "scheme": scheme.to_dict(),
                 "ppl": ppl, "baseline_ppl": base, "delta_ppl_pct": 100 * (ppl / base - 1), "seconds": secs})
 
+    if args.peers_from:
+        for _ in range(240):  # an earlier run may still be finishing (its file appears when it does)
+            if args.peers_from.exists():
+                break
+            time.sleep(5)
+        earlier = json.loads(args.peers_from.read_text())
+        if earlier["protocol"]["tokens"] != protocol.tokens or earlier["protocol"].get("chunk", args.chunk) != args.chunk:
+            raise SystemExit(f"{args.peers_from} ran another protocol")
+        for row in earlier["rows"]:
+            if row["runner"] == "transformers":
+                record({**row, "reused_from": {"file": args.peers_from.name, "commit": earlier["commit"]}})
+    else:
+        run_peers(args, record, token_ids, protocol, chunks)
+    finish(args, model, rows, protocol, chunks, token_ids, code_version)
+
+
+def run_peers(args, record, token_ids, protocol, chunks):
     from transformers import DynamicCache
 
     hf_model, _ = models.load_float_model(models.resolve("smollm2-135m"))
@@ -123,6 +143,8 @@ def main():
                 "residual_length": 128, "ppl": ppl, "baseline_ppl": hf_base,
                 "delta_ppl_pct": 100 * (ppl / hf_base - 1), "seconds": secs})
 
+
+def finish(args, model, rows, protocol, chunks, token_ids, code_version):
     shape = ModelShape.of(model.decoder.cfg)
     schemes = [parse_kv(n) for n in LOWBIT_SCHEMES]
     memory = [memory_row(s, shape, context=4096) for s in schemes]
