@@ -43,18 +43,18 @@ import json
 import math
 import os
 import platform
-import re
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda  # noqa: E402
+
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BATCHES = [1, 8, 32]
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -64,83 +64,6 @@ TARGET_BW_FRACTION = 0.7  # of copy bandwidth, at batch 32
 # launch configurations (tokens per tile, warps, pipeline stages) timed beside the default one
 SWEEP = [(16, 4, 3), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 8, 3)]
 SMOKE = dict(batches=[1, 2], contexts=[64, 160], q_heads=8, kv_heads=2, head_dim=64, block="-g16-r32")
-
-
-def refuse_without_cuda() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench/attention.py measures GPU kernels and needs a CUDA device; none is visible "
-                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). Nothing was measured. "
-                 "(--smoke checks the script itself on CPU, with meaningless times.)")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("TRITON_INTERPRET=1 is set: the kernels would run in the interpreter. Unset it to benchmark.")
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "runtime", "kvquant", "quant", "bench"],
-                               cwd=ROOT).returncode != 0
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-# ------------------------------------------------------------------------------------ timing
-
-
-def median_seconds_per_call(calls, samples: int, device: torch.device) -> tuple[float, bool]:
-    """Median over ``samples`` of (time to run every call once) / len(calls); and whether a CUDA
-    graph ran them (a path that cannot be captured runs eagerly and says so)."""
-    if device.type != "cuda":  # --smoke: wall time in the interpreter, meaningless as speed
-        times = []
-        for _ in range(samples):
-            start = time.perf_counter()
-            for c in calls:
-                c()
-            times.append((time.perf_counter() - start) / len(calls))
-        return statistics.median(times), False
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture: compilation, allocator
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        run, graphed = graph.replay, True
-    except RuntimeError:  # not capturable (a host sync inside): time eager launches
-        torch.cuda.synchronize()
-
-        def run():
-            for c in calls:
-                c()
-        graphed = False
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / len(calls))
-    return statistics.median(times), graphed
-
-
-def l2_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2**20
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
 
 
 def copies_for(nbytes: int, device: torch.device, cap: int = 128) -> int:
@@ -330,12 +253,15 @@ def main():
         args.out = args.out or Path(tempfile.mkdtemp()) / "attention-smoke.json"
         device_name, copy_bw = "cpu (Triton interpreter: times mean nothing)", 1e9
     else:
-        refuse_without_cuda()
+        refuse_without_cuda("bench/attention.py",
+                            " (--smoke checks the script itself on CPU, with meaningless times.)")
         from evals.diagnose import measure_ceilings
 
         device = torch.device("cuda")
         device_name = torch.cuda.get_device_name(device)
         copy_bw = measure_ceilings(device, torch.float16)["copy_bytes_per_s"]
+    from evals.provenance import commit
+
     code_version = commit()  # read before the run, so later commits cannot mislabel it
     import triton
 

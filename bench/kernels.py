@@ -27,9 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +35,10 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda  # noqa: E402
+
 SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x8192", "8192x28672"]  # in x out
 SEVENTY_B = {"8192x8192", "8192x28672"}
 ROWS = [1, 4, 16, 64, 256, 1024, 4096]
@@ -45,14 +46,6 @@ ROWS = [1, 4, 16, 64, 256, 1024, 4096]
 # at these sizes a plain Triton launch costs more CPU time than the kernel takes on the GPU, so
 # eager timing would measure Python, not the kernel. Larger M runs as plain launches.
 GRAPH_MAX_M = 256
-
-
-def refuse_without_cuda() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py measures GPU kernels and needs a CUDA device; none is visible "
-                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). Nothing was measured.")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("TRITON_INTERPRET=1 is set: the kernels would run in the interpreter. Unset it to benchmark.")
 
 
 def quantized_weight(K: int, N: int, bits: int, group: int, device):
@@ -85,43 +78,6 @@ def kernel_weight_bytes(kw) -> int:
     return sum(t.numel() * t.element_size() for t in (kw.qweight, kw.scales, kw.zeros) if t is not None)
 
 
-def l2_bytes(device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
-
-
-def median_seconds_per_call(calls, graph: bool, samples: int) -> float:
-    """Median over ``samples`` of (time of running every call once) / len(calls)."""
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (allocations, autotuned configs)
-            for _ in range(2):
-                for c in calls:
-                    c()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        run = g.replay
-    else:
-        def run():
-            for c in calls:
-                c()
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / len(calls))
-    return statistics.median(times)
-
-
 def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, device, samples: int) -> list[dict]:
     from runtime.kernels import quant_matmul as qm
 
@@ -142,8 +98,8 @@ def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, devic
             raise AssertionError(f"{shape} M={M}: kernel output differs from the dense reference (rel. error {err:.2e})")
         config = qm.choose_config(M, kw, dtype, x.device)  # tuned by the call above
         graph = M <= GRAPH_MAX_M
-        t_q = median_seconds_per_call([lambda w=w: qm.quant_matmul(x, w) for w in q_copies], graph, samples)
-        t_16 = median_seconds_per_call([lambda w=w: F.linear(x, w) for w in w16_copies], graph, samples)
+        t_q = median_seconds_per_call([lambda w=w: qm.quant_matmul(x, w) for w in q_copies], samples, device, graph)[0]
+        t_16 = median_seconds_per_call([lambda w=w: F.linear(x, w) for w in w16_copies], samples, device, graph)[0]
         io_bytes = (M * K + M * N) * x.element_size()
         flops = 2 * M * N * K
         for impl, t, w_bytes in (("lowbit", t_q, q_bytes), ("torch-fp16", t_16, w16_bytes)):
@@ -184,10 +140,6 @@ def targets(results: list[dict], ceilings: dict) -> list[dict]:
     return checks
 
 
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=SHAPES, help="KxN (inputs x outputs)")
@@ -198,7 +150,7 @@ def main():
     ap.add_argument("--samples", type=int, default=30, help="timed samples per case (median reported)")
     ap.add_argument("--out", type=Path, help="default: bench/results/<device>-<commit>.json")
     args = ap.parse_args()
-    refuse_without_cuda()
+    refuse_without_cuda("bench/kernels.py")
 
     from evals.diagnose import measure_ceilings
     from evals.provenance import commit, provenance

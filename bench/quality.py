@@ -13,28 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from evals import size
 from evals.perplexity import Protocol, perplexity, tokenize_text
+from evals.provenance import commit
 from evals.texts import load_text
 from lowbit import pipeline
 from lowbit.recipe import load_recipe
 from quant import models
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def score(model_dir: Path, token_ids, protocol) -> tuple[float, float]:

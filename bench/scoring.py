@@ -7,10 +7,10 @@ sit in one table. Run from the repository root (``PYTHONPATH=.``).
 from __future__ import annotations
 
 import resource
-import subprocess
 from pathlib import Path
 
 from evals.perplexity import Protocol, perplexity, tokenize_text
+from evals.provenance import commit  # noqa: F401  (the benches' one definition)
 from evals.texts import load_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,13 +36,3 @@ def score_texts(logits_fn, tokenizer) -> dict[str, dict]:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def commit() -> str:
-    """The short commit, marked ``-dirty`` when the tree has uncommitted changes."""
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
