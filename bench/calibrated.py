@@ -92,6 +92,7 @@ def main():
     ap.add_argument("--peer-python", help="A Python with llm-compressor installed; adds the peers' rows.")
     ap.add_argument("--peer-methods", nargs="*", default=["gptq", "awq"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "calibrated-cpu.json")
+    ap.add_argument("--append", action="store_true", help="Add the rows to an existing --out (same protocol).")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -105,6 +106,10 @@ def main():
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
               "scheme": "4-bit, group 64, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
               "load_average_at_start": os.getloadavg(), "rows": []}
+    if args.append:  # rows keep their own commit: a long comparison may span more than one run
+        result = json.loads(args.out.read_text())
+        result.setdefault("appended", []).append({"commit": code_version, "methods": args.methods,
+                                                  "load_average_at_start": os.getloadavg()})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for job in jobs:
         result["rows"].append(run_child(job))
