@@ -117,11 +117,19 @@ class KVCache:
                 f"layer {layer} of the KV cache holds {self.lengths[layer]} positions; new ones must follow them "
                 f"(got start={start}); reset() starts over"
             )
-        end = self._store(layer, slice(None), start, k, v)
-        self.lengths[layer] = end
+        keys, values = self._store_and_read(layer, slice(None), start, k, v)
+        self.lengths[layer] = start + k.shape[2]
+        return keys, values
+
+    def _store_and_read(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k, v`` [rows, H, T, D] at ``start``; return what attention reads (the module
+        docstring's rule): one new token reads itself back from the cache, several new tokens
+        read themselves fresh after the earlier positions as stored."""
+        end = self._store(layer, rows, start, k, v)
+        stored = end // self.block_size
         if k.shape[2] == 1:
-            return self.read(layer, end)
-        old_k, old_v = self.read(layer, start)
+            return self._read(layer, rows, end, stored)
+        old_k, old_v = self._read(layer, rows, start, stored)
         return torch.cat([old_k, k.to(self.dtype)], dim=2), torch.cat([old_v, v.to(self.dtype)], dim=2)
 
     def _store(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -238,9 +246,10 @@ class KVCache:
             self._allocate(0, end // self.block_size, slice(slot, slot + 1))
         return True
 
-    def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v`` [H, T, D] of sequence ``slot`` at ``start`` (= its length: every layer
-        writes at the same start until ``advance`` moves it)."""
+        writes at the same start until ``advance`` moves it); return the keys and values
+        [H, start+T, D] attention reads, by the same rule as :meth:`update`."""
         self._check_slot(slot)
         if start != self.seq_lengths[slot]:
             raise ValueError(f"sequence {slot} of the KV cache holds {self.seq_lengths[slot]} positions; new ones "
@@ -250,7 +259,8 @@ class KVCache:
             raise ValueError(f"a sequence's new keys and values are [H={self.kv_heads}, T, D={self.head_dim}] for one "
                              f"of {self.num_layers} layers; got layer {layer}, keys {tuple(k.shape)}, values "
                              f"{tuple(v.shape)}")
-        self._store(layer, slice(slot, slot + 1), start, k[None], v[None])
+        keys, values = self._store_and_read(layer, slice(slot, slot + 1), start, k[None], v[None])
+        return keys[0], values[0]
 
     def read_sequence(self, layer: int, slot: int, length: int):
         """Keys and values [H, length, D] of sequence ``slot``, dequantized; ``length`` is all it holds

@@ -205,8 +205,7 @@ class SequenceBatch:
 
     def _attend_one(self, layer, i, q, k, v, window):
         slot, start, T = self.first + i, self.starts[i], k.shape[1]
-        self.cache.write_sequence(layer, slot, start, k, v)
-        keys, values = self.cache.read_sequence(layer, slot, start + T)
+        keys, values = self.cache.write_sequence(layer, slot, start, k, v)
         mask = attention_mask(T, start + T, window, q.device)
         return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
                                               enable_gqa=q.shape[1] != keys.shape[0])
