@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.sampling import check_sampling, sample  # noqa: F401  (check_sampling: re-exported)
+from runtime.sampling import sample
 
 
 @dataclass

@@ -10,7 +10,8 @@ from kvquant import KVScheme, kv_scheme_from_dict, parse_kv
 from quant import checkpoint, models
 from quant.affine import QuantScheme
 from runtime.cache import KVCache
-from runtime.generate import Generation, check_sampling
+from runtime.generate import Generation
+from runtime.sampling import check_sampling
 from runtime.linear import QuantLinear
 from runtime.model import Decoder, DecoderConfig, plain_linear
 

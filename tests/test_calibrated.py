@@ -13,7 +13,7 @@ from quant.gptq import GPTQConfig, gptq_quantize, inverse_hessian_cholesky, outp
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
 from quant.sequential import LayerInputs, capture_inputs, decoder_layers, run_layer
-from tiny import TEXT, tiny_llama
+from tiny import TEXT, tiny_llama, tiny_model
 
 
 def correlated_problem(seed=0, n=2048, inp=128, out=96):
@@ -176,8 +176,6 @@ def test_calibration_samples_are_reproducible_and_say_what_is_missing():
 def test_pipeline_is_generic_over_decoder_families(tmp_path, kind):
     """Biased q/k/v (Qwen2), per-head q/k norms (Qwen3), Mistral: GPTQ after AWQ still lowers
     every family's output error, and the checkpoint runs in lowbit like transformers runs it."""
-    from test_runtime import tiny_model  # the perturbed tiny model of each family
-
     import runtime
 
     model, tok = tiny_model(kind)

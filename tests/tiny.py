@@ -55,3 +55,51 @@ def save_model(model, tokenizer, path: Path) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def perturb(model, seed: int = 0):
+    """Random biases and norm weights: HF initializes them to 0 and 1, which would let a
+    runtime that drops a bias or a norm pass unnoticed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "norm" in name:
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """A tiny random model of each supported family, with a tokenizer."""
+    import transformers as tf
+
+    if kind.startswith("llama"):
+        extra = {}
+        if kind == "llama3-rope":
+            extra["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}
+        if kind == "llama-bias":
+            extra = {"attention_bias": True, "mlp_bias": True}
+        model, tok = tiny_llama(seed=seed, tie=kind != "llama-untied", **extra)
+        return perturb(model, seed), tok
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config, cls = {
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen2-sliding": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "mistral-sliding": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[kind]
+    extra = {
+        "qwen3": {"head_dim": 16},
+        # windows shorter than the test sequences, so the window really cuts attention
+        "mistral-sliding": {"sliding_window": 8},
+        "qwen2-sliding": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    }.get(kind, {})
+    return perturb(cls(config(**common, **extra)).eval(), seed), tok
