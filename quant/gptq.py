@@ -94,29 +94,32 @@ def gptq_quantize(
     Q = torch.zeros_like(W)
     scales = torch.empty(out_features, n_groups, dtype=scale_dtype)
     zeros = None if scheme.symmetric else torch.empty(out_features, n_groups, dtype=torch.int8)
-    col_group = perm // g if static else torch.arange(columns) // g  # group of each visited column
-    current = None
+    col_group = (perm // g if static else torch.arange(columns) // g).tolist()  # group of each visited column
+    diag = torch.diagonal(U).tolist()
+    grp = scale = zero = None
     for start in range(0, columns, config.block_size):
         end = min(start + config.block_size, columns)
         Wb, Ub = W[:, start:end].clone(), U[start:end, start:end]
         errors = torch.zeros_like(Wb)
         for j in range(end - start):
             i = start + j
-            grp = int(col_group[i])
-            if static:
-                current = params[grp]
-            elif i % g == 0:  # a new group begins: its scale sees the columns as updated so far
-                upcoming = torch.cat([Wb[:, j:], W[:, end:]], 1)[:, :g]
-                current = _group_qparams(upcoming, scheme, config.mse_clip, scale_dtype)
-            scale, zero = current
-            scales[:, grp] = scale[:, 0]
-            if zeros is not None:
-                zeros[:, grp] = zero[:, 0]
+            if col_group[i] != grp:  # entering another group: fetch (static) or choose its qparams
+                grp = col_group[i]
+                if static:
+                    group_scale, group_zero = params[grp]
+                else:  # its scale sees the columns as updated so far
+                    upcoming = torch.cat([Wb[:, j:], W[:, end:]], 1)[:, :g]
+                    group_scale, group_zero = _group_qparams(upcoming, scheme, config.mse_clip, scale_dtype)
+                scales[:, grp] = group_scale[:, 0]
+                if zeros is not None:
+                    zeros[:, grp] = group_zero[:, 0]
+                scale = group_scale.float()
+                zero = None if group_zero is None else group_zero.float()
             w = Wb[:, j:j + 1]
             q = to_grid(w, scale, zero, scheme)
             Q[:, i:i + 1] = q
-            err = (w - from_grid(q, scale, zero)) / Ub[j, j]
-            Wb[:, j:] -= err @ Ub[j:j + 1, j:]
+            err = (w - from_grid(q, scale, zero)) * (1.0 / diag[i])
+            Wb[:, j:].addmm_(err, Ub[j:j + 1, j:], alpha=-1.0)
             errors[:, j:j + 1] = err
         W[:, end:] -= errors @ U[start:end, end:]
 

@@ -17,7 +17,7 @@ from quant.affine import QuantScheme
 from quant.awq import AWQConfig, apply_awq
 from quant.format import QuantizedWeight
 from quant.gptq import GPTQConfig, gptq_quantize, output_error
-from quant.sequential import decoder_layers, quantize_sequential
+from quant.sequential import decoder_layers, lockstep_pass, quantize_sequential
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 
@@ -45,35 +45,38 @@ def rtn_all(model, plan: dict[str, QuantScheme], scale_dtype=None, progress: boo
 
 
 def layer_method(method: str, gptq: GPTQConfig, awq: AWQConfig, scale_dtype):
-    """The per-layer step of the sequential pipeline for a calibrated method."""
+    """The per-layer step of the sequential pipeline for a calibrated method: AWQ's scales
+    and clipping first (``awq``, ``awq+gptq``), then one lockstep pass that rounds each
+    Linear (GPTQ, or RTN for plain AWQ) given the inputs that reach it."""
 
-    def run(layer, inputs, plan, hessians):
+    def run(layer, inputs, plan, where: str = ""):
         originals = {n: layer.get_submodule(n).weight.detach().clone() for n in plan}
         for n, w in originals.items():
-            check_finite(n, w)
+            check_finite(where + n, w)
         col_scales = apply_awq(layer, inputs, plan, awq) if method.startswith("awq") else {}
-        quantized, stats = {}, {}
-        for n, scheme in plan.items():
+
+        def quantize_linear(n: str, H: torch.Tensor):
             weight = layer.get_submodule(n).weight.detach()
-            H = hessians[n]
-            if n in col_scales:  # inputs were divided by s: H' = H / (s sᵀ)
-                s = col_scales[n].float()
-                H = H / torch.outer(s, s)
             if method.endswith("gptq"):
-                qw = gptq_quantize(weight, H, scheme, gptq, scale_dtype, n)
+                qw = gptq_quantize(weight, H, plan[n], gptq, scale_dtype, where + n)
             else:
-                qw = rtn.quantize_weight(weight, scheme, scale_dtype)
-            plain = rtn.quantize_weight(originals[n], scheme, scale_dtype).dequantize(torch.float32)
-            quantized[n] = qw
-            stats[n] = {
-                "scheme": scheme.describe(),
+                qw = rtn.quantize_weight(weight, plan[n], scale_dtype)
+            original = originals.pop(n)
+            H_original = H  # AWQ divided the inputs by s: undivided, their Hessian is H ∘ (s sᵀ)
+            if n in col_scales:
+                s = col_scales[n].float()
+                H_original = H * torch.outer(s, s)
+            plain = rtn.quantize_weight(original, plan[n], scale_dtype).dequantize(torch.float32)
+            return qw, {
+                "scheme": plan[n].describe(),
                 "weight_rel_error": relative_error(weight, qw),
-                # relative output error on the calibration inputs: plain rounding of the
-                # original weight, then this method's result
-                "output_rel_error_rtn": output_error(originals[n], plain, hessians[n]),
+                # relative output error on the calibration inputs that reach the Linear: plain
+                # rounding of the original weight, then this method's result
+                "output_rel_error_rtn": output_error(original, plain, H_original),
                 "output_rel_error": output_error(weight, qw.dequantize(torch.float32), H),
             }
-        return quantized, stats
+
+        return lockstep_pass(layer, inputs, plan, quantize_linear, where)
 
     return run
 

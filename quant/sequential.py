@@ -1,12 +1,13 @@
 """The layer-by-layer calibration pipeline (DESIGN.md, "Calibration pipeline").
 
-Capture the inputs of decoder layer 0; then for each layer: run it on the
-calibration inputs while hooks gather each Linear's input Hessian (and, for
-AWQ, the activations its search needs), let the method rewrite the layer's
-weights, quantize every planned Linear, and run the layer again with the
-quantized weights to produce the next layer's inputs. Only the current layer
-sits on the compute device, and after every layer the state needed to resume
-is written to a work directory.
+Capture the inputs of decoder layer 0; then for each layer: let the method
+rewrite the layer's float weights if it does (AWQ's scales), then run the layer
+once over the calibration batches in lockstep (:func:`lockstep_pass`): each
+planned Linear is quantized from the Hessian of the inputs that reach it, in the
+order the forward reaches them, and the layer's outputs with quantized weights
+become the next layer's inputs. Only the current layer sits on the compute
+device, and after every layer the state needed to resume is written to a work
+directory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import greenlet
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -77,43 +79,142 @@ def run_layer(layer, inputs: LayerInputs) -> list[torch.Tensor]:
     return outs
 
 
-class HessianCollector:
-    """Accumulates ``H = 2/n Σ xᵀx`` per Linear. Linears fed the very same tensor
-    (q/k/v, gate/up) share one product instead of computing it again."""
+class _Batch:
+    """One calibration batch's forward through a layer, as a coroutine the lockstep pass
+    pauses and resumes. Greenlets, not threads: every batch runs on the pipeline's own OS
+    thread, so torch keeps one OpenMP team (a thread per batch made GPTQ's small ops 2x slower)."""
 
-    def __init__(self, names: list[str]):
-        self.H: dict[str, torch.Tensor] = {}
-        self.count: dict[str, int] = {}
-        self._last_input: torch.Tensor | None = None  # held, so its memory cannot be reused
-        self._last_product: torch.Tensor | None = None
-        self.names = names
+    def __init__(self, forward: Callable[[], torch.Tensor]):
+        self.state: tuple = ("new", None)  # ("paused", Linear name) | ("done", output)
+        self.last_input: torch.Tensor | None = None  # q/k/v (gate/up) read one tensor: one xᵀx for all
+        self.last_product: torch.Tensor | None = None
 
-    def hook(self, name: str):
+        def run():
+            out = forward()
+            self.state = ("done", out[0] if isinstance(out, tuple) else out)
+
+        self._coroutine = greenlet.greenlet(run)
+
+    def pause(self, name: str) -> None:
+        """Inside the batch's forward: wait at Linear ``name`` until the pass resumes it."""
+        self.state = ("paused", name)
+        self._coroutine.parent.switch()
+
+    def step(self) -> tuple:
+        """Run the batch until it pauses or ends (its exceptions propagate to the caller)."""
+        self._coroutine.switch()
+        return self.state
+
+    def close(self) -> None:
+        """Unwind a batch that has not finished (its pass failed elsewhere)."""
+        if self._coroutine:  # started and not dead
+            self._coroutine.throw(greenlet.GreenletExit)
+
+
+# quantize_linear(name, H) -> (quantized weight, stats): quantize Linear ``name`` of the layer
+# given ``H = 2/n Σ xᵀx`` of the inputs it is about to receive.
+QuantizeLinear = Callable[[str, torch.Tensor], tuple[QuantizedWeight, dict]]
+
+
+def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quantize_linear: QuantizeLinear,
+                  where: str = "") -> tuple[dict, dict, list[torch.Tensor]]:
+    """Quantize the planned Linears of ``layer`` in one forward over every calibration batch.
+
+    The batches run in lockstep: a hook on each planned Linear adds the batch's input to the
+    Linear's Hessian and pauses the batch there; when every batch has arrived, the Linear is
+    quantized and its weight replaced by the dequantized result, and the batches go on
+    through it. Each Linear therefore sees inputs that already passed through the quantized
+    Linears before it (GPTQ's "true sequential" order), and the layer's outputs, the next
+    layer's inputs, come out of the same forward: one pass per layer, not one to gather
+    statistics and another to propagate. The pauses follow the layer's own forward, so any
+    decoder layer works. Returns the quantized weights, their stats and the layer's outputs.
+    ``where`` (the layer's module path and a dot) prefixes the Linear names in errors.
+    """
+    H: dict[str, torch.Tensor] = {}
+    count: dict[str, int] = {}
+    quantized: dict[str, QuantizedWeight] = {}
+    stats: dict[str, dict] = {}
+    current: list[_Batch] = []  # the batch running now (the hooks run inside its forward)
+
+    def hook(name: str):
         def fn(module, args):
+            if name in quantized:  # a Linear called twice in one forward: already done
+                return
+            batch = current[0]
             x_in = args[0]
-            if x_in is not self._last_input:
-                x = x_in.detach()
-                if not torch.isfinite(x).all():
-                    raise ValueError(f"{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
-                x = x.reshape(-1, x.shape[-1]).float()
-                self._last_input, self._last_product = x_in, x.T @ x
-            x = x_in.reshape(-1, x_in.shape[-1])
-            n = x.shape[0]
-            if name not in self.H:
-                self.H[name] = torch.zeros_like(self._last_product)
-                self.count[name] = 0
-            total = self.count[name] + n
+            if x_in is not batch.last_input:
+                if not torch.isfinite(x_in).all():
+                    raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
+                x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
+                batch.last_input, batch.last_product = x_in, gram(x)
+            n = x_in.numel() // x_in.shape[-1]
+            total = count.get(name, 0) + n
+            if name not in H:
+                H[name] = torch.zeros_like(batch.last_product)
             # running mean keeps the scale independent of the number of samples
-            self.H[name].mul_(self.count[name] / total).add_(self._last_product, alpha=2.0 / total)
-            self.count[name] = total
+            H[name].mul_(count.get(name, 0) / total).add_(batch.last_product, alpha=2.0 / total)
+            count[name] = total
+            batch.pause(name)
 
         return fn
 
+    def quantize(name: str) -> None:
+        qw, stats[name] = quantize_linear(name, H.pop(name))
+        quantized[name] = qw
+        linear = layer.get_submodule(name)
+        linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
 
-# A layer method gets the layer, its inputs, its plan (local Linear name -> scheme) and
-# the Hessians of those Linears' inputs; it returns the quantized weights of those
-# Linears and per-Linear stats. It may rewrite float weights first, as AWQ does.
-LayerMethod = Callable[[torch.nn.Module, LayerInputs, dict, dict], tuple[dict, dict]]
+    handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in plan]
+    batches = [_Batch(lambda h=h, kw=kw: layer(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+
+    def step(batch: _Batch) -> tuple:
+        current[:] = [batch]
+        return batch.step()
+
+    try:
+        while True:
+            states = [step(b) for b in batches]
+            if all(kind == "done" for kind, _ in states):
+                break
+            waiting = {value if kind == "paused" else "the end" for kind, value in states}
+            if len(waiting) > 1:
+                raise RuntimeError(f"calibration batches took different paths through {where or 'the layer'} "
+                                   f"(at {sorted(waiting)})")
+            quantize(waiting.pop())
+    finally:
+        for b in batches:
+            b.close()
+        for h in handles:
+            h.remove()
+    missing = [n for n in plan if n not in quantized]
+    if missing:
+        raise ValueError(f"{', '.join(where + n for n in missing)}: never called in the layer's forward, so no calibration inputs reached it")
+    return quantized, stats, [b.state[1] for b in batches]
+
+
+def gram(x: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    """``xᵀx`` for ``x`` [n, k], computing each off-diagonal block once and mirroring it:
+    (blocks + 1) / (2 blocks) of the multiplications of one matmul, for wide inputs."""
+    k = x.shape[1]
+    if k < 512:
+        return x.T @ x
+    edges = [k * i // blocks for i in range(blocks + 1)]
+    out = torch.empty(k, k, dtype=x.dtype, device=x.device)
+    for i in range(blocks):
+        a = x[:, edges[i]:edges[i + 1]]
+        for j in range(i, blocks):
+            block = a.T @ x[:, edges[j]:edges[j + 1]]
+            out[edges[i]:edges[i + 1], edges[j]:edges[j + 1]] = block
+            if j != i:
+                out[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = block.T
+    return out
+
+
+# A layer method gets the layer, its inputs, its plan (local Linear name -> scheme) and its
+# module path (for messages); it returns the quantized weights of those Linears, per-Linear stats, and the layer's outputs
+# with the quantized weights (the next layer's inputs). It may rewrite float weights first,
+# as AWQ does, and usually ends with :func:`lockstep_pass`.
+LayerMethod = Callable[[torch.nn.Module, LayerInputs, dict, str], tuple[dict, dict, list]]
 
 
 def quantize_sequential(
@@ -161,20 +262,8 @@ def quantize_sequential(
         for i in bar:
             layer = layers[i].to(device)
             local = {n[len(f"{prefix}.{i}."):]: s for n, s in plan.items() if n.startswith(f"{prefix}.{i}.")}
-            collector = HessianCollector(list(local))
-            handles = [layer.get_submodule(n).register_forward_pre_hook(collector.hook(f"{prefix}.{i}.{n}"))
-                       for n in local]
-            try:
-                run_layer(layer, inputs)
-            finally:
-                for h in handles:
-                    h.remove()
-            hessians = {n: collector.H[f"{prefix}.{i}.{n}"] for n in local}
-            layer_q, layer_stats = method(layer, inputs, local, hessians)
-            for n, qw in layer_q.items():
-                linear = layer.get_submodule(n)
-                linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
-            inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
+            layer_q, layer_stats, hidden = method(layer, inputs, local, f"{prefix}.{i}.")
+            inputs = LayerInputs(hidden, inputs.kwargs)
             for n in local:
                 quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
                 stats[f"{prefix}.{i}.{n}"] = layer_stats[n]

@@ -12,7 +12,8 @@ from quant.calibration import calibration_samples
 from quant.gptq import GPTQConfig, gptq_quantize, inverse_hessian_cholesky, output_error
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
-from quant.sequential import LayerInputs, capture_inputs, decoder_layers, run_layer
+from quant import rtn
+from quant.sequential import LayerInputs, capture_inputs, decoder_layers, gram, lockstep_pass, run_layer
 from tiny import TEXT, tiny_llama, tiny_model
 
 
@@ -156,6 +157,58 @@ def test_nan_activations_name_the_layer():
     plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.(gate|up)_proj.*NaN or Inf"):
         quantize_model(model, plan, "gptq", samples=ids, progress=False)
+    # the paused batches were unwound and the hooks removed: the model runs as before
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    with torch.no_grad():
+        model(ids[:1])
+
+
+def test_lockstep_pass_quantizes_each_linear_from_the_inputs_that_reach_it():
+    """One forward: every Linear is quantized, in forward order, from the Hessian of the inputs it
+    receives after the Linears before it were quantized, and the outputs are the quantized layer's."""
+    model, _ = tiny_llama(hidden=64, layers=1)
+    _, inputs = tiny_inputs(model)  # two batches of 4
+    layer = decoder_layers(model)[0]
+    plan = {n: QuantScheme(4, 32) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    order, hessians = [], {}
+
+    def quantize_linear(name, H):
+        order.append(name)
+        hessians[name] = H
+        return rtn.quantize_weight(layer.get_submodule(name).weight.detach(), plan[name]), {"name": name}
+
+    with torch.no_grad():
+        float_inputs = _linear_inputs(layer, inputs, plan)
+        quantized, stats, outputs = lockstep_pass(layer, inputs, plan, quantize_linear)
+        seen = _linear_inputs(layer, inputs, plan)  # the layer now holds the dequantized weights
+        expected_outputs = run_layer(layer, inputs)
+    assert set(quantized) == set(plan) and stats["mlp.down_proj"] == {"name": "mlp.down_proj"}
+    assert set(order[:3]) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    assert order[3:] == ["self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    for a, b in zip(outputs, expected_outputs):
+        torch.testing.assert_close(a, b)
+    for name, xs in seen.items():
+        x = torch.cat(xs).reshape(-1, xs[0].shape[-1]).float()
+        torch.testing.assert_close(hessians[name], 2 * x.T @ x / x.shape[0], rtol=1e-4, atol=1e-5)
+    # o_proj's inputs come from the quantized q/k/v, not the float ones
+    assert not torch.allclose(torch.cat(seen["self_attn.o_proj"]), torch.cat(float_inputs["self_attn.o_proj"]))
+
+
+def _linear_inputs(layer, inputs, names):
+    xs = {n: [] for n in names}
+    handles = [layer.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: xs[n].append(a[0])) for n in names]
+    try:
+        run_layer(layer, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return xs
+
+
+@pytest.mark.parametrize("width", [7, 600, 1537])
+def test_gram_matches_a_plain_product(width):
+    x = torch.randn(300, width, generator=torch.Generator().manual_seed(width))
+    torch.testing.assert_close(gram(x), x.T @ x, rtol=1e-5, atol=1e-3)
 
 
 def test_calibration_samples_are_reproducible_and_say_what_is_missing():
