@@ -7,7 +7,8 @@ Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit, group 64, asymmetric,
 lm_head kept; 128 x 512 calibration tokens from the bundled non-evaluation
 Austen novels (seed 0); perplexity on the bundled Persuasion (16,384 tokens)
 and, as a genre the calibration never saw, Python source (8,192 tokens), both
-with window 1,024 / stride 512 (`bench/scoring.py`).
+with window 1,024 / stride 512 (`bench/scoring.py`). A method may carry GPTQ settings
+(``weights.gptq`` of the recipe): ``gptq:actorder=group,mse_clip=true``.
 
 Every row runs in a fresh child process, one after another, so its wall time
 and peak RSS are its own. Wall time covers the whole job: loading the model,
@@ -30,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -50,8 +53,10 @@ def one(method: str) -> dict:
         if method == "float":
             path, seconds = resolve("smollm2-135m"), None
         else:
+            name, _, options = method.partition(":")  # gptq:mse_clip=true,dampening=0.1 sets weights.gptq
+            gptq = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in options.split(",") if o)}
             recipe = parse_recipe({"model": "smollm2-135m", "output": f"{tmp}/ckpt", "dtype": "bfloat16",
-                                   "weights": {"method": method, **SCHEME}})
+                                   "weights": {"method": name, **SCHEME, **({"gptq": gptq} if gptq else {})}})
             path = pipeline.quantize(recipe, device="cpu", progress=False)
             seconds = time.perf_counter() - start
         peak = peak_rss_bytes()
