@@ -60,7 +60,7 @@ def _quantize_int(x: torch.Tensor, scheme: KVScheme, keys: bool) -> QuantizedKV:
     grid, per_channel = _affine_scheme(scheme, keys)
     if per_channel:
         x = x.transpose(-1, -2)  # [..., D, T]: groups of G tokens along the last dim
-    scale, zero = choose_qparams(x, grid, scale_dtype=SCALE_DTYPE, float_zero=True)
+    scale, zero = choose_qparams(x, grid, scheme.range_ratio(keys), scale_dtype=SCALE_DTYPE, float_zero=True)
     q = quantize(x, scale, zero, grid)
     if per_channel:
         q, scale, zero = q.transpose(-1, -2), scale.transpose(-1, -2), zero.transpose(-1, -2)

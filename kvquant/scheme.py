@@ -25,6 +25,11 @@ from dataclasses import asdict, dataclass
 
 SUPPORTED_KV_BITS = (16, 8, 4, 2)  # 16 = unquantized
 FP8_MAX = 448.0  # largest float8 e4m3 value
+# Fraction of each group's min..max range the grid spans (shrunk about its centre), keys and values.
+# Four levels cannot afford to place two of them on the group's extremes: a narrower grid rounds
+# the bulk finer at the cost of clipping the few largest values. Chosen on the calibration text
+# (the five non-evaluation Austen novels), not on Persuasion: bench/results/kv-range-ratio-cpu.json.
+RANGE_RATIO = {2: (1.0, 1.0)}
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class KVScheme:
     def kivi(self) -> bool:
         """Per-channel keys grouped over tokens, per-token values grouped over channels."""
         return self.bits in (4, 2)
+
+    def range_ratio(self, keys: bool) -> float:
+        """How much of each group's min..max range the integer grid spans (1: all of it)."""
+        return RANGE_RATIO.get(self.bits, (1.0, 1.0))[0 if keys else 1] if self.kivi else 1.0
 
     @property
     def block_size(self) -> int:

@@ -106,8 +106,9 @@ def choose_qparams(
 
     ``float_zero`` (KV caches, as KIVI): the grid spans the group's own min..max
     even when it lies far from zero (key channels carry large offsets), and the
-    zero point is an unrounded float in ``scale_dtype``. Weights keep integer
-    zero points, the only kind the checkpoint format stores.
+    zero point is an unrounded float in ``scale_dtype``; ``clip_ratio`` then shrinks
+    the range about its centre, not towards zero. Weights keep integer zero points,
+    the only kind the checkpoint format stores.
     """
     xg = _grouped(x.float(), scheme)
     dtype = scale_dtype or x.dtype
@@ -126,7 +127,12 @@ def choose_qparams(
         # Keep zero inside the range so it is exactly representable (padding, ReLU zeros)
         # and the zero point always fits the signed integer range.
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    lo, hi = lo * clip_ratio, hi * clip_ratio
+    if float_zero:
+        if clip_ratio != 1.0:  # the same float32 operations as the KV kernels' quantize-on-write
+            mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * clip_ratio)
+            lo, hi = mid - half, mid + half
+    else:
+        lo, hi = lo * clip_ratio, hi * clip_ratio
     scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp_min(eps).to(dtype)
     zero = scheme.qmin - lo / scale.float()
     if float_zero:

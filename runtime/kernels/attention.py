@@ -387,12 +387,17 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
 
 
 @triton.jit
-def _qparams(lo, hi, BITS: tl.constexpr):
-    """kvquant's min/max grid (``quant.affine.choose_qparams(float_zero=True)``, fp16 scales)."""
+def _qparams(lo, hi, BITS: tl.constexpr, RATIO: tl.constexpr = 1.0):
+    """kvquant's min/max grid (``quant.affine.choose_qparams(float_zero=True)``, fp16 scales),
+    the range shrunk about its centre to ``RATIO`` of itself (``KVScheme.range_ratio``)."""
     QMIN: tl.constexpr = -(1 << (BITS - 1))
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     # the floor keeps |zero| = |lo| / scale below 2**14, so a constant group's zero fits fp16
     floor = tl.maximum(tl.maximum(tl.abs(lo), tl.abs(hi)) * _ZERO_BOUND, _FP16_TINY)
+    if RATIO != 1.0:  # write_kv turns off FMA contraction, so these round as torch's do
+        mid = (lo + hi) * 0.5
+        half = (hi - lo) * (0.5 * RATIO)
+        lo, hi = mid - half, mid + half
     scale = tl.maximum(tl.div_rn(hi - lo, QMAX - QMIN + 0.0), floor).to(tl.float16)
     zero = (QMIN - tl.div_rn(lo, scale.to(tl.float32))).to(tl.float16)
     return scale, zero
@@ -444,7 +449,7 @@ def _load_pending(res_ptr, new_ptr, s, h, start, block_pos, r0, new_ss, new_sh, 
 @triton.jit
 def _store_quantized(x, data_ptr, scale_ptr, zero_ptr, plane, r0, KEYS: tl.constexpr, B: tl.constexpr,
                      D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, KIVI: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROWS: tl.constexpr, RATIO: tl.constexpr):
     """Quantize rows ``r0 .. r0+ROWS`` (fp32 [ROWS, D]) of one head of one block and store codes and qparams."""
     rows = r0 + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
@@ -454,7 +459,7 @@ def _store_quantized(x, data_ptr, scale_ptr, zero_ptr, plane, r0, KEYS: tl.const
         tl.store(scale_ptr + plane * B + rows, scale)
         tl.store(zero_ptr + plane * B + rows, zero)
     elif KEYS:  # per channel: the ROWS = G rows are one token group
-        scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), BITS)
+        scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), BITS, RATIO)
         u = _codes(x, scale[None, :], zero[None, :], BITS)
         g = r0 // G
         tl.store(scale_ptr + plane * (B // G) * D + g * D + cols, scale)
@@ -462,7 +467,7 @@ def _store_quantized(x, data_ptr, scale_ptr, zero_ptr, plane, r0, KEYS: tl.const
     else:  # values: per token over groups of G channels
         NG: tl.constexpr = D // G
         x3 = tl.reshape(x, (ROWS, NG, G))
-        scale, zero = _qparams(tl.min(x3, axis=2), tl.max(x3, axis=2), BITS)
+        scale, zero = _qparams(tl.min(x3, axis=2), tl.max(x3, axis=2), BITS, RATIO)
         u = tl.reshape(_codes(x3, scale[:, :, None], zero[:, :, None], BITS), (ROWS, D))
         idx = plane * B * NG + rows[:, None] * NG + tl.arange(0, NG)[None, :]
         tl.store(scale_ptr + idx, scale)
@@ -489,7 +494,7 @@ def _round_to_e4m3(y):
 def _write_block(res_ptr, new_ptr, data_ptr, scale_ptr, zero_ptr, s, h, start, block_pos, plane,
                  new_ss, new_sh, new_st, KEYS: tl.constexpr, H: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                  G: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, KIVI: tl.constexpr,
-                 ROWS: tl.constexpr, CACHE: tl.constexpr):
+                 ROWS: tl.constexpr, CACHE: tl.constexpr, RATIO: tl.constexpr):
     """Quantize one filled block of one head (keys or values) into pool plane ``plane``."""
     cols = tl.arange(0, D)
     if BITS == 16:  # unquantized pool: a copy
@@ -512,7 +517,7 @@ def _write_block(res_ptr, new_ptr, data_ptr, scale_ptr, zero_ptr, s, h, start, b
     else:
         for r0 in range(0, B, ROWS):
             x = _load_pending(res_ptr, new_ptr, s, h, start, block_pos, r0, new_ss, new_sh, new_st, H, B, D, ROWS, CACHE)
-            _store_quantized(x, data_ptr, scale_ptr, zero_ptr, plane, r0, KEYS, B, D, G, BITS, KIVI, ROWS)
+            _store_quantized(x, data_ptr, scale_ptr, zero_ptr, plane, r0, KEYS, B, D, G, BITS, KIVI, ROWS, RATIO)
 
 
 @triton.jit
@@ -520,7 +525,7 @@ def _write_blocks_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, kd, ks, kz, vd, vs, vz, t
                          T, table_stride, new_ss, new_sh, new_st,
                          H: tl.constexpr, B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                          FP8: tl.constexpr, KIVI: tl.constexpr, KEY_ROWS: tl.constexpr, ROWS: tl.constexpr,
-                         CACHE: tl.constexpr):
+                         CACHE: tl.constexpr, KEY_RATIO: tl.constexpr, VALUE_RATIO: tl.constexpr):
     """Program (s, h, i): the i-th block this write touches in sequence s, if the write fills it."""
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -531,9 +536,9 @@ def _write_blocks_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, kd, ks, kz, vd, vs, vz, t
         if blk >= 0:  # the caller allocates every block a write fills (reference: a ValueError)
             plane = blk.to(tl.int64) * H + h
             _write_block(rk_ptr, k_ptr, kd, ks, kz, s, h, start, j * B, plane, new_ss, new_sh, new_st,
-                         True, H, B, D, G, BITS, FP8, KIVI, KEY_ROWS, CACHE)
+                         True, H, B, D, G, BITS, FP8, KIVI, KEY_ROWS, CACHE, KEY_RATIO)
             _write_block(rv_ptr, v_ptr, vd, vs, vz, s, h, start, j * B, plane, new_ss, new_sh, new_st,
-                         False, H, B, D, G, BITS, FP8, KIVI, ROWS, CACHE)
+                         False, H, B, D, G, BITS, FP8, KIVI, ROWS, CACHE, VALUE_RATIO)
 
 
 @triton.jit
@@ -586,7 +591,8 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
         _write_blocks_kernel[(S, H, fills)](
             k, v, paged.residual_k, paged.residual_v, kd, ks, kz, vd, vs, vz, paged.block_table, starts,
             T, paged.block_table.stride(0), *strides, KEY_ROWS=key_rows, ROWS=rows, CACHE=cache_dtype, H=H, **c,
-            num_warps=num_warps)
+            KEY_RATIO=paged.scheme.range_ratio(True), VALUE_RATIO=paged.scheme.range_ratio(False),
+            num_warps=num_warps, enable_fp_fusion=False)  # no FMA: qparams round exactly as kvquant's
     # after the blocks (same stream): they read residual rows this overwrites
     residual_rows = 16
     _write_residual_kernel[(S, H, triton.cdiv(min(T, B - 1), residual_rows))](
