@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from evals.provenance import commit, provenance  # noqa: E402
 
-KEY_RATIOS = [1.0, 0.95, 0.9, 0.85]
-VALUE_RATIOS = [1.0, 0.9, 0.85, 0.8, 0.75]
+KEY_RATIOS = [1.0, 0.9, 0.85]
+VALUE_RATIOS = [1.0, 0.9, 0.85, 0.8]
 
 
 def main():
