@@ -51,6 +51,28 @@ def test_float_zero_of_a_constant_group_stays_finite_in_float16():
     torch.testing.assert_close(y, x, rtol=2e-3, atol=0)
 
 
+def test_float_zero_clip_shrinks_about_the_centre():
+    """A range ratio below 1 narrows the grid around the group's middle (not towards zero, where
+    an offset key channel would lose its whole range), and clamps only the extremes."""
+    x = torch.tensor([[10.0, 10.5, 11.0, 11.5, 12.0, 14.0]])
+    grid = QuantScheme(bits=2, group_size=6)
+    scale, zero = choose_qparams(x, grid, 0.5, scale_dtype=torch.float32, float_zero=True)
+    y = dequantize(quantize(x, scale, zero, grid), scale, zero, grid, torch.float32)
+    assert float(y.min()) == pytest.approx(11.0, abs=1e-4) and float(y.max()) == pytest.approx(13.0, abs=1e-4)
+
+
+def test_int2_range_ratio_rounds_gaussian_values_finer(monkeypatch):
+    """INT2's four levels spend less on the extremes: lower error for the bulk of the values."""
+    from kvquant import scheme as kv_scheme
+
+    scheme = parse_kv("int2")
+    assert scheme.range_ratio(keys=False) < 1.0 and parse_kv("int4").range_ratio(keys=False) == 1.0
+    x = torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(0))
+    clipped = rel_err(fake_quantize_kv(x, scheme, keys=False), x)
+    monkeypatch.setitem(kv_scheme.RANGE_RATIO, 2, (1.0, 1.0))
+    assert clipped < 0.97 * rel_err(fake_quantize_kv(x, scheme, keys=False), x)
+
+
 # ---------------------------------------------------------------- schemes
 
 
