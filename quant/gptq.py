@@ -89,8 +89,11 @@ def gptq_quantize(
     act_order = scheme.actorder is not None
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(columns)
     static = act_order and scheme.actorder == "weight"
-    if static:  # groups fixed in stored order before any error feedback
-        params = [_group_qparams(W[:, i * g:(i + 1) * g], scheme, config.mse_clip, scale_dtype) for i in range(n_groups)]
+    if static:  # groups fixed in stored order before any error feedback: all of them in one call
+        grouped = QuantScheme(scheme.bits, g, scheme.symmetric)
+        choose = choose_qparams_mse if config.mse_clip else choose_qparams
+        all_scales, all_zeros = choose(W, grouped, scale_dtype=scale_dtype)
+        params = [(all_scales[:, i:i + 1], None if all_zeros is None else all_zeros[:, i:i + 1]) for i in range(n_groups)]
     W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_cholesky(H, config.dampening, name)
 
