@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from quant.affine import QuantScheme, choose_qparams, dequantize, fake_quantize, quantize
-from quant.sequential import LayerInputs
+from quant.sequential import LayerInputs, run_layer
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,6 @@ def _capture(layer: nn.Module, inputs: LayerInputs, names: list[str]) -> tuple[d
     return xs, kws
 
 
-def _run(module: nn.Module, xs: list, kws: list) -> list[torch.Tensor]:
-    outs = []
-    for x, kw in zip(xs, kws):
-        out = module(x, **kw)
-        outs.append(out[0] if isinstance(out, tuple) else out)
-    return outs
-
-
 def _weight_magnitude(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
     """Mean over output rows of |w| relative to its group's largest |w|, per input channel."""
     w = torch.cat([x.float() for x in weights], 0)
@@ -104,7 +96,7 @@ def search_scale(layer, mapping: Mapping, plan: dict, xs: dict, kws: dict, confi
     w_mag = _weight_magnitude(originals, plan[first])
     inspect = layer.get_submodule(mapping.inspect)
     inspect_in = xs[mapping.inspect] if mapping.inspect in xs else xs[first]
-    reference = _run(inspect, inspect_in, kws[mapping.inspect])
+    reference = run_layer(inspect, LayerInputs(inspect_in, kws[mapping.inspect]))
 
     best, best_loss = torch.ones_like(x_mag), float("inf")
     try:
@@ -114,7 +106,7 @@ def search_scale(layer, mapping: Mapping, plan: dict, xs: dict, kws: dict, confi
             s = s / (s.max() * s.min()).sqrt()
             for lin, w, n in zip(linears, originals, mapping.linears):
                 lin.weight.data = (fake_quantize(w.float() * s, plan[n]) / s).to(w.dtype)
-            out = _run(inspect, inspect_in, kws[mapping.inspect])
+            out = run_layer(inspect, LayerInputs(inspect_in, kws[mapping.inspect]))
             loss = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
             if loss < best_loss:
                 best, best_loss = s, loss

@@ -72,6 +72,7 @@ def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device
 
 
 def run_layer(layer, inputs: LayerInputs) -> list[torch.Tensor]:
+    """``layer`` (a decoder layer, or any module inside one) on every batch, as its weights stand."""
     outs = []
     for h, kw in zip(inputs.hidden, inputs.kwargs):
         out = layer(h, **kw)
