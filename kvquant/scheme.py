@@ -76,7 +76,7 @@ class KVScheme:
 
     def range_ratio(self, keys: bool) -> float:
         """How much of each group's min..max range the integer grid spans (1: all of it)."""
-        return RANGE_RATIO.get(self.bits, (1.0, 1.0))[0 if keys else 1] if self.kivi else 1.0
+        return RANGE_RATIO.get(self.bits, (1.0, 1.0))[0 if keys else 1]  # INT8, FP8: never listed
 
     @property
     def block_size(self) -> int:

@@ -127,12 +127,11 @@ def choose_qparams(
         # Keep zero inside the range so it is exactly representable (padding, ReLU zeros)
         # and the zero point always fits the signed integer range.
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    if float_zero:
-        if clip_ratio != 1.0:  # the same float32 operations as the KV kernels' quantize-on-write
-            mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * clip_ratio)
-            lo, hi = mid - half, mid + half
-    else:
+    if not float_zero:
         lo, hi = lo * clip_ratio, hi * clip_ratio
+    elif clip_ratio != 1.0:  # about the centre, in the float32 steps the KV kernels' quantize-on-write takes
+        mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * clip_ratio)
+        lo, hi = mid - half, mid + half
     scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp_min(eps).to(dtype)
     zero = scheme.qmin - lo / scale.float()
     if float_zero:

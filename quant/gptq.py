@@ -51,12 +51,12 @@ def inverse_hessian_cholesky(H: torch.Tensor, dampening: float, name: str = "lay
     raise ValueError(f"{name}: the Hessian stays singular even with dampening {damp / 10:g}; are its inputs all zero?")
 
 
-def _group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool, scale_dtype):
-    """Qparams for one group of columns [out, g] as [out, 1] tensors."""
-    per_group = QuantScheme(scheme.bits, -1, scheme.symmetric)
+def _group_qparams(w: torch.Tensor, scheme: QuantScheme, group: int, mse: bool, scale_dtype):
+    """Qparams of ``w`` [out, k] in groups of ``group`` columns (-1: one group): [out, k / group]."""
+    grouped = QuantScheme(scheme.bits, group, scheme.symmetric)
     if mse:
-        return choose_qparams_mse(w, per_group, scale_dtype)
-    return choose_qparams(w, per_group, scale_dtype=scale_dtype)
+        return choose_qparams_mse(w, grouped, scale_dtype)
+    return choose_qparams(w, grouped, scale_dtype=scale_dtype)
 
 
 def gptq_quantize(
@@ -90,9 +90,7 @@ def gptq_quantize(
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(columns)
     static = act_order and scheme.actorder == "weight"
     if static:  # groups fixed in stored order before any error feedback: all of them in one call
-        grouped = QuantScheme(scheme.bits, g, scheme.symmetric)
-        choose = choose_qparams_mse if config.mse_clip else choose_qparams
-        all_scales, all_zeros = choose(W, grouped, scale_dtype=scale_dtype)
+        all_scales, all_zeros = _group_qparams(W, scheme, g, config.mse_clip, scale_dtype)
         params = [(all_scales[:, i:i + 1], None if all_zeros is None else all_zeros[:, i:i + 1]) for i in range(n_groups)]
     W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_cholesky(H, config.dampening, name)
@@ -115,7 +113,7 @@ def gptq_quantize(
                     group_scale, group_zero = params[grp]
                 else:  # its scale sees the columns as updated so far
                     upcoming = torch.cat([Wb[:, j:], W[:, end:]], 1)[:, :g]
-                    group_scale, group_zero = _group_qparams(upcoming, scheme, config.mse_clip, scale_dtype)
+                    group_scale, group_zero = _group_qparams(upcoming, scheme, -1, config.mse_clip, scale_dtype)
                 scales[:, grp] = group_scale[:, 0]
                 if zeros is not None:
                     zeros[:, grp] = group_zero[:, 0]

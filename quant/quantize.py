@@ -22,10 +22,10 @@ from quant.sequential import decoder_layers, lockstep_pass, quantize_sequential
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 
 
-def relative_error(weight: torch.Tensor, qw: QuantizedWeight) -> float:
+def relative_error(weight: torch.Tensor, approx: torch.Tensor) -> float:
     """||W - Ŵ|| / ||W||: the weight-space error the manifest records per layer."""
     w = weight.float()
-    return float((w - qw.dequantize(torch.float32)).norm() / w.norm().clamp_min(1e-12))
+    return float((w - approx.float()).norm() / w.norm().clamp_min(1e-12))
 
 
 def check_finite(name: str, weight: torch.Tensor) -> None:
@@ -40,7 +40,8 @@ def rtn_all(model, plan: dict[str, QuantScheme], scale_dtype=None, progress: boo
         check_finite(name, weight)
         qw = rtn.quantize_weight(weight, plan[name], scale_dtype)
         quantized[name] = qw
-        stats[name] = {"scheme": plan[name].describe(), "weight_rel_error": relative_error(weight, qw)}
+        stats[name] = {"scheme": plan[name].describe(),
+                       "weight_rel_error": relative_error(weight, qw.dequantize(torch.float32))}
     return quantized, stats
 
 
@@ -50,10 +51,12 @@ def layer_method(method: str, gptq: GPTQConfig, awq: AWQConfig, scale_dtype):
     Linear (GPTQ, or RTN for plain AWQ) given the inputs that reach it."""
 
     def run(layer, inputs, plan, where: str = ""):
-        originals = {n: layer.get_submodule(n).weight.detach().clone() for n in plan}
-        for n, w in originals.items():
-            check_finite(where + n, w)
-        col_scales = apply_awq(layer, inputs, plan, awq) if method.startswith("awq") else {}
+        for n in plan:
+            check_finite(where + n, layer.get_submodule(n).weight)
+        awq_first = method.startswith("awq")
+        # AWQ rewrites the weights before they are rounded: keep the originals for the RTN baseline
+        originals = {n: layer.get_submodule(n).weight.detach().clone() for n in plan} if awq_first else {}
+        col_scales = apply_awq(layer, inputs, plan, awq) if awq_first else {}
 
         def quantize_linear(n: str, H: torch.Tensor):
             weight = layer.get_submodule(n).weight.detach()
@@ -61,19 +64,20 @@ def layer_method(method: str, gptq: GPTQConfig, awq: AWQConfig, scale_dtype):
                 qw = gptq_quantize(weight, H, plan[n], gptq, scale_dtype, where + n)
             else:
                 qw = rtn.quantize_weight(weight, plan[n], scale_dtype)
-            original = originals.pop(n)
+            original = originals.pop(n, weight)
             H_original = H  # AWQ divided the inputs by s: undivided, their Hessian is H ∘ (s sᵀ)
             if n in col_scales:
                 s = col_scales[n].float()
                 H_original = H * torch.outer(s, s)
             plain = rtn.quantize_weight(original, plan[n], scale_dtype).dequantize(torch.float32)
+            approx = qw.dequantize(torch.float32)
             return qw, {
                 "scheme": plan[n].describe(),
-                "weight_rel_error": relative_error(weight, qw),
+                "weight_rel_error": relative_error(weight, approx),
                 # relative output error on the calibration inputs that reach the Linear: plain
                 # rounding of the original weight, then this method's result
                 "output_rel_error_rtn": output_error(original, plain, H_original),
-                "output_rel_error": output_error(weight, qw.dequantize(torch.float32), H),
+                "output_rel_error": output_error(weight, approx, H),
             }
 
         return lockstep_pass(layer, inputs, plan, quantize_linear, where)

@@ -83,7 +83,7 @@ def run_layer(layer, inputs: LayerInputs) -> list[torch.Tensor]:
 class _Batch:
     """One calibration batch's forward through a layer, as a coroutine the lockstep pass
     pauses and resumes. Greenlets, not threads: every batch runs on the pipeline's own OS
-    thread, so torch keeps one OpenMP team (a thread per batch made GPTQ's small ops 2x slower)."""
+    thread, one at a time (with a thread per batch, the GPTQ steps between them ran slower)."""
 
     def __init__(self, forward: Callable[[], torch.Tensor]):
         self.state: tuple = ("new", None)  # ("paused", Linear name) | ("done", output)
@@ -94,22 +94,22 @@ class _Batch:
             out = forward()
             self.state = ("done", out[0] if isinstance(out, tuple) else out)
 
-        self._coroutine = greenlet.greenlet(run)
+        self.coroutine = greenlet.greenlet(run)
 
     def pause(self, name: str) -> None:
         """Inside the batch's forward: wait at Linear ``name`` until the pass resumes it."""
         self.state = ("paused", name)
-        self._coroutine.parent.switch()
+        self.coroutine.parent.switch()
 
     def step(self) -> tuple:
         """Run the batch until it pauses or ends (its exceptions propagate to the caller)."""
-        self._coroutine.switch()
+        self.coroutine.switch()
         return self.state
 
     def close(self) -> None:
         """Unwind a batch that has not finished (its pass failed elsewhere)."""
-        if self._coroutine:  # started and not dead
-            self._coroutine.throw(greenlet.GreenletExit)
+        if self.coroutine:  # started and not dead
+            self.coroutine.throw(greenlet.GreenletExit)
 
 
 # quantize_linear(name, H) -> (quantized weight, stats): quantize Linear ``name`` of the layer
@@ -131,50 +131,40 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     decoder layer works. Returns the quantized weights, their stats and the layer's outputs.
     ``where`` (the layer's module path and a dot) prefixes the Linear names in errors.
     """
-    H: dict[str, torch.Tensor] = {}
-    count: dict[str, int] = {}
+    gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx over the batches that reached each Linear
+    rows: dict[str, int] = {}
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
-    current: list[_Batch] = []  # the batch running now (the hooks run inside its forward)
 
     def hook(name: str):
         def fn(module, args):
             if name in quantized:  # a Linear called twice in one forward: already done
                 return
-            batch = current[0]
+            batch = batch_of[greenlet.getcurrent()]  # hooks run inside a batch's forward
             x_in = args[0]
             if x_in is not batch.last_input:
                 if not torch.isfinite(x_in).all():
                     raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
                 x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
                 batch.last_input, batch.last_product = x_in, gram(x)
-            n = x_in.numel() // x_in.shape[-1]
-            total = count.get(name, 0) + n
-            if name not in H:
-                H[name] = torch.zeros_like(batch.last_product)
-            # running mean keeps the scale independent of the number of samples
-            H[name].mul_(count.get(name, 0) / total).add_(batch.last_product, alpha=2.0 / total)
-            count[name] = total
+            gram_sum[name] = gram_sum.get(name, 0) + batch.last_product
+            rows[name] = rows.get(name, 0) + x_in.numel() // x_in.shape[-1]
             batch.pause(name)
 
         return fn
 
     def quantize(name: str) -> None:
-        qw, stats[name] = quantize_linear(name, H.pop(name))
+        qw, stats[name] = quantize_linear(name, gram_sum.pop(name) * (2.0 / rows[name]))
         quantized[name] = qw
         linear = layer.get_submodule(name)
         linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
 
     handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in plan]
     batches = [_Batch(lambda h=h, kw=kw: layer(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
-
-    def step(batch: _Batch) -> tuple:
-        current[:] = [batch]
-        return batch.step()
-
+    batch_of = {b.coroutine: b for b in batches}
     try:
         while True:
-            states = [step(b) for b in batches]
+            states = [b.step() for b in batches]
             if all(kind == "done" for kind, _ in states):
                 break
             waiting = {value if kind == "paused" else "the end" for kind, value in states}
