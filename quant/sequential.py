@@ -87,8 +87,9 @@ class _Batch:
 
     def __init__(self, forward: Callable[[], torch.Tensor]):
         self.state: tuple = ("new", None)  # ("paused", Linear name) | ("done", output)
-        self.last_input: torch.Tensor | None = None  # q/k/v (gate/up) read one tensor: one xᵀx for all
-        self.last_product: torch.Tensor | None = None
+        # q/k/v (gate/up) read one tensor: the first of them to see it adds its xᵀx, the rest share it
+        self.last_input: torch.Tensor | None = None
+        self.last_reader: str | None = None
 
         def run():
             out = forward()
@@ -131,8 +132,9 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     decoder layer works. Returns the quantized weights, their stats and the layer's outputs.
     ``where`` (the layer's module path and a dot) prefixes the Linear names in errors.
     """
-    gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx over the batches that reached each Linear
+    gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx of each distinct input, under the first Linear to read it
     rows: dict[str, int] = {}
+    reads: dict[str, set] = {}  # Linear -> the key(s) of gram_sum holding its inputs
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
 
@@ -143,18 +145,25 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
             batch = batch_of[greenlet.getcurrent()]  # hooks run inside a batch's forward
             x_in = args[0]
             if x_in is not batch.last_input:
-                if not torch.isfinite(x_in).all():
-                    raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
                 x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
-                batch.last_input, batch.last_product = x_in, gram(x)
-            gram_sum[name] = gram_sum.get(name, 0) + batch.last_product
-            rows[name] = rows.get(name, 0) + x_in.numel() // x_in.shape[-1]
+                if name not in gram_sum:
+                    gram_sum[name] = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+                add_gram(gram_sum[name], x)
+                rows[name] = rows.get(name, 0) + x.shape[0]
+                batch.last_input, batch.last_reader = x_in, name
+            reads.setdefault(name, set()).add(batch.last_reader)
             batch.pause(name)
 
         return fn
 
     def quantize(name: str) -> None:
-        qw, stats[name] = quantize_linear(name, gram_sum.pop(name) * (2.0 / rows[name]))
+        if len(reads[name]) > 1:
+            raise RuntimeError(f"{where}{name}: calibration batches fed it different tensors ({sorted(reads[name])})")
+        key = reads[name].pop()
+        H = mirror_upper(gram_sum[key]) * (2.0 / rows[key])
+        if not torch.isfinite(H.diagonal()).all():  # diag(xᵀx) = Σ x²: NaN or Inf anywhere in x shows there
+            raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
+        qw, stats[name] = quantize_linear(name, H)
         quantized[name] = qw
         linear = layer.get_submodule(name)
         linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
@@ -183,21 +192,29 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     return quantized, stats, [b.state[1] for b in batches]
 
 
-def gram(x: torch.Tensor, blocks: int = 4) -> torch.Tensor:
-    """``xᵀx`` for ``x`` [n, k], computing each off-diagonal block once and mirroring it:
-    (blocks + 1) / (2 blocks) of the multiplications of one matmul, for wide inputs."""
-    k = x.shape[1]
-    if k < 512:
-        return x.T @ x
-    edges = [k * i // blocks for i in range(blocks + 1)]
-    out = torch.empty(k, k, dtype=x.dtype, device=x.device)
-    for i in range(blocks):
+def _block_edges(k: int, blocks: int) -> list[int]:
+    blocks = blocks if k >= 512 else 1  # narrow inputs: one product is as fast
+    return [k * i // blocks for i in range(blocks + 1)]
+
+
+def add_gram(total: torch.Tensor, x: torch.Tensor, blocks: int = 4) -> None:
+    """``total += xᵀx`` for ``x`` [n, k], on the blocks of the upper triangle only: xᵀx is
+    symmetric, so (blocks + 1) / (2 blocks) of one matmul's multiplications, accumulated in
+    place (no temporary). :func:`mirror_upper` completes the lower blocks once, at the end."""
+    edges = _block_edges(x.shape[1], blocks)
+    for i in range(len(edges) - 1):
         a = x[:, edges[i]:edges[i + 1]]
-        for j in range(i, blocks):
-            block = a.T @ x[:, edges[j]:edges[j + 1]]
-            out[edges[i]:edges[i + 1], edges[j]:edges[j + 1]] = block
-            if j != i:
-                out[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = block.T
+        for j in range(i, len(edges) - 1):
+            total[edges[i]:edges[i + 1], edges[j]:edges[j + 1]].addmm_(a.T, x[:, edges[j]:edges[j + 1]])
+
+
+def mirror_upper(total: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    """The symmetric matrix whose upper blocks :func:`add_gram` accumulated (a new tensor)."""
+    edges = _block_edges(total.shape[0], blocks)
+    out = total.clone()
+    for i in range(len(edges) - 1):
+        for j in range(i + 1, len(edges) - 1):
+            out[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = total[edges[i]:edges[i + 1], edges[j]:edges[j + 1]].T
     return out
 
 

@@ -13,7 +13,7 @@ from quant.gptq import GPTQConfig, gptq_quantize, inverse_hessian_cholesky, outp
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
 from quant import rtn
-from quant.sequential import LayerInputs, capture_inputs, decoder_layers, gram, lockstep_pass, run_layer
+from quant.sequential import LayerInputs, add_gram, capture_inputs, decoder_layers, lockstep_pass, mirror_upper, run_layer
 from tiny import TEXT, tiny_llama, tiny_model
 
 
@@ -206,9 +206,13 @@ def _linear_inputs(layer, inputs, names):
 
 
 @pytest.mark.parametrize("width", [7, 600, 1537])
-def test_gram_matches_a_plain_product(width):
-    x = torch.randn(300, width, generator=torch.Generator().manual_seed(width))
-    torch.testing.assert_close(gram(x), x.T @ x, rtol=1e-5, atol=1e-3)
+def test_gram_sum_matches_a_plain_product(width):
+    x = torch.randn(2, 300, width, generator=torch.Generator().manual_seed(width))
+    total = torch.zeros(width, width)
+    for batch in x:  # accumulated over batches, as the lockstep pass does
+        add_gram(total, batch)
+    flat = x.reshape(-1, width)
+    torch.testing.assert_close(mirror_upper(total), flat.T @ flat, rtol=1e-5, atol=1e-3)
 
 
 def test_calibration_samples_are_reproducible_and_say_what_is_missing():
