@@ -53,9 +53,11 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         recipe.kv_cache.check_head_dim(cfg.head_dim)
     except ValueError as e:
         raise RecipeError(f"kv_cache: {e}") from None
-    model, tokenizer = models.load_float_model(source)
-
     calibrated = w.method != "rtn"
+    # the calibrated pipeline reads each decoder layer from disk when it reaches it: the float
+    # model is never in memory whole (a format transformers converts on load is read whole)
+    loaded = models.load_lazily(source) if calibrated else None
+    model, tokenizer, lazy = loaded or (*models.load_float_model(source), None)
     actorder = None if w.gptq.actorder == "none" or not w.method.endswith("gptq") else w.gptq.actorder
     default = QuantScheme(w.bits, w.group_size, w.symmetric, actorder)
     with warnings.catch_warnings(record=True) as caught:
@@ -81,6 +83,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         model, plan, w.method, samples=samples, gptq=w.gptq, awq=w.awq,
         scale_dtype=store_dtype or next(model.parameters()).dtype, device=device or default_device(),
         work_dir=work_dir, resume=resume, run_id=json.dumps(recipe.to_dict(), sort_keys=True), progress=progress,
+        lazy=lazy,
     )
     manifest = {
         "producer": "lowbit",

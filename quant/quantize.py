@@ -17,6 +17,7 @@ from quant.affine import QuantScheme
 from quant.awq import AWQConfig, apply_awq
 from quant.format import QuantizedWeight
 from quant.gptq import GPTQConfig, gptq_quantize, output_error
+from quant.models import LazyLayers
 from quant.sequential import decoder_layers, lockstep_pass, quantize_sequential
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
@@ -99,11 +100,15 @@ def quantize_model(
     resume: bool = False,
     run_id: str = "",
     progress: bool = True,
+    lazy: LazyLayers | None = None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, dict]]:
-    """Quantized weights per layer, and per-layer stats for the manifest."""
+    """Quantized weights per layer, and per-layer stats for the manifest. ``lazy``: the
+    decoder layers are still on disk (:func:`quant.models.load_lazily`)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     if method == "rtn":
+        if lazy is not None:
+            raise ValueError("rtn rounds every weight of a model loaded whole; load it with load_float_model")
         return rtn_all(model, plan, scale_dtype, progress)
     if samples is None:
         raise ValueError(f"{method} needs calibration samples")
@@ -113,7 +118,7 @@ def quantize_model(
     outside = {n: s for n, s in plan.items() if not n.startswith(prefix)}
     quantized, stats = quantize_sequential(
         model, layer_plan, samples, layer_method(method, gptq, awq, scale_dtype), device,
-        work_dir=work_dir, resume=resume, run_id=run_id, progress=progress,
+        work_dir=work_dir, resume=resume, run_id=run_id, progress=progress, lazy=lazy,
     )
     if outside:
         q, st = rtn_all(model, outside, scale_dtype, progress=False)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from quant.affine import QuantScheme
 from quant.format import QuantizedWeight
+from quant.models import LazyLayers
 
 
 class StopForward(Exception):
@@ -236,6 +237,7 @@ def quantize_sequential(
     resume: bool = False,
     run_id: str = "",
     progress: bool = True,
+    lazy: LazyLayers | None = None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, dict]]:
     """Quantize the planned Linears inside the decoder layers, one layer at a time.
 
@@ -244,23 +246,34 @@ def quantize_sequential(
 
     Returns quantized weights and stats keyed by full module name. The model's
     float weights end up as the method left them (AWQ's scales folded in, the
-    quantized Linears holding their dequantized values).
+    quantized Linears holding their dequantized values). With ``lazy`` (a model from
+    :func:`quant.models.load_lazily`), each layer is read from disk when its turn comes
+    and its quantized Linears' float weights are dropped after it.
     """
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
     device = torch.device(device)
-    home = next(layers[0].parameters()).device
+    home = torch.device("cpu") if lazy else next(layers[0].parameters()).device
     for name, module in model.named_children():  # embeddings and friends join the first step
-        if module is not getattr(model, "lm_head", None):
-            module.to(device)
-    layers.to(home)
+        if module is not getattr(model, "lm_head", None) and module is not layers:
+            _move(module, device, skip=layers)
+
+    def fetch(i: int) -> torch.nn.Module:
+        if lazy:
+            lazy.fill(layers[i], f"{prefix}.{i}.", device)
+        return _move(layers[i], device)
+
+    def put_back(i: int, quantized_here) -> None:
+        if lazy:
+            lazy.release(layers[i], quantized_here)
+        _move(layers[i], home)
 
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
     with torch.no_grad():
-        layers[0].to(device)
+        fetch(0)
         inputs = capture_inputs(model, layers, samples, batch_size, device)
-        layers[0].to(home)
+        put_back(0, [])
         done = 0
         if resume and work_dir is not None and (work_dir / "progress.json").exists():
             done, stats, hidden = load_progress(work_dir, layers, prefix, plan, quantized, device, run_id)
@@ -268,7 +281,7 @@ def quantize_sequential(
         bar = tqdm(range(done, len(layers)), desc="quantizing layers", unit="layer", disable=not progress,
                    initial=done, total=len(layers))
         for i in bar:
-            layer = layers[i].to(device)
+            layer = fetch(i)
             local = {n[len(f"{prefix}.{i}."):]: s for n, s in plan.items() if n.startswith(f"{prefix}.{i}.")}
             layer_q, layer_stats, hidden = method(layer, inputs, local, f"{prefix}.{i}.")
             inputs = LayerInputs(hidden, inputs.kwargs)
@@ -277,8 +290,15 @@ def quantize_sequential(
                 stats[f"{prefix}.{i}.{n}"] = layer_stats[n]
             if work_dir is not None:
                 save_progress(work_dir, i, layer, local, layer_q, inputs.hidden, stats, run_id)
-            layers[i].to(home)
+            put_back(i, local)
     return quantized, stats
+
+
+def _move(module: torch.nn.Module, device: torch.device, skip: torch.nn.Module | None = None) -> torch.nn.Module:
+    """``module.to(device)`` for the tensors that hold data: those left on the meta device (a
+    lazily loaded model's layers, released weights) and those inside ``skip`` stay where they are."""
+    skipped = {id(t) for t in skip.parameters()} | {id(t) for t in skip.buffers()} if skip is not None else set()
+    return module._apply(lambda t: t if t.is_meta or id(t) in skipped else t.to(device))
 
 
 # ------------------------------------------------------------------ resuming
@@ -315,7 +335,8 @@ def load_progress(work_dir: Path, layers, prefix: str, plan: dict, quantized: di
     for i in range(done):
         tensors = load_file(_layer_file(work_dir, i))
         floats = {k[len("float."):]: v for k, v in tensors.items() if k.startswith("float.")}
-        layers[i].load_state_dict(floats, strict=False)
+        lazy = any(p.is_meta for p in layers[i].parameters())  # then the quantized weights stay on disk
+        layers[i].load_state_dict(floats, strict=False, assign=lazy)
         layer_prefix = f"{prefix}.{i}."
         for full, scheme in plan.items():
             if not full.startswith(layer_prefix):
@@ -324,7 +345,8 @@ def load_progress(work_dir: Path, layers, prefix: str, plan: dict, quantized: di
             qw = QuantizedWeight.from_tensors(tensors, f"quant.{local}", scheme)
             quantized[full] = qw
             linear = layers[i].get_submodule(local)
-            linear.weight.data = qw.dequantize(linear.weight.dtype)
+            if not lazy:
+                linear.weight.data = qw.dequantize(linear.weight.dtype)
     hidden_file = load_file(work_dir / "hidden.safetensors")
     hidden = [hidden_file[f"h{j}"].to(device) for j in range(len(hidden_file))]
     return done, stats, hidden

@@ -111,15 +111,21 @@ def test_calibrated_methods_lower_output_error_and_load_everywhere(tmp_path, met
         torch.testing.assert_close(model(test_ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_resume_after_an_interruption_gives_the_same_result(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lazy", [False, True])
+def test_resume_after_an_interruption_gives_the_same_result(tmp_path, monkeypatch, lazy):
     import quant.sequential as seq
+    from quant.models import load_lazily
+
+    model, tok = tiny_llama(hidden=64, layers=3)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
 
     def run(work_dir, resume=False):
-        model, _ = tiny_llama(hidden=64, layers=3)
+        model, _, layers_on_disk = load_lazily(tmp_path / "model") if lazy else (*tiny_llama(hidden=64, layers=3), None)
         ids, _ = tiny_inputs(model)
         plan = plan_layers(model, QuantScheme(4, 32, False, "weight"), ["lm_head"])
         return quantize_model(model, plan, "gptq", samples=ids, work_dir=work_dir, resume=resume, run_id="r",
-                              progress=False)[0]
+                              progress=False, lazy=layers_on_disk)[0]
 
     expected = run(None)
     real_save, calls = seq.save_progress, []
@@ -247,3 +253,37 @@ def test_pipeline_is_generic_over_decoder_families(tmp_path, kind):
     with torch.no_grad():  # the model object holds the quantized weights (AWQ's scales folded in)
         expected = model(test_ids).logits
     torch.testing.assert_close(runtime.load(out).logits(test_ids), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method,tie", [("gptq", True), ("awq+gptq", False)])
+def test_lazy_loading_quantizes_like_the_whole_model_with_one_layer_in_memory(tmp_path, method, tie):
+    """A model read layer by layer from its safetensors gives the same result as the model
+    loaded whole, while no more than one decoder layer holds float Linear weights."""
+    from quant.models import load_float_model, load_lazily
+
+    source, tok = tiny_llama(hidden=64, layers=3, tie=tie)
+    source.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    ids, _ = tiny_inputs(source)
+
+    def run(model, lazy=None):
+        plan = plan_layers(model, QuantScheme(4, 32, False, "weight"), ["lm_head"])
+        return quantize_model(model, plan, method, samples=ids, awq=AWQConfig(search_samples=4), progress=False,
+                              lazy=lazy)[0]
+
+    expected = run(load_float_model(tmp_path / "model")[0])
+    model, _, lazy = load_lazily(tmp_path / "model")
+    layers = decoder_layers(model)
+    assert all(p.is_meta for p in layers.parameters()) and not model.model.embed_tokens.weight.is_meta
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    in_memory = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: in_memory.append(
+            sum(not l.mlp.down_proj.weight.is_meta for l in layers)))
+    got = run(model, lazy)
+    assert max(in_memory) == 1
+    for name in expected:
+        assert torch.equal(got[name].q, expected[name].q), name
+        assert torch.equal(got[name].scale, expected[name].scale), name
+    # what the checkpoint needs besides the quantized weights stayed: norms (AWQ's scales folded in)
+    assert not any(p.is_meta for n, p in model.named_parameters() if "norm" in n)
