@@ -1,28 +1,31 @@
 """Does the calibration pipeline's memory grow with one decoder layer, or with the model?
 
-    python bench/memory.py [--samples 32] [--out bench/results/memory-cpu.json]
+    python bench/memory.py [--samples 128] [--out bench/results/memory-cpu.json]
 
 Quantizes SmolLM2-135M with GPTQ (4-bit, group 64, asymmetric) twice, each in a
-fresh child process: as it is (30 layers) and with every decoder layer repeated
+fresh child process, the way `lowbit quantize` does (the decoder layers read from
+the safetensors one at a time, `quant.models.load_lazily`): as it is (30 layers)
+and a copy written to a temporary directory with every decoder layer repeated
 (60 layers, 2x the layer weights). A sampler thread reads the process's resident
 memory every few milliseconds. Reported per depth:
 
-* ``rss_before``: resident memory when the pipeline starts (the float model loaded);
+* ``rss_before``: resident memory when the pipeline starts (embeddings loaded,
+  decoder layers still on disk);
 * ``peak``: the highest resident memory during the pipeline;
-* ``working``: ``peak - rss_before``, what the pipeline itself adds: calibration
-  activations, one layer's Hessians and GPTQ temporaries, and the quantized results
-  it has produced so far (one int8 per weight until the checkpoint is packed).
+* ``working``: ``peak - rss_before``: calibration activations, one layer's float
+  weights, Hessians and GPTQ temporaries, and the quantized results so far (one
+  int8 per weight until the checkpoint is packed, the only part that grows with depth).
 
-On CPU the float model itself lives in the same memory, so ``rss_before`` grows
-with depth by the size of the extra layers; the working set should not, apart
-from the int8 results. On CUDA the script also reports the compute device's peak
-allocation, where only the current layer sits.
+Each depth runs twice: with glibc's default (dynamic) mmap threshold, and with a
+fixed one (``MALLOC_MMAP_THRESHOLD_``), which returns freed activations to the
+system at once (slower: every large tensor is fresh pages).
+
+On CUDA the script also reports the compute device's peak allocation.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -36,6 +39,11 @@ sys.path.insert(0, str(ROOT))
 from bench.scoring import commit  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# glibc raises its mmap threshold as large blocks are freed, so later activations come from
+# the heap, whose freed holes stay resident: RSS then grows with every layer although the
+# pipeline frees what it allocates. A fixed threshold (each run once with it) shows what
+# the pipeline itself holds.
+FIXED_MMAP_THRESHOLD = 65536
 
 
 def rss() -> int:
@@ -66,7 +74,32 @@ class PeakSampler:
         self.peak = max(self.peak, rss())
 
 
-def one(repeat: int, samples: int) -> dict:
+def deeper_copy(source: Path, target: Path, repeat: int) -> None:
+    """``source`` with its decoder layers repeated ``repeat`` times, written to ``target``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    deeper = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            for r in range(repeat):  # distinct tensors in the file: each layer is read on its own
+                deeper[f"model.layers.{int(i) + r * layers}.{rest}"] = t.clone()
+        else:
+            deeper[name] = t
+    target.mkdir(parents=True)
+    save_file(deeper, target / "model.safetensors", metadata={"format": "pt"})
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, target / f.name)
+    (target / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers * repeat}, indent=2))
+
+
+def one(source: Path, samples: int) -> dict:
     import torch
 
     from quant import models
@@ -76,13 +109,9 @@ def one(repeat: int, samples: int) -> dict:
     from quant.quantize import quantize_model
 
     torch.manual_seed(0)
-    model, tokenizer = models.load_float_model(models.resolve("smollm2-135m"))
+    model, tokenizer, lazy = models.load_lazily(source)
     layers = model.model.layers
-    if repeat > 1:  # distinct copies, so the extra layers really take memory
-        for layer in list(layers) * (repeat - 1):
-            layers.append(copy.deepcopy(layer))
-        model.config.num_hidden_layers = len(layers)
-    layer_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())  # as they will be, once read
     ids = calibration_samples(tokenizer, load_calibration_text("default"), samples, 512, seed=0)
     plan = plan_layers(model, QuantScheme(4, 64, False, "weight"), ["lm_head"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,7 +120,7 @@ def one(repeat: int, samples: int) -> dict:
     before = rss()
     start = time.perf_counter()
     with PeakSampler() as sampler:
-        quantize_model(model, plan, "gptq", samples=ids, device=device, progress=False)
+        quantize_model(model, plan, "gptq", samples=ids, device=device, progress=False, lazy=lazy)
     row = {"layers": len(layers), "layer_weight_bytes": layer_bytes, "rss_before": before, "peak": sampler.peak,
            "working": sampler.peak - before, "seconds": time.perf_counter() - start}
     if device == "cuda":
@@ -103,29 +132,39 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=32, help="calibration samples of 512 tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory-cpu.json")
-    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.samples)))
         return
     import subprocess
+    import tempfile
+
+    from quant.models import resolve
 
     code_version = commit()
+    source = resolve("smollm2-135m")
     rows = []
-    for repeat in (1, 2):
-        out = subprocess.run([sys.executable, __file__, "--one", str(repeat), "--samples", str(args.samples)],
-                             capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper_copy(source, Path(tmp) / "x2", 2)
+        for threshold in (None, FIXED_MMAP_THRESHOLD):
+            for model_dir in (source, Path(tmp) / "x2"):
+                env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold else {})}
+                out = subprocess.run([sys.executable, __file__, "--one", str(model_dir), "--samples", str(args.samples)],
+                                     capture_output=True, text=True, check=True, env=env).stdout
+                rows.append({**json.loads(out.strip().splitlines()[-1]), "malloc_mmap_threshold": threshold})
+                print(json.dumps(rows[-1]), flush=True)
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "samples": args.samples,
-              "seq_len": 512, "method": "gptq w4 g64 asym, actorder weight", "rows": rows}
+              "seq_len": 512, "method": "gptq w4 g64 asym, actorder weight",
+              "loading": "decoder layers read from the safetensors one at a time (quant.models.load_lazily)", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     gb = 1e9
-    print("| layers | layer weights GB | RSS before GB | peak GB | working set GB | seconds |")
-    print("|---|---|---|---|---|---|")
+    print("| glibc mmap threshold | layers | layer weights GB | RSS before GB | peak GB | working set GB | seconds |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layers']} | {r['layer_weight_bytes'] / gb:.2f} | {r['rss_before'] / gb:.2f} | "
+        threshold = "dynamic (default)" if r["malloc_mmap_threshold"] is None else f"fixed {r['malloc_mmap_threshold']}"
+        print(f"| {threshold} | {r['layers']} | {r['layer_weight_bytes'] / gb:.2f} | {r['rss_before'] / gb:.2f} | "
               f"{r['peak'] / gb:.2f} | {r['working'] / gb:.2f} | {r['seconds']:.0f} |")
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -158,3 +159,28 @@ def test_ctrl_c_during_quantize_leaves_nothing(tmp_path, model_dir, monkeypatch)
     result = CliRunner().invoke(main, ["quantize", str(recipe)])
     assert result.exit_code == 130 and "interrupted" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+def test_calibrated_quantize_reads_layers_lazily_into_the_same_checkpoint(tmp_path, model_dir, monkeypatch):
+    """`lowbit quantize` with AWQ+GPTQ reads the decoder layers one at a time; the checkpoint is
+    the one the model loaded whole gives, tensor for tensor (AWQ's rescaled norms included)."""
+    from quant import checkpoint, models
+
+    def quantize(where):
+        where.mkdir()
+        recipe = write_recipe(where / "r.yaml", model_dir, method="awq+gptq")
+        data = yaml.safe_load(recipe.read_text())
+        recipe.write_text(yaml.safe_dump({**data, "calibration": {"samples": 8, "seq_len": 32}}))
+        result = run("quantize", recipe)
+        assert result.exit_code == 0, result.output
+        return checkpoint.read_tensors(where / "ckpt")
+
+    real, loaded = models.load_lazily, []
+    monkeypatch.setattr(models, "load_lazily", lambda path: loaded.append(real(path)) or loaded[-1])
+    lazily = quantize(tmp_path / "lazy")
+    assert loaded and loaded[0] is not None  # the layers were left on disk
+    monkeypatch.setattr(models, "load_lazily", lambda path: None)  # as for a format read whole
+    whole = quantize(tmp_path / "whole")
+    assert lazily.keys() == whole.keys() and any(k.endswith("weight_packed") for k in lazily)
+    for name in whole:
+        assert torch.equal(lazily[name], whole[name]), name
