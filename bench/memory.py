@@ -132,8 +132,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=32, help="calibration samples of 512 tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory-cpu.json")
-    ap.add_argument("--one", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--one", type=Path, help="Measure only this model directory, in this process.")
+    ap.add_argument("--no-heap-trim", action="store_true", help="With --one: never hand freed heap pages back (A/B).")
     args = ap.parse_args()
+    if args.no_heap_trim:
+        import quant.sequential
+
+        quant.sequential._HeapTrim.MARGIN = 1 << 62  # never reached
     if args.one:
         print(json.dumps(one(args.one, args.samples)))
         return
