@@ -113,19 +113,23 @@ class LazyLayers:
     def __init__(self, files: dict[str, Path], dtype: torch.dtype):
         self.files, self.dtype = files, dtype  # tensor name -> the file holding it
 
-    def read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.files[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
-        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
-
     def fill(self, module: torch.nn.Module, prefix: str = "", device="cpu", skip: tuple[str, ...] = ()) -> None:
         """Load the tensors of ``module`` (full name ``prefix`` + local name) still on the meta
-        device, but for those whose local name starts with one of ``skip``."""
-        missing = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta and not n.startswith(skip)]
-        if missing:
-            module.load_state_dict({n: self.read(prefix + n).to(device) for n in missing}, strict=False, assign=True)
+        device, but for those whose local name starts with one of ``skip``; each file opened once."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for n, t in module.state_dict(keep_vars=True).items():
+            if t.is_meta and not n.startswith(skip):
+                by_file.setdefault(self.files[prefix + n], []).append(n)
+        loaded = {}
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for n in names:
+                    t = f.get_tensor(prefix + n)
+                    loaded[n] = (t.to(self.dtype) if t.is_floating_point() else t).to(device)
+        if loaded:
+            module.load_state_dict(loaded, strict=False, assign=True)
 
     @staticmethod
     def release(module: torch.nn.Module, linears) -> None:
@@ -139,11 +143,13 @@ def safetensors_index(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from ``model.safetensors.index.json`` or the single safetensors file."""
     from safetensors import safe_open
 
+    from quant.checkpoint import safetensors_files
+
     index = path / "model.safetensors.index.json"
     if index.exists():
         return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     files = {}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in safetensors_files(path):
         with safe_open(f, framework="pt") as st:
             files.update(dict.fromkeys(st.keys(), f))
     return files
