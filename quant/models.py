@@ -113,23 +113,22 @@ class LazyLayers:
     def __init__(self, files: dict[str, Path], dtype: torch.dtype):
         self.files, self.dtype = files, dtype  # tensor name -> the file holding it
 
-    def fill(self, module: torch.nn.Module, prefix: str = "", device="cpu", skip: tuple[str, ...] = ()) -> None:
-        """Load the tensors of ``module`` (full name ``prefix`` + local name) still on the meta
-        device, but for those whose local name starts with one of ``skip``; each file opened once."""
+    def read(self, name: str) -> torch.Tensor:
+        # One open per tensor, on purpose: get_tensor maps the file without copying, and a tensor
+        # keeps its mapping alive. Opened together, a layer's kept norms would keep the pages of its
+        # dropped Linear weights resident (bench/results/memory-reverted-8f1f82c-cpu.json).
         from safetensors import safe_open
 
-        by_file: dict[Path, list[str]] = {}
-        for n, t in module.state_dict(keep_vars=True).items():
-            if t.is_meta and not n.startswith(skip):
-                by_file.setdefault(self.files[prefix + n], []).append(n)
-        loaded = {}
-        for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for n in names:
-                    t = f.get_tensor(prefix + n)
-                    loaded[n] = (t.to(self.dtype) if t.is_floating_point() else t).to(device)
-        if loaded:
-            module.load_state_dict(loaded, strict=False, assign=True)
+        with safe_open(self.files[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def fill(self, module: torch.nn.Module, prefix: str = "", device="cpu", skip: tuple[str, ...] = ()) -> None:
+        """Load the tensors of ``module`` (full name ``prefix`` + local name) still on the meta
+        device, but for those whose local name starts with one of ``skip``."""
+        missing = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta and not n.startswith(skip)]
+        if missing:
+            module.load_state_dict({n: self.read(prefix + n).to(device) for n in missing}, strict=False, assign=True)
 
     @staticmethod
     def release(module: torch.nn.Module, linears) -> None:
