@@ -27,4 +27,18 @@ chromium:
 test: install chromium
 	$(PY) -m pytest -q
 
-.PHONY: install demo test chromium
+# On a lent GPU machine, whose python3 holds torch with CUDA: correctness first, then speed
+# (bench/gpu_check.py's docstring gives the two-call split; STAGES=env,weights picks stages).
+gpu-check:
+	python3 bench/gpu_check.py $(if $(STAGES),--stages $(STAGES)) $(if $(COMMIT),--commit $(COMMIT))
+
+# Wheels for packages the GPU machine lacks (its env stage names them), into .whl/ to carry:
+# make gpu-wheels PACKAGES="greenlet==3.1.1"
+gpu-wheels:
+	@test -n "$(PACKAGES)" || { echo "nothing to fetch: name PACKAGES (the env stage of gpu_check lists what is missing)"; exit 1; }
+	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+	python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(PACKAGES)
+
+.PHONY: install demo test chromium gpu-check gpu-wheels

@@ -139,6 +139,16 @@ def engine_batch(engine, batch: int, prompt_len: int, output_len: int, seed: int
     return _requests_result(requests, wall, batch=batch, prompt_len=prompt_len, output_len=output_len)
 
 
+def bytes_per_step(engine, batch: int, prompt_len: int, output_len: int) -> float:
+    """Bytes a decode step must read at least (weights as held, mean KV over the output): the
+    bandwidth floor's numerator."""
+    from evals.diagnose import kv_bytes_per_step, weight_bytes_per_step
+
+    model = engine.model
+    return weight_bytes_per_step(model, batch)[0] + kv_bytes_per_step(model, engine.scheme, batch, prompt_len,
+                                                                        output_len)
+
+
 def warm_up(engine, batches, prompt_lens, seed: int) -> None:
     """Triton compiles and autotunes per shape and row bucket: run every prompt length and batch
     once, briefly, so no measured case pays for it."""
@@ -255,7 +265,7 @@ def run(smoke: bool = False, configs=tuple(CONFIGS), batches=(1, 8, 32), prompt_
         device, dtype, config = require_cuda(), torch.float16, LLAMA3_8B
         kv_overrides = {}
     max_len = max(prompt_lens) + output_len
-    max_batch = max(max(batches), arrivals)
+    max_batch = max(*batches, arrivals)
     started = time.time()
     record = {
         "benchmark": "lowbit bench (evals/serving.py)",
@@ -282,13 +292,15 @@ def run(smoke: bool = False, configs=tuple(CONFIGS), batches=(1, 8, 32), prompt_
         for prompt_len in prompt_lens:
             for batch in batches:
                 result = engine_batch(engine, batch, prompt_len, output_len, seed)
+                result["bytes_per_step"] = bytes_per_step(engine, batch, prompt_len, output_len)
                 record["engine"].append({"config": name, **info, "startup_s": startup, **result})
                 progress(f"[{name}] batch {batch} prompt {prompt_len}: {result['output_tokens_per_s']:.1f} tok/s, "
                          f"TTFT {result['ttft_s']['mean'] * 1e3:.1f} ms, ITL {_ms(result['itl_s']['mean'])} ms")
-        result = engine_arrivals(engine, arrivals, rate, min(prompt_lens), output_len, seed)
-        record["engine"].append({"config": name, "mode": "continuous", **info, "startup_s": startup, **result})
-        progress(f"[{name}] {arrivals} arrivals at {rate}/s: {result['output_tokens_per_s']:.1f} tok/s, "
-                 f"TTFT p50 {result['ttft_s']['p50'] * 1e3:.1f} ms, preemptions {result['preemptions']}")
+        if arrivals:
+            result = engine_arrivals(engine, arrivals, rate, min(prompt_lens), output_len, seed)
+            record["engine"].append({"config": name, "mode": "continuous", **info, "startup_s": startup, **result})
+            progress(f"[{name}] {arrivals} arrivals at {rate}/s: {result['output_tokens_per_s']:.1f} tok/s, "
+                     f"TTFT p50 {result['ttft_s']['p50'] * 1e3:.1f} ms, preemptions {result['preemptions']}")
         engine.shutdown()
         del engine, model
         free_gpu(device)

@@ -270,7 +270,7 @@ def report(runs, out_dir):
 @click.option("--prompt-len", "prompt_lens", default="512,4096", show_default=True, help="Prompt lengths.")
 @click.option("--output-len", type=int, default=256, show_default=True)
 @click.option("--arrivals", type=int, default=64, show_default=True,
-              help="Requests in the continuous-batching run (Poisson arrivals).")
+              help="Requests in the continuous-batching run (Poisson arrivals); 0 skips that run.")
 @click.option("--rate", type=float, default=4.0, show_default=True, help="Arrivals per second in that run.")
 @click.option("--prefill-chunk", type=int, default=4096, show_default=True,
               help="Prompt tokens the engine prefills per step.")

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import greenlet
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -27,6 +26,14 @@ from tqdm.auto import tqdm
 from quant.affine import QuantScheme
 from quant.format import QuantizedWeight
 from quant.models import LazyLayers
+
+
+def _greenlet():
+    """greenlet, imported when a calibration pass runs: importing lowbit (the CLI, the runtime's
+    benchmarks) must work where only the runtime's packages are installed, e.g. a GPU machine."""
+    import greenlet
+
+    return greenlet
 
 
 class StopForward(Exception):
@@ -98,7 +105,7 @@ class _Batch:
             out = forward()
             self.state = ("done", out[0] if isinstance(out, tuple) else out)
 
-        self.coroutine = greenlet.greenlet(run)
+        self.coroutine = _greenlet().greenlet(run)
 
     def pause(self, name: str) -> None:
         """Inside the batch's forward: wait at Linear ``name`` until the pass resumes it."""
@@ -113,7 +120,7 @@ class _Batch:
     def close(self) -> None:
         """Unwind a batch that has not finished (its pass failed elsewhere)."""
         if self.coroutine:  # started and not dead
-            self.coroutine.throw(greenlet.GreenletExit)
+            self.coroutine.throw(_greenlet().GreenletExit)
 
 
 # quantize_linear(name, H) -> (quantized weight, stats): quantize Linear ``name`` of the layer
@@ -145,7 +152,7 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
         def fn(module, args):
             if name in quantized:  # a Linear called twice in one forward: already done
                 return
-            batch = batch_of[greenlet.getcurrent()]  # hooks run inside a batch's forward
+            batch = batch_of[_greenlet().getcurrent()]  # hooks run inside a batch's forward
             x_in = args[0]
             if x_in is not batch.last_input:
                 x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
