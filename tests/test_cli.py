@@ -185,3 +185,14 @@ def test_calibrated_quantize_reads_layers_lazily_into_the_same_checkpoint(tmp_pa
     assert lazily.keys() == whole.keys() and any(k.endswith("weight_packed") for k in lazily)
     for name in whole:
         assert torch.equal(lazily[name], whole[name]), name
+
+
+def test_demo_quantizes_once_then_reuses_the_checkpoint(tmp_path, model_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir)
+    first = run("demo", "--recipe", recipe, "--tokens", 200)
+    assert first.exit_code == 0, first.output
+    assert "(baseline)" in first.output and "first 200 tokens" in first.output
+    second = run("demo", "--recipe", recipe, "--tokens", 200)
+    assert second.exit_code == 0 and "reusing the checkpoint" in second.output
+    ppl = [line for line in first.output.splitlines() if line.startswith("| ")]
+    assert ppl == [line for line in second.output.splitlines() if line.startswith("| ")]
