@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from lowbit import pipeline
+from lowbit.recipe import bundled_recipe_names, bundled_recipes_dir
 
 # The demo scores the first 4,096 tokens (7 windows of 1,024 per model, not 31): on the default
 # model that changes its perplexity change by a small share of itself (README, "make demo").
@@ -50,11 +51,12 @@ def main():
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
 
 
-@main.command(epilog="Bundled recipes, usable by name: lowbit quantize w4g64-awq-gptq (see `lowbit recipes`).")
+@main.command(epilog=f"Bundled recipes ({', '.join(bundled_recipe_names())}) are in {bundled_recipes_dir()}; "
+              "give one by name: lowbit quantize w4g64-awq-gptq. `lowbit recipes` lists what each does.")
 @click.argument("recipe")
 @click.option("--model", help="Override the recipe's model: alias, local HF directory or hub id.")
 @click.option("--output", type=click.Path(path_type=Path), help="Override the recipe's output directory.")
-@click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace the output if it is a lowbit checkpoint (never other files).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted calibrated run from its last finished layer.")
 @click.option("--device", default=None, help="Compute device for calibration (default: cuda if available, else cpu).")
 @_fail_cleanly
@@ -184,7 +186,7 @@ def inspect(ckpt, layers):
 @main.command()
 def recipes():
     """List the bundled recipes (each usable by name in `lowbit quantize` and `lowbit demo --recipe`)."""
-    from lowbit.recipe import bundled_recipe_names, bundled_recipes_dir, load_recipe
+    from lowbit.recipe import load_recipe
 
     click.echo(f"bundled recipes in {bundled_recipes_dir()}:")
     for name in bundled_recipe_names():
