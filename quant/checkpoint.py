@@ -232,7 +232,10 @@ def write_manifest(directory: Path, info: dict) -> None:
         **info,
         "files": {name: {"sha256": sha256(directory / name), "bytes": (directory / name).stat().st_size} for name in files},
     }
-    (directory / MANIFEST).write_text(json.dumps(body, indent=2))
+    # written aside and renamed: a reader (another run verifying the shared model cache) never sees half of it
+    partial = directory / f".{MANIFEST}.{os.getpid()}"
+    partial.write_text(json.dumps(body, indent=2))
+    partial.replace(directory / MANIFEST)
 
 
 def read_manifest(path: Path) -> dict | None:
@@ -296,7 +299,8 @@ def safetensors_files(path: Path) -> list[Path]:
     pickle weights (torch.load on a file from elsewhere can run any code)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        pickles = sorted(f.name for f in Path(path).iterdir() if f.suffix in PICKLE_SUFFIXES) if Path(path).is_dir() else []
+        listing = Path(path).iterdir() if Path(path).is_dir() else []
+        pickles = sorted(f.name for f in listing if f.suffix in PICKLE_SUFFIXES)
         found = f"it holds {', '.join(pickles)}, pickle files that " if pickles else ""
         raise CheckpointError(
             f"no *.safetensors files in {path}: {found}lowbit never loads pickle, which can run code; "
@@ -313,7 +317,8 @@ def read_header(file: Path) -> dict:
             header = json.loads(f.read(length))
     except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         # a truncated or altered file: say which one, not just what the JSON parser saw
-        raise CheckpointError(f"{file}: not a readable safetensors file, its header is cut short or corrupt ({e})") from None
+        raise CheckpointError(f"{file}: not a readable safetensors file, "
+                              f"its header is cut short or corrupt ({e})") from None
     header.pop("__metadata__", None)
     return header
 

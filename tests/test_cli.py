@@ -132,7 +132,8 @@ def test_eval_of_an_unquantized_model_needs_no_manifest(model_dir, tmp_path):
 def test_inspect_lists_layers_in_model_order(ckpt):
     rows = [line.split()[0] for line in run("inspect", ckpt, "--layers").output.splitlines()
             if line.startswith("model.layers.")]
-    assert len(rows) == 14 and rows.index("model.layers.0.mlp.down_proj") < rows.index("model.layers.1.self_attn.q_proj")
+    assert len(rows) == 14
+    assert rows.index("model.layers.0.mlp.down_proj") < rows.index("model.layers.1.self_attn.q_proj")
 
 
 def test_unreachable_hub_id_says_what_to_do_offline(tmp_path, monkeypatch):
