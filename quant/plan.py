@@ -8,6 +8,7 @@ dotted suffixes (``down_proj`` matches ``model.layers.0.mlp.down_proj``) or
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -42,6 +43,20 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
+def check_group_fits(group: int, widths: set[int]) -> None:
+    """A group that fits none of its layers' input widths would silently make every one of them
+    per-channel (a smaller group that divides a width is fine: see fit_group_size): an error naming
+    the sizes that would work."""
+    if group == -1 or any(fit_group_size(w, group) != -1 for w in widths):
+        return
+    common = math.gcd(*widths)
+    fitting = [str(d) for d in range(8, common + 1) if common % d == 0]
+    raise PlanError(
+        f"group_size {group} fits the input width of no layer it applies to ({', '.join(map(str, sorted(widths)))}); "
+        f"use one that divides them all: {', '.join(fitting + ['-1 (per channel)'])}"
+    )
+
+
 def plan_layers(
     model: torch.nn.Module,
     default: QuantScheme,
@@ -56,6 +71,7 @@ def plan_layers(
             warnings.warn(f"pattern {pattern!r} matches no Linear layer of the model", stacklevel=2)
 
     plan: dict[str, QuantScheme] = {}
+    requested: dict[int, set[int]] = {}  # group size asked for -> input widths of the layers asking
     refitted = []
     for name in names:
         if any(matches(name, p) for p in ignore):
@@ -68,6 +84,7 @@ def plan_layers(
                 scheme = replace(scheme, **changes)
         if skip:
             continue
+        requested.setdefault(scheme.group_size, set()).add(widths[name])
         group = fit_group_size(widths[name], scheme.group_size)
         if group != scheme.group_size:
             refitted.append(f"{name} ({widths[name]} inputs: group {scheme.group_size} -> {group})")
@@ -75,6 +92,8 @@ def plan_layers(
         plan[name] = scheme
     if not plan:
         raise PlanError("nothing to quantize: every Linear layer is ignored or skipped by the recipe")
+    for group, layer_widths in requested.items():
+        check_group_fits(group, layer_widths)
     if refitted:
         warnings.warn(
             "input width not divisible by the group size; compressed-tensors cannot store a ragged "

@@ -38,13 +38,28 @@ def fake_quantized_copy(model, quantized):
     ],
 )
 def test_transformers_with_compressed_tensors_loads_our_checkpoint(tmp_path, scheme, overrides, ignore):
+    check_transformers_load(tmp_path, scheme, overrides, ignore, {})
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32, False), QuantScheme(8, -1, False)], ids=["w4g32", "w8pc"])
+def test_transformers_dequantize_path_loads_one_scheme_asymmetric_checkpoints(tmp_path, scheme):
+    """The path the README gives for compressed-tensors 0.20, whose default path fails on asymmetric
+    checkpoints. (It mis-reads checkpoints that mix bit widths, in 0.17.1 as in 0.20: the README says so.)"""
+    pytest.importorskip("compressed_tensors")
+    from transformers import CompressedTensorsConfig
+
+    check_transformers_load(tmp_path, scheme, [], ["lm_head"],
+                            {"quantization_config": CompressedTensorsConfig(dequantize=True)})
+
+
+def check_transformers_load(tmp_path, scheme, overrides, ignore, options):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
     model, quantized, out = quantized_tiny(tmp_path, scheme, ignore, overrides)
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     expected = fake_quantized_copy(model, quantized)(ids).logits
-    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **options).eval()
     with torch.no_grad():
         got = loaded(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -130,8 +130,10 @@ def test_eval_of_an_unquantized_model_needs_no_manifest(model_dir, tmp_path):
 
 
 def test_inspect_lists_layers_in_model_order(ckpt):
-    out = run("inspect", ckpt).output
-    assert out.index("model.layers.0.") < out.index("model.layers.1.")
+    rows = [line.split()[0] for line in run("inspect", ckpt, "--layers").output.splitlines()
+            if line.startswith("model.layers.")]
+    assert len(rows) == 14
+    assert rows.index("model.layers.0.mlp.down_proj") < rows.index("model.layers.1.self_attn.q_proj")
 
 
 def test_unreachable_hub_id_says_what_to_do_offline(tmp_path, monkeypatch):
@@ -184,3 +186,14 @@ def test_calibrated_quantize_reads_layers_lazily_into_the_same_checkpoint(tmp_pa
     assert lazily.keys() == whole.keys() and any(k.endswith("weight_packed") for k in lazily)
     for name in whole:
         assert torch.equal(lazily[name], whole[name]), name
+
+
+def test_demo_quantizes_once_then_reuses_the_checkpoint(tmp_path, model_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir)
+    first = run("demo", "--recipe", recipe, "--tokens", 200)
+    assert first.exit_code == 0, first.output
+    assert "(baseline)" in first.output and "first 200 tokens" in first.output
+    second = run("demo", "--recipe", recipe, "--tokens", 200)
+    assert second.exit_code == 0 and "reusing the checkpoint" in second.output
+    ppl = [line for line in first.output.splitlines() if line.startswith("| ")]
+    assert ppl == [line for line in second.output.splitlines() if line.startswith("| ")]

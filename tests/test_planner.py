@@ -85,12 +85,15 @@ def test_plan_command_prints_and_writes_json(model_dir, tmp_path):
     out = tmp_path / "plan.json"
     result = run("plan", model_dir, "--memory", "64MB", "--context", "300", "--json", out)
     assert result.exit_code == 0, result.output
-    assert "int4" in result.output and "max context" in result.output
+    assert "int4" in result.output and "longest sequence" in result.output
     data = json.loads(out.read_text())
     assert data["commit"] and data["versions"]["lowbit"]
     assert [r["scheme"] for r in data["schemes"]] == ["fp16", "int8", "int4-g64-r128", "int2-g64-r128", "fp8"]
     int8 = next(r for r in data["schemes"] if r["scheme"] == "int8")
     assert {"kv_bytes_per_token", "max_sequences", "max_context"} <= int8.keys()
+    # 64 MB holds far more than the tiny model's 512 positions: the longest sequence is the model's limit
+    assert int8["max_context"] == 512 < int8["max_context_memory"]
+    assert "512*" in result.output and "at most 512 positions" in result.output and "--reserve" in result.output
 
 
 def test_plan_from_a_bare_config_quantized(tmp_path, model_dir):

@@ -125,3 +125,13 @@ def test_readme_shows_the_defaults():
     data = yaml.safe_load(re.search(r"```yaml\n(.*?)```", readme, re.S).group(1))
     del data["output"]  # a placeholder there, derived in the code
     assert parse_recipe(data) == parse_recipe({"model": "smollm2-135m"})
+
+
+def test_a_bundled_recipe_is_found_by_name_and_a_wrong_name_lists_them():
+    from lowbit.recipe import bundled_recipes_dir, find_recipe
+
+    assert find_recipe("w4g64-awq-gptq") == bundled_recipes_dir() / "w4g64-awq-gptq.yaml"
+    assert load_recipe("w8-rtn.yaml").weights.bits == 8
+    with pytest.raises(RecipeError, match="w4g64-awq-gptq") as e:
+        find_recipe("w4g64-awq-gtpq")
+    assert str(bundled_recipes_dir()) in str(e.value)
