@@ -28,7 +28,8 @@ of :class:`KernelCase` (one per configuration the runtime really launches) and a
 ``CASE_SOURCES`` at the bottom of this file. A case names the ``@triton.jit`` function, the
 types of its non-constexpr arguments (``"*fp16"``, ``"*i32"``, ``"i32"``, ``"fp32"``...), its
 constexprs, ``num_warps``/``num_stages``, and ``units_per_iteration`` (None when a per-unit
-count makes no sense). The library entry point is :func:`static_report`; it must run in a
+count makes no sense), and optionally ``budgets`` per arch (``{"sm_90a": {"max_loop_instructions_per_unit":
+2.5}}``, names in ``BUDGET_CHECKS``): the JSON then says which are met. The library entry point is :func:`static_report`; it must run in a
 process where ``TRITON_INTERPRET`` was not set when triton was imported (this module unsets it).
 """
 
@@ -78,6 +79,7 @@ class KernelCase:
     unit: str = "weight"
     archs: tuple = ("sm_90a", "sm_80")
     notes: str = ""  # how the runtime picks this configuration
+    budgets: dict = field(default_factory=dict)  # see BUDGET_CHECKS; met or not, the JSON says which
     divisible_by_16: tuple | None = None  # arguments Triton would specialize; None: every pointer
 
 
@@ -224,7 +226,7 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
         "instructions": count,
         "opcodes": dict(opcodes.most_common()),
         "async_copies": sorted(op for op in ASYNC_COPY_OPCODES if opcodes[op]),
-        "global_loads": opcodes["LDG"], "barriers": opcodes["BAR"],
+        "global_loads": opcodes["LDG"], "barriers": opcodes["BAR"], "shared_stores": opcodes["STS"],
         "units_per_iteration": units_per_iteration,
         "loop_instructions_per_unit": (None if not units_per_iteration
                                        else round(count * 32 * num_warps / units_per_iteration, 3)),
@@ -233,11 +235,32 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
     return report
 
 
+# budget name -> (what it reads from a report, whether the value passes)
+BUDGET_CHECKS = {
+    "max_loop_instructions_per_unit": lambda r, v: (r["main_loop"] or {}).get("loop_instructions_per_unit", 1e9) <= v,
+    "max_spill_instructions": lambda r, v: r["spill_instructions"] <= v,
+    "min_ctas_per_sm": lambda r, v: r["ctas_per_sm"] >= v,
+    "max_loop_barriers": lambda r, v: (r["main_loop"] or {}).get("barriers", 1e9) <= v,
+    "max_loop_shared_stores": lambda r, v: (r["main_loop"] or {}).get("shared_stores", 1e9) <= v,
+    "async_copies_in_loop": lambda r, v: bool((r["main_loop"] or {}).get("async_copies")) == v,
+}
+
+
+def check_budgets(report: dict, budgets: dict) -> dict:
+    """``{budget: {"limit": value, "met": bool}}`` for one report."""
+    unknown = set(budgets) - set(BUDGET_CHECKS)
+    if unknown:
+        raise ValueError(f"unknown budgets {sorted(unknown)}: choose from {sorted(BUDGET_CHECKS)}")
+    return {name: {"limit": limit, "met": BUDGET_CHECKS[name](report, limit)} for name, limit in budgets.items()}
+
+
 def report_case(case: KernelCase, arch: str) -> dict:
     report = static_report(case.kernel_fn, case.signature, case.constexprs, case.num_warps, case.num_stages, arch,
                            case.units_per_iteration, case.divisible_by_16)
+    budgets = case.budgets.get(arch, {})  # budgets are per arch: {"sm_90a": {...}}
     return {"name": case.name, "kernel": case.kernel_fn.__name__, "unit": case.unit, "notes": case.notes,
-            "constexprs": {k: str(v) for k, v in case.constexprs.items()}, **report}
+            "constexprs": {k: str(v) for k, v in case.constexprs.items()}, **report,
+            "budgets": check_budgets(report, budgets)}
 
 
 # -- the runtime's kernels --------------------------------------------------------------------------
@@ -261,9 +284,11 @@ def summary_line(r: dict) -> str:
     loop = r["main_loop"] or {}
     per_unit = loop.get("loop_instructions_per_unit")
     per = f"{per_unit:.2f}/{r['unit']}" if per_unit is not None else "-"
+    missed = [name for name, b in r["budgets"].items() if not b["met"]]
     return (f"{r['name']:<40} {r['arch']:<7} regs {r['registers']:>3}  spills {r['spill_instructions']:>3}  "
             f"smem {r['shared_bytes']:>6}  ctas/sm {r['ctas_per_sm']}  loop {loop.get('instructions', '-')!s:>4} "
-            f"({per})  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}")
+            f"({per})  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}"
+            + (f"  MISSED {','.join(missed)}" if missed else ""))
 
 
 def main(argv=None) -> None:
