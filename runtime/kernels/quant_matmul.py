@@ -321,6 +321,16 @@ def _time_candidates(M: int, kw: KernelWeight, dtype, device, candidates: list[M
 # -- static report (bench/sass.py) ------------------------------------------------------------------
 
 
+# Issue 15's static budgets on sm_90a (thread-instructions of the main loop per weight, etc.);
+# bench/sass.py records in its JSON which ones each configuration meets.
+SASS_BUDGETS = {
+    "gemv": {"max_loop_instructions_per_unit": 2.5, "async_copies_in_loop": True, "max_loop_shared_stores": 0,
+             "max_loop_barriers": 0},
+    "small-m": {"max_loop_instructions_per_unit": 3.5},
+    "prefill": {"max_loop_instructions_per_unit": 3.0, "max_spill_instructions": 0, "min_ctas_per_sm": 2},
+}
+
+
 def report_cases() -> list[dict]:
     """The configurations the runtime launches, for bench/sass.py's static SASS report: the
     default candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128
@@ -345,5 +355,6 @@ def report_cases() -> list[dict]:
                 units_per_iteration=config.block_n * kw.tile_k,
                 # aligned tensors, and sizes and row strides divisible by 16, as real layers have
                 divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
-                notes=f"default candidate for M={M} (candidate_configs(M)[0])"))
+                notes=f"default candidate for M={M} (candidate_configs(M)[0])",
+                budgets={"sm_90a": SASS_BUDGETS[label]}))
     return cases
