@@ -266,11 +266,48 @@ def report_case(case: KernelCase, arch: str) -> dict:
 # -- the runtime's kernels --------------------------------------------------------------------------
 
 
-def weight_cases() -> list[KernelCase]:
-    """runtime/kernels/quant_matmul.py at the configurations it launches (see its ``cases_for_report``)."""
-    from runtime.kernels import quant_matmul
+# Issue 15's static budgets on sm_90a (thread-instructions of the main loop per weight, etc.);
+# the JSON records which ones each configuration meets.
+SASS_BUDGETS = {
+    "gemv": {"max_loop_instructions_per_unit": 2.5, "async_copies_in_loop": True, "max_loop_shared_stores": 0,
+             "max_loop_barriers": 0},
+    "small-m": {"max_loop_instructions_per_unit": 3.5},
+    "prefill": {"max_loop_instructions_per_unit": 3.0, "max_spill_instructions": 0, "min_ctas_per_sm": 2},
+}
 
-    return [KernelCase(**c) for c in quant_matmul.report_cases()]
+
+def weight_cases() -> list[KernelCase]:
+    """runtime/kernels/quant_matmul.py at the configurations it launches by default: the first
+    candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128 asymmetric
+    (the budgets' case) in fp16 and bf16, and 8-bit group 128 asymmetric in fp16."""
+    from runtime.kernels.quant_matmul import (TORCH_DTYPES, KernelWeight, _quant_matmul_kernel, candidate_configs,
+                                              dequant_type)
+
+    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
+    cases = []
+    for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
+        kw.bits = bits
+        for label, M in (("gemv", 1), ("small-m", 16), ("prefill", 4096)):
+            config = candidate_configs(M, kw)[0]
+            split = config.split_k > 1
+            signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                         "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
+                         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
+            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
+                              HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
+                              DEQUANT=dequant_type(config.use_dot, bits, TORCH_DTYPES[dtype], False),
+                              DEQUANT_ASM=True,
+                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m)
+            cases.append(KernelCase(
+                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}",
+                kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                units_per_iteration=config.block_n * kw.tile_k,
+                # aligned tensors, and sizes and row strides divisible by 16, as real layers have
+                divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
+                notes=f"default candidate for M={M} (candidate_configs(M)[0])",
+                budgets={"sm_90a": SASS_BUDGETS[label]}))
+    return cases
 
 
 CASE_SOURCES = [weight_cases]  # add a kernel room's ``*_cases`` function here
