@@ -27,10 +27,13 @@ Registering a kernel case (e.g. from another kernel's room): write a function re
 of :class:`KernelCase` (one per configuration the runtime really launches) and add it to
 ``CASE_SOURCES`` at the bottom of this file. A case names the ``@triton.jit`` function, the
 types of its non-constexpr arguments (``"*fp16"``, ``"*i32"``, ``"i32"``, ``"fp32"``...), its
-constexprs, ``num_warps``/``num_stages``, and ``units_per_iteration`` (None when a per-unit
-count makes no sense), and optionally ``budgets`` per arch (``{"sm_90a": {"max_loop_instructions_per_unit":
-2.5}}``, names in ``BUDGET_CHECKS``): the JSON then says which are met. The library entry point is :func:`static_report`; it must run in a
-process where ``TRITON_INTERPRET`` was not set when triton was imported (this module unsets it).
+constexprs, ``num_warps``/``num_stages``, ``units_per_iteration`` (None when a per-unit count
+makes no sense), and optionally ``budgets`` per arch (``{"sm_90a":
+{"max_loop_instructions_per_unit": 2.5}}``, names in ``BUDGET_CHECKS``): the JSON then says
+which are met. ``weight_cases`` is an example. The library entry point is
+:func:`static_report` (``compile_kernel``, ``disassemble``, ``find_loops``, ``main_loop`` are
+its parts); it must run in a process where ``TRITON_INTERPRET`` was not set when triton was
+imported (this module unsets it before importing triton).
 """
 
 from __future__ import annotations
