@@ -251,12 +251,17 @@ def _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit
+# Arguments that follow the context length are neither constexprs nor specialized (Triton compiles
+# a variant for an int equal to 1 or divisible by 16): a growing context never recompiles.
+_LENGTH_ARGS = ["blocks_per_split", "splits"]
+
+
+@triton.jit(do_not_specialize=_LENGTH_ARGS)
 def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr,
-                   part_lse_ptr, qk_scale, window, table_stride, blocks_per_split,
+                   part_lse_ptr, qk_scale, window, table_stride, blocks_per_split, splits,
                    H: tl.constexpr, GROUP_Q: tl.constexpr, QH: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, KIVI: tl.constexpr,
-                   TILE: tl.constexpr, SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+                   TILE: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
                    OUT: tl.constexpr):
     """Program (s, h, split): query heads ``h*GROUP_Q ..`` of sequence ``s`` over the logical
     blocks ``split*blocks_per_split ..`` (the residual is the logical block after the last full one)."""
@@ -298,30 +303,32 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
 
     l_safe = tl.where(l == 0.0, 1.0, l)  # a split with no positions leaves zeros and lse = -inf
     o = acc / l_safe[:, None]
-    if SPLITS == 1:
+    if splits == 1:
         tl.store(out_ptr + q_rows[:, None] * D + cols[None, :], o.to(OUT), mask=head_ok[:, None])
     else:
-        part = q_rows * SPLITS + split
+        part = q_rows * splits + split
         tl.store(part_o_ptr + part[:, None] * D + cols[None, :], o, mask=head_ok[:, None])
         lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=head_ok)
 
 
-@triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                    D: tl.constexpr):
-    """Program (query row): the splits' outputs weighted by their share of the softmax mass."""
+@triton.jit(do_not_specialize=["splits"])
+def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, splits, MAX: tl.constexpr, D: tl.constexpr):
+    """Program (query row): the splits' outputs weighted by their share of the softmax mass.
+    ``splits`` (<= ``MAX``) is a runtime argument, so a growing context reuses one binary."""
     row = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < SPLITS
-    cols = tl.arange(0, D)
-    lse = tl.load(part_lse_ptr + row * SPLITS + sp, mask=sp_ok, other=float("-inf"))
+    sp = tl.arange(0, MAX)
+    lse = tl.load(part_lse_ptr + row * splits + sp, mask=sp < splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)  # empty splits weigh 0
-    o = tl.load(part_o_ptr + (row * SPLITS + sp)[:, None] * D + cols[None, :], mask=sp_ok[:, None], other=0.0)
     total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)
+    cols = tl.arange(0, D)
+    out = tl.zeros((D,), tl.float32)
+    for i in range(splits):  # one row of D at a time: registers do not grow with MAX
+        w_i = tl.exp2(tl.load(part_lse_ptr + row * splits + i) - top)
+        out += w_i * tl.load(part_o_ptr + (row * splits + i) * D + cols)
+    out = out / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
@@ -359,7 +366,7 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
     if num_splits is None:
         num_splits = ref.num_splits(bound, B, S * H, target=2 * _sm_count(q.device), max_splits=MAX_SPLITS)
     blocks = max(math.ceil(bound / B), 1)
-    per_split = math.ceil(blocks / max(1, min(num_splits, blocks)))
+    per_split = math.ceil(blocks / max(1, min(num_splits, blocks, MAX_SPLITS)))
     splits = math.ceil(blocks / per_split)
     if splits > 1:
         part_o = torch.empty(S, q.shape[1], splits, D, dtype=torch.float32, device=q.device)
@@ -372,14 +379,13 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
     _decode_kernel[(S, H, splits)](
         q, kd, ks, kz, vd, vs, vz, paged.residual_k, paged.residual_v, paged.block_table,
         seq_lens.to(torch.int32), out, part_o, part_lse, scale * _LOG2E, window or 0,
-        paged.block_table.stride(0), per_split,
+        paged.block_table.stride(0), per_split, splits,
         H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged.scheme, tile),
-        SPLITS=splits, SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=_TL_DTYPES[q.dtype],
+        SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=_TL_DTYPES[q.dtype],
         **_scheme_constants(paged),
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _combine_kernel[(S * q.shape[1],)](part_o, part_lse, out, SPLITS=splits,
-                                           SPLITS_P2=triton.next_power_of_2(splits), D=D)
+        _combine_kernel[(S * q.shape[1],)](part_o, part_lse, out, splits, MAX=MAX_SPLITS, D=D)
     return out.to(q_dtype)
 
 
