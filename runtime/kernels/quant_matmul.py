@@ -316,3 +316,34 @@ def _time_candidates(M: int, kw: KernelWeight, dtype, device, candidates: list[M
     if best is None:
         raise RuntimeError(f"no kernel configuration fits this GPU for M={M}, {kw.out_features}x{kw.in_features}")
     return best
+
+
+# -- static report (bench/sass.py) ------------------------------------------------------------------
+
+
+def report_cases() -> list[dict]:
+    """The configurations the runtime launches, for bench/sass.py's static SASS report: the
+    default candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128
+    asymmetric (the budgets' case) in fp16 and bf16, and 8-bit group 128 asymmetric."""
+    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
+    cases = []
+    for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
+        kw.bits = bits
+        for label, M in (("gemv", 1), ("small-m", 16), ("prefill", 4096)):
+            config = candidate_configs(M, kw)[0]
+            split = config.split_k > 1
+            signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                         "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
+                         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
+            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
+                              HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
+                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m)
+            cases.append(dict(
+                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}",
+                kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                units_per_iteration=config.block_n * kw.tile_k,
+                # aligned tensors, and sizes and row strides divisible by 16, as real layers have
+                divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
+                notes=f"default candidate for M={M} (candidate_configs(M)[0])"))
+    return cases

@@ -1,0 +1,296 @@
+"""Static report of the runtime's Triton kernels as compiled for NVIDIA GPUs, without a GPU.
+
+    python bench/sass.py [--json bench/results/sass-<commit>.json] [--arch sm_90a sm_80] [--only NAME]
+
+Each kernel is compiled for its target (``sm_90a``: Hopper, ``sm_80``: Ampere) with Triton's
+own compiler and the ptxas it ships, and the cubin is disassembled with the bundled cuobjdump.
+From the SASS it reads what decides whether a kernel can keep up with memory:
+
+* ``registers`` (per thread, from ``cuobjdump -res-usage``), ``spill_instructions`` (STL/LDL in
+  the whole kernel: Triton kernels use no local arrays, so local-memory traffic is spilling),
+  ``local_bytes`` (stack frame + local memory), ``shared_bytes`` (what Triton allocates);
+* ``ctas_per_sm``: how many CTAs fit one SM by registers and shared memory (the occupancy
+  formula, not a measurement);
+* the main loop: the largest innermost loop (a backward branch's target .. the branch; loops of
+  fewer than ``MIN_LOOP`` instructions are wait loops and ignored; ranges that hold an EXIT are
+  out-of-line stubs, not loops), its instructions (``loop_sass``), their count, a breakdown by
+  opcode, whether it issues asynchronous copies (LDGSTS = cp.async, UTMALDG = TMA,
+  UBLKCP = cp.async.bulk) and how many plain global loads (LDG) and barriers (BAR) it has;
+* ``loop_instructions_per_unit``: thread-instructions of one main-loop iteration over the units
+  (weights, elements) the whole CTA covers in that iteration, i.e.
+  ``loop_instructions * 32 * num_warps / units_per_iteration``. This is the number an issue
+  budget is about (an SM issues 4 warp-instructions = 128 thread-instructions per clock).
+
+Instruction counts are deterministic for a given Triton/ptxas version; they are not timings.
+
+Registering a kernel case (e.g. from another kernel's room): write a function returning a list
+of :class:`KernelCase` (one per configuration the runtime really launches) and add it to
+``CASE_SOURCES`` at the bottom of this file. A case names the ``@triton.jit`` function, the
+types of its non-constexpr arguments (``"*fp16"``, ``"*i32"``, ``"i32"``, ``"fp32"``...), its
+constexprs, ``num_warps``/``num_stages``, and ``units_per_iteration`` (None when a per-unit
+count makes no sense). The library entry point is :func:`static_report`; it must run in a
+process where ``TRITON_INTERPRET`` was not set when triton was imported (this module unsets it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+ARCHS = {"sm_90a": 90, "sm_80": 80}  # Triton compiles capability 90 as sm_90a
+# Per-SM limits of the GPUs these targets stand for (H100, A100): registers, shared memory a
+# CTA may use, shared memory per SM (each CTA also reserves 1 KiB), warps.
+SM_LIMITS = {90: dict(registers=65536, smem_per_cta=227 * 1024, smem_per_sm=228 * 1024, warps=64),
+             80: dict(registers=65536, smem_per_cta=163 * 1024, smem_per_sm=164 * 1024, warps=64)}
+MIN_LOOP = 8  # shorter backward-branch ranges are spin/wait loops, not a kernel's main loop
+ASYNC_COPY_OPCODES = ("LDGSTS", "UTMALDG", "UBLKCP")
+BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+@dataclass
+class KernelCase:
+    """One kernel at one launch configuration, as the runtime launches it."""
+
+    name: str
+    kernel_fn: object  # a @triton.jit function
+    signature: dict  # non-constexpr argument -> Triton type string
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    units_per_iteration: int | None = None  # what the whole CTA covers per main-loop iteration
+    unit: str = "weight"
+    archs: tuple = ("sm_90a", "sm_80")
+    notes: str = ""  # how the runtime picks this configuration
+    divisible_by_16: tuple | None = None  # arguments Triton would specialize; None: every pointer
+
+
+@dataclass
+class Instruction:
+    address: int
+    predicate: str
+    opcode: str  # with modifiers, e.g. "LOP3.LUT"
+    operands: str
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    def text(self) -> str:
+        return f"/*{self.address:04x}*/ {self.predicate}{self.opcode} {self.operands}".rstrip()
+
+
+@dataclass
+class Loop:
+    start: int  # index of the first instruction
+    end: int  # index of the backward branch
+    instructions: list = field(default_factory=list)
+
+
+def compile_kernel(kernel_fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: str,
+                   divisible_by_16: tuple | None = None):
+    """``triton.compile`` for ``arch`` (a key of ARCHS) with no GPU present."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel_fn, InterpretedFunction):
+        raise RuntimeError("the kernel was built for the Triton interpreter (TRITON_INTERPRET=1 when its module "
+                           "was imported): run bench/sass.py in a process without TRITON_INTERPRET")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: choose from {sorted(ARCHS)}")
+    full = {}
+    for name in kernel_fn.arg_names:
+        if name in constexprs:
+            full[name] = "constexpr"
+        elif name in signature:
+            full[name] = signature[name]
+        else:
+            raise ValueError(f"argument {name!r} of {kernel_fn.__name__} has no type in the signature "
+                             "and is not a constexpr")
+    if divisible_by_16 is None:  # torch allocations are aligned: Triton specializes such pointers
+        divisible_by_16 = tuple(n for n, t in full.items() if t.startswith("*"))
+    attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible_by_16}
+    source = ASTSource(kernel_fn, full, constexprs, attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
+    return triton.compile(source, target=GPUTarget("cuda", ARCHS[arch], 32), options=options)
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(BIN_DIR / "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def disassemble(cubin: bytes) -> list[Instruction]:
+    """The kernel's SASS, one Instruction per line of ``cuobjdump -sass``."""
+    out = []
+    for m in _SASS_LINE.finditer(_cuobjdump(cubin, "-sass")):
+        out.append(Instruction(int(m.group(1), 16), (m.group(2) or "").strip() + (" " if m.group(2) else ""),
+                               m.group(3), m.group(4).strip()))
+    return out
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """REG/STACK/LOCAL/SHARED of the (single) function in the cubin."""
+    text = _cuobjdump(cubin, "-res-usage")
+    found = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+    return {"registers": found.get("REG", 0), "local_bytes": found.get("STACK", 0) + found.get("LOCAL", 0),
+            "static_shared_bytes": found.get("SHARED", 0)}
+
+
+def find_loops(sass: list[Instruction]) -> list[Loop]:
+    """Backward branches as loops [target .. branch], minus wait loops and out-of-line stubs."""
+    index = {ins.address: i for i, ins in enumerate(sass)}
+    loops = []
+    for i, ins in enumerate(sass):
+        if ins.base != "BRA":
+            continue
+        target = re.match(r"(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ins.operands)
+        if not target or target.group(1) is None:
+            continue
+        start = index.get(int(target.group(1), 16))
+        if start is None or start > i or i - start + 1 < MIN_LOOP:
+            continue
+        body = sass[start : i + 1]
+        if any(b.base == "EXIT" for b in body):
+            continue
+        loops.append(Loop(start, i, body))
+    return loops
+
+
+def main_loop(loops: list[Loop]) -> Loop | None:
+    """The largest loop that contains no other loop."""
+    innermost = [a for a in loops if not any(b is not a and a.start <= b.start and b.end <= a.end for b in loops)]
+    return max(innermost, key=lambda lp: len(lp.instructions), default=None)
+
+
+def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int, capability: int) -> int:
+    """CTAs one SM holds: registers are allocated per warp in units of 256, shared memory per
+    CTA plus 1 KiB reserved."""
+    limit = SM_LIMITS[capability]
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = (limit["registers"] // per_warp) // num_warps if per_warp else limit["warps"] // num_warps
+    by_warps = limit["warps"] // num_warps
+    by_smem = limit["smem_per_sm"] // (shared_bytes + 1024) if shared_bytes else by_warps
+    if shared_bytes > limit["smem_per_cta"]:
+        return 0
+    return min(by_regs, by_warps, by_smem)
+
+
+def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: str,
+                  units_per_iteration: int | None = None, divisible_by_16: tuple | None = None) -> dict:
+    """Compile one kernel configuration for ``arch`` and read its SASS (see the module docstring)."""
+    kernel = compile_kernel(kernel_fn, signature, constexprs, num_warps, num_stages, arch, divisible_by_16)
+    cubin = kernel.asm["cubin"]
+    sass = [ins for ins in disassemble(cubin) if ins.base != "NOP"]
+    usage = resource_usage(cubin)
+    shared = int(kernel.metadata.shared)
+    report = {
+        "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
+        "registers": usage["registers"],
+        "spill_instructions": sum(ins.base in ("STL", "LDL") for ins in sass),
+        "local_bytes": usage["local_bytes"],
+        "shared_bytes": shared,
+        "ctas_per_sm": ctas_per_sm(usage["registers"], shared, num_warps, ARCHS[arch]),
+        "kernel_instructions": len(sass),
+    }
+    loops = find_loops(sass)
+    loop = main_loop(loops)
+    report["loops"] = [[sass[lp.start].address, sass[lp.end].address, len(lp.instructions)] for lp in loops]
+    if loop is None:
+        report["main_loop"] = None
+        return report
+    opcodes = Counter(ins.base for ins in loop.instructions)
+    count = len(loop.instructions)
+    report["main_loop"] = {
+        "first_address": sass[loop.start].address, "branch_address": sass[loop.end].address,
+        "instructions": count,
+        "opcodes": dict(opcodes.most_common()),
+        "async_copies": sorted(op for op in ASYNC_COPY_OPCODES if opcodes[op]),
+        "global_loads": opcodes["LDG"], "barriers": opcodes["BAR"],
+        "units_per_iteration": units_per_iteration,
+        "loop_instructions_per_unit": (None if not units_per_iteration
+                                       else round(count * 32 * num_warps / units_per_iteration, 3)),
+        "loop_sass": [ins.text() for ins in loop.instructions],
+    }
+    return report
+
+
+def report_case(case: KernelCase, arch: str) -> dict:
+    report = static_report(case.kernel_fn, case.signature, case.constexprs, case.num_warps, case.num_stages, arch,
+                           case.units_per_iteration, case.divisible_by_16)
+    return {"name": case.name, "kernel": case.kernel_fn.__name__, "unit": case.unit, "notes": case.notes,
+            "constexprs": {k: str(v) for k, v in case.constexprs.items()}, **report}
+
+
+# -- the runtime's kernels --------------------------------------------------------------------------
+
+
+def weight_cases() -> list[KernelCase]:
+    """runtime/kernels/quant_matmul.py at the configurations it launches (see its ``cases_for_report``)."""
+    from runtime.kernels import quant_matmul
+
+    return [KernelCase(**c) for c in quant_matmul.report_cases()]
+
+
+CASE_SOURCES = [weight_cases]  # add a kernel room's ``*_cases`` function here
+
+
+def all_cases() -> list[KernelCase]:
+    return [case for source in CASE_SOURCES for case in source()]
+
+
+def summary_line(r: dict) -> str:
+    loop = r["main_loop"] or {}
+    per_unit = loop.get("loop_instructions_per_unit")
+    per = f"{per_unit:.2f}/{r['unit']}" if per_unit is not None else "-"
+    return (f"{r['name']:<40} {r['arch']:<7} regs {r['registers']:>3}  spills {r['spill_instructions']:>3}  "
+            f"smem {r['shared_bytes']:>6}  ctas/sm {r['ctas_per_sm']}  loop {loop.get('instructions', '-')!s:>4} "
+            f"({per})  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, help="write the raw reports here (e.g. bench/results/sass-<commit>.json)")
+    ap.add_argument("--arch", nargs="+", default=list(ARCHS), choices=list(ARCHS))
+    ap.add_argument("--only", help="only cases whose name contains this")
+    args = ap.parse_args(argv)
+    from evals.provenance import commit
+
+    code_version = commit()
+    reports = []
+    for case in all_cases():
+        if args.only and args.only not in case.name:
+            continue
+        for arch in args.arch:
+            if arch in case.archs:
+                reports.append(report_case(case, arch))
+                print(summary_line(reports[-1]), flush=True)
+    if args.json:
+        ptxas = subprocess.run([str(BIN_DIR / "ptxas"), "--version"], capture_output=True, text=True).stdout
+        result = {"commit": code_version, "triton": triton.__version__, "ptxas": ptxas.strip().splitlines()[-1],
+                  "reports": reports}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
