@@ -109,6 +109,12 @@ def _tile(scheme: KVScheme, tile: int | None = None) -> int:
     return min(t, scheme.group_size) if scheme.kivi else t
 
 
+def launch_config(bits: int, fp8: bool, kivi: bool, group_q: int, head_dim: int) -> dict:
+    """Default tile (tokens), warps and pipeline stages of the decode kernel for a scheme (what
+    the runtime launches, and what bench/sass_attention.py reports)."""
+    return dict(tile=DEFAULT_TILE, num_warps=4, num_stages=2)
+
+
 def _scheme_constants(paged: PagedKV) -> dict:
     s = paged.scheme
     return dict(B=s.block_size, D=paged.head_dim, G=s.group_size if s.kivi else paged.head_dim,
@@ -341,7 +347,8 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, window: int | None = None,
                      scale: float | None = None, max_seq_len: int | None = None, num_splits: int | None = None,
-                     tile: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     tile: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """Same as :func:`runtime.kernels.kv_reference.decode_attention` (q [S, Hq, D] -> [S, Hq, D]).
 
     ``max_seq_len`` (a bound on ``seq_lens``, known on the host) sizes the split; without it the
@@ -355,8 +362,12 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         raise ValueError(f"seq_lens must have one entry per sequence ({S}), got shape {tuple(seq_lens.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be a positive number of positions, got {window}")
-    if tile is None and paged.dtype == torch.float32:
-        tile = 16  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
+    sch = paged.scheme
+    config = launch_config(sch.bits, sch.fp8, sch.kivi, group_q, D)
+    num_warps = num_warps or config["num_warps"]
+    num_stages = num_stages or config["num_stages"]
+    if tile is None:  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
+        tile = 16 if paged.dtype == torch.float32 else config["tile"]
     q_dtype = q.dtype
     q = q.to(paged.dtype).contiguous()  # attention runs in the cache dtype, as the reference
     out = torch.empty_like(q)
