@@ -42,6 +42,7 @@ import triton.language as tl
 
 from kvquant import KVScheme
 from runtime.cache import KVCache
+from runtime.kernels import decode_folded as folded
 from runtime.kernels import kv_reference as ref
 from runtime.kernels.kv_reference import PagedKV
 
@@ -112,6 +113,10 @@ def _tile(scheme: KVScheme, tile: int | None = None) -> int:
 def launch_config(bits: int, fp8: bool, kivi: bool, group_q: int, head_dim: int) -> dict:
     """Default tile (tokens), warps and pipeline stages of the decode kernel for a scheme (what
     the runtime launches, and what bench/sass_attention.py reports)."""
+    if bits == 8 and not fp8:  # folded INT8: 64-token tiles halve the per-tile softmax work per element
+        return dict(tile=64, num_warps=4, num_stages=2)
+    if bits == 4:  # folded INT4: a 16-word field tile is too narrow to share among more warps
+        return dict(tile=DEFAULT_TILE, num_warps=1, num_stages=2)
     return dict(tile=DEFAULT_TILE, num_warps=4, num_stages=2)
 
 
@@ -237,24 +242,32 @@ def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None 
 
 
 @triton.jit
-def _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE: tl.constexpr):
-    """One online-softmax step (log2 domain) of the query rows ``q`` [QH, D] over one tile."""
-    if IEEE:  # fp32 models: no TF32 shortcut
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(k))
+def _softmax_step(scores, ok, m, l, qk_scale):
+    """Online-softmax bookkeeping (log2 domain) for one tile of raw scores [QH, TILE]: the new
+    running max and sum, the factor ``alpha`` that rescales earlier sums, and the weights ``p``."""
     scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
+    return m_new, l, alpha, p
+
+
+@triton.jit
+def _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax step of the query rows ``q`` [QH, D] over one dequantized tile."""
+    if IEEE:  # fp32 models: no TF32 shortcut
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
-    return m_new, l, acc
+    return m, l, acc
 
 
 # Arguments that follow the context length are neither constexprs nor specialized (Triton compiles
@@ -284,6 +297,8 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
     p_end = tl.minimum((split + 1) * blocks_per_split * B, length)
     pool_end = tl.minimum(p_end, n_full * B)
 
+    # INT8 and INT4 over an fp16 model: scales folded into the query and the softmax weights
+    FOLD: tl.constexpr = (BITS == 8 or BITS == 4) and not FP8 and OUT == tl.float16
     heads = tl.arange(0, QH)
     head_ok = heads < GROUP_Q
     cols = tl.arange(0, D)
@@ -293,13 +308,27 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
     l = tl.zeros((QH,), tl.float32)
     acc = tl.zeros((QH, D), tl.float32)
 
-    for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool
-        blk = tl.load(table_ptr + s * table_stride + p0 // B)
-        pos = p0 + tl.arange(0, TILE)
-        ok = pos >= lo
-        k = _dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
-        v = _dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
-        m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
+    if FOLD:  # the pool's quantized keys and values, never dequantized (runtime/kernels/decode_folded.py)
+        q_fields = folded.query_fields(q_ptr, q_rows, head_ok, D, BITS)
+        q_sum = folded.field_sum(q_fields)
+        acc_fields = folded.zero_fields(QH, D, BITS)
+        zero_sum = tl.zeros((QH,), tl.float32)  # what the values' zero points take off every channel
+        for p0 in range(p_begin, pool_end, TILE):
+            plane = tl.load(table_ptr + s * table_stride + p0 // B) * H + h
+            ok = p0 + tl.arange(0, TILE) >= lo
+            scores = folded.folded_scores(q_fields, q_sum, kd, ks, kz, plane, p0 % B, B, D, G, BITS, KIVI, TILE)
+            m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
+            acc_fields, zs = folded.folded_values(p, alpha, acc_fields, vd, vs, vz, plane, p0 % B, B, D, G, BITS,
+                                                  KIVI, TILE)
+            zero_sum = zero_sum * alpha + zs
+        acc = folded.merge_fields(acc_fields, QH, D, BITS) - zero_sum[:, None]
+    else:
+        for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool
+            blk = tl.load(table_ptr + s * table_stride + p0 // B)
+            ok = p0 + tl.arange(0, TILE) >= lo
+            k = _dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+            v = _dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+            m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
     for p0 in range(tl.maximum(p_begin, n_full * B), p_end, TILE):  # the partial block, from the residual
         pos = p0 + tl.arange(0, TILE)
         ok = (pos >= lo) & (pos < length)
