@@ -34,10 +34,12 @@ def decode_case(name: str, group_q: int, dtype: str = "fp16"):
                       TILE=config["tile"], SLIDING=False, IEEE=False, OUT=getattr(tl, {"fp16": "float16",
                                                                                      "bf16": "bfloat16"}[dtype]))
     constexprs = {k: v for k, v in constexprs.items() if k in A._decode_kernel.arg_names}
+    # the folded INT4 path steps a whole key group per main-loop iteration (STEP in _decode_kernel)
+    step = GROUP if bits == 4 and GROUP > config["tile"] else config["tile"]
     signature = {k: v for k, v in signature.items() if k not in constexprs}
     return KernelCase(name=f"decode-attention {name} gqa{group_q}:1 d{HEAD_DIM}", kernel_fn=A._decode_kernel,
                       signature=signature, constexprs=constexprs, num_warps=config["num_warps"],
-                      num_stages=config["num_stages"], units_per_iteration=config["tile"] * HEAD_DIM * 2,
+                      num_stages=config["num_stages"], units_per_iteration=step * HEAD_DIM * 2,
                       unit="element", archs=("sm_90a",),
                       notes="decode_attention's default launch for this scheme (launch_config)")
 

@@ -313,14 +313,20 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
         q_sum = folded.field_sum(q_fields)
         acc_fields = folded.zero_fields(QH, D, BITS)
         zero_sum = tl.zeros((QH,), tl.float32)  # what the values' zero points take off every channel
-        for p0 in range(p_begin, pool_end, TILE):
-            plane = tl.load(table_ptr + s * table_stride + p0 // B) * H + h
-            ok = p0 + tl.arange(0, TILE) >= lo
-            scores = folded.folded_scores(q_fields, q_sum, kd, ks, kz, plane, p0 % B, B, D, G, BITS, KIVI, TILE)
-            m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
-            acc_fields, zs = folded.folded_values(p, alpha, acc_fields, vd, vs, vz, plane, p0 % B, B, D, G, BITS,
-                                                  KIVI, TILE)
-            zero_sum = zero_sum * alpha + zs
+        # KIVI: a loop step covers a key group, so the query is scaled once per group
+        STEP: tl.constexpr = G if KIVI and G > TILE else TILE
+        for g0 in range(tl.maximum(p_begin // STEP * STEP, 0), pool_end, STEP):
+            plane = tl.load(table_ptr + s * table_stride + g0 // B) * H + h
+            qs_fields, key_term = folded.fold_key_scales(q_fields, q_sum, ks, kz, plane, g0 % B, B, D, G, BITS, KIVI)
+            for i in tl.static_range(STEP // TILE):
+                p0 = g0 + i * TILE
+                ok = p0 + tl.arange(0, TILE) >= tl.maximum(lo, p_begin)
+                scores = folded.folded_scores(qs_fields, key_term, kd, ks, kz, plane, p0 % B, B, D, BITS, KIVI,
+                                              TILE)
+                m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
+                acc_fields, zs = folded.folded_values(p, alpha, acc_fields, vd, vs, vz, plane, p0 % B, B, D, G,
+                                                      BITS, KIVI, TILE)
+                zero_sum = zero_sum * alpha + zs
         acc = folded.merge_fields(acc_fields, QH, D, BITS) - zero_sum[:, None]
     else:
         for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool

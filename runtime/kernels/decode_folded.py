@@ -35,10 +35,20 @@ import triton.language as tl
 
 @triton.jit
 def _field_codes(words, f: tl.constexpr, BITS: tl.constexpr):
-    """Field ``f`` of each packed word as the signed code, exact in fp16 (same shape as ``words``)."""
-    u = (words >> (f * BITS)) & ((1 << BITS) - 1)
-    m = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + u
-    return m - (1024.0 + (1 << (BITS - 1)))
+    """Field ``f`` of each packed word as its signed code times ``_field_scale(f, BITS)``, exact in
+    fp16 (same shape as ``words``). INT4's odd fields are masked in place (bits 4..7 of a byte: 16
+    times the field) rather than shifted down: one shift serves two fields."""
+    if BITS == 4:
+        u = (words >> ((f // 2) * 8)) & (0xF << (4 * (f % 2)))
+    else:
+        u = (words >> (f * BITS)) & ((1 << BITS) - 1)
+    m = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + field * scale
+    return m - (1024.0 + (1 << (BITS - 1)) * _field_scale(f, BITS))
+
+
+@triton.jit
+def _field_scale(f: tl.constexpr, BITS: tl.constexpr):
+    return 16.0 if BITS == 4 and f % 2 == 1 else 1.0
 
 
 @triton.jit
@@ -79,32 +89,46 @@ def zero_fields(QH: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def folded_scores(q_fields, q_sum, kd, ks, kz, plane, t0, B: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                  BITS: tl.constexpr, KIVI: tl.constexpr, TILE: tl.constexpr):
-    """Raw scores [QH, TILE] of the query over one tile of quantized keys (module docstring);
-    ``q_sum`` [QH] is the sum of each query row (used by per-token keys)."""
-    PACK: tl.constexpr = 32 // BITS
-    W: tl.constexpr = D // PACK
-    words = _load_words(kd, plane, t0, B, W, TILE)
-    QH: tl.constexpr = q_fields[0].shape[0]
-    raw = tl.zeros((QH, TILE), tl.float32)
-    if KIVI:  # per channel: scale the query by the tile's group, subtract the zero points' dot
+def fold_key_scales(q_fields, q_sum, ks, kz, plane, t0, B: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                    BITS: tl.constexpr, KIVI: tl.constexpr):
+    """The query fields that multiply the key codes, and the per-row term the scores subtract:
+    KIVI: ``q_c s_c`` of the group holding position ``t0`` of the block, and ``sum_c q_c s_c z_c``;
+    INT8: the query itself and its row sums (scale and zero are per token, see folded_scores)."""
+    if KIVI:
+        PACK: tl.constexpr = 32 // BITS
+        W: tl.constexpr = D // PACK
         base = (plane.to(tl.int64) * (B // G) + t0 // G) * D + tl.arange(0, W) * PACK
-        bias = tl.zeros((QH, W), tl.float32)  # reduced once, after the fields
+        bias = tl.zeros(q_fields[0].shape, tl.float32)  # reduced once, after the fields
+        qs_fields = ()
         for f in tl.static_range(PACK):
             s = tl.load(ks + base + f).to(tl.float32)
             z = tl.load(kz + base + f).to(tl.float32)
-            qs = (q_fields[f].to(tl.float32) * s[None, :]).to(tl.float16)
-            bias += qs.to(tl.float32) * z[None, :]
-            raw = tl.dot(qs, tl.trans(_field_codes(words, f, BITS)), raw)
-        scores = raw - tl.sum(bias, axis=1)[:, None]
+            qs = (q_fields[f].to(tl.float32) * (s / _field_scale(f, BITS))[None, :]).to(tl.float16)
+            bias += qs.to(tl.float32) * (z * _field_scale(f, BITS))[None, :]
+            qs_fields = qs_fields + (qs,)
+        return qs_fields, tl.sum(bias, axis=1)
+    else:
+        return q_fields, q_sum
+
+
+@triton.jit
+def folded_scores(qs_fields, key_term, kd, ks, kz, plane, t0, B: tl.constexpr, D: tl.constexpr,
+                  BITS: tl.constexpr, KIVI: tl.constexpr, TILE: tl.constexpr):
+    """Raw scores [QH, TILE] over one tile of quantized keys, from :func:`fold_key_scales`'s query
+    fields and term (module docstring)."""
+    PACK: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D // PACK
+    words = _load_words(kd, plane, t0, B, W, TILE)
+    raw = tl.zeros((qs_fields[0].shape[0], TILE), tl.float32)
+    for f in tl.static_range(PACK):
+        raw = tl.dot(qs_fields[f], tl.trans(_field_codes(words, f, BITS)), raw)
+    if KIVI:
+        scores = raw - key_term[:, None]
     else:  # per token: scale and zero apply to whole score columns
-        for f in tl.static_range(PACK):
-            raw = tl.dot(q_fields[f], tl.trans(_field_codes(words, f, BITS)), raw)
         rows = plane.to(tl.int64) * B + t0 + tl.arange(0, TILE)
         s = tl.load(ks + rows).to(tl.float32)
         z = tl.load(kz + rows).to(tl.float32)
-        scores = (raw - q_sum[:, None] * z[None, :]) * s[None, :]
+        scores = (raw - key_term[:, None] * z[None, :]) * s[None, :]
     return scores
 
 
@@ -124,16 +148,20 @@ def folded_values(p, alpha, acc_fields, vd, vs, vz, plane, t0, B: tl.constexpr, 
         z = tl.load(vz + rows).to(tl.float32)
         ps = (p * s[None, :]).to(tl.float16)
         zero_sum = tl.sum(ps.to(tl.float32) * z[None, :], axis=1)
+        ps_odd = (ps.to(tl.float32) * (1.0 / _field_scale(1, BITS))).to(tl.float16)  # for 16x fields
         for f in tl.static_range(PACK):
-            out = out + (tl.dot(ps, _field_codes(words, f, BITS), acc_fields[f] * alpha[:, None]),)
+            pf = ps_odd if _field_scale(f, BITS) != 1.0 else ps
+            out = out + (tl.dot(pf, _field_codes(words, f, BITS), acc_fields[f] * alpha[:, None]),)
     else:  # channel w*PACK+f lies in group (w*PACK+f) // G = w // (G // PACK) for every field f
         idx = rows[:, None] * NG + (tl.arange(0, W) // (G // PACK))[None, :]
         s = tl.load(vs + idx)
-        z = tl.load(vz + idx)
+        s_odd = s * (1.0 / _field_scale(1, BITS))  # for 16x fields (a power of two: exact)
+        minus_zs = (-(tl.load(vz + idx).to(tl.float32) * s.to(tl.float32))).to(tl.float16)
         p16 = p.to(tl.float16)
         zero_sum = tl.zeros((p.shape[0],), tl.float32)
         for f in tl.static_range(PACK):
-            v = ((_field_codes(words, f, BITS) - z) * s).to(tl.float16)
+            sf = s_odd if _field_scale(f, BITS) != 1.0 else s
+            v = (_field_codes(words, f, BITS) * sf + minus_zs).to(tl.float16)
             out = out + (tl.dot(p16, v, acc_fields[f] * alpha[:, None]),)
     return out, zero_sum
 
