@@ -27,9 +27,13 @@ Registering a kernel case (e.g. from another kernel's room): write a function re
 of :class:`KernelCase` (one per configuration the runtime really launches) and add it to
 ``CASE_SOURCES`` at the bottom of this file. A case names the ``@triton.jit`` function, the
 types of its non-constexpr arguments (``"*fp16"``, ``"*i32"``, ``"i32"``, ``"fp32"``...), its
-constexprs, ``num_warps``/``num_stages``, and ``units_per_iteration`` (None when a per-unit
-count makes no sense). The library entry point is :func:`static_report`; it must run in a
-process where ``TRITON_INTERPRET`` was not set when triton was imported (this module unsets it).
+constexprs, ``num_warps``/``num_stages``, ``units_per_iteration`` (None when a per-unit count
+makes no sense), and optionally ``budgets`` per arch (``{"sm_90a":
+{"max_loop_instructions_per_unit": 2.5}}``, names in ``BUDGET_CHECKS``): the JSON then says
+which are met. ``weight_cases`` is an example. The library entry point is
+:func:`static_report` (``compile_kernel``, ``disassemble``, ``find_loops``, ``main_loop`` are
+its parts); it must run in a process where ``TRITON_INTERPRET`` was not set when triton was
+imported (this module unsets it before importing triton).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class KernelCase:
     unit: str = "weight"
     archs: tuple = ("sm_90a", "sm_80")
     notes: str = ""  # how the runtime picks this configuration
+    budgets: dict = field(default_factory=dict)  # see BUDGET_CHECKS; met or not, the JSON says which
     divisible_by_16: tuple | None = None  # arguments Triton would specialize; None: every pointer
 
 
@@ -224,7 +229,7 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
         "instructions": count,
         "opcodes": dict(opcodes.most_common()),
         "async_copies": sorted(op for op in ASYNC_COPY_OPCODES if opcodes[op]),
-        "global_loads": opcodes["LDG"], "barriers": opcodes["BAR"],
+        "global_loads": opcodes["LDG"], "barriers": opcodes["BAR"], "shared_stores": opcodes["STS"],
         "units_per_iteration": units_per_iteration,
         "loop_instructions_per_unit": (None if not units_per_iteration
                                        else round(count * 32 * num_warps / units_per_iteration, 3)),
@@ -233,21 +238,79 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
     return report
 
 
+# budget name -> (what it reads from a report, whether the value passes)
+BUDGET_CHECKS = {
+    "max_loop_instructions_per_unit": lambda r, v: (r["main_loop"] or {}).get("loop_instructions_per_unit", 1e9) <= v,
+    "max_spill_instructions": lambda r, v: r["spill_instructions"] <= v,
+    "min_ctas_per_sm": lambda r, v: r["ctas_per_sm"] >= v,
+    "max_loop_barriers": lambda r, v: (r["main_loop"] or {}).get("barriers", 1e9) <= v,
+    "max_loop_shared_stores": lambda r, v: (r["main_loop"] or {}).get("shared_stores", 1e9) <= v,
+    "async_copies_in_loop": lambda r, v: bool((r["main_loop"] or {}).get("async_copies")) == v,
+}
+
+
+def check_budgets(report: dict, budgets: dict) -> dict:
+    """``{budget: {"limit": value, "met": bool}}`` for one report."""
+    unknown = set(budgets) - set(BUDGET_CHECKS)
+    if unknown:
+        raise ValueError(f"unknown budgets {sorted(unknown)}: choose from {sorted(BUDGET_CHECKS)}")
+    return {name: {"limit": limit, "met": BUDGET_CHECKS[name](report, limit)} for name, limit in budgets.items()}
+
+
 def report_case(case: KernelCase, arch: str) -> dict:
     report = static_report(case.kernel_fn, case.signature, case.constexprs, case.num_warps, case.num_stages, arch,
                            case.units_per_iteration, case.divisible_by_16)
+    budgets = case.budgets.get(arch, {})  # budgets are per arch: {"sm_90a": {...}}
     return {"name": case.name, "kernel": case.kernel_fn.__name__, "unit": case.unit, "notes": case.notes,
-            "constexprs": {k: str(v) for k, v in case.constexprs.items()}, **report}
+            "constexprs": {k: str(v) for k, v in case.constexprs.items()}, **report,
+            "budgets": check_budgets(report, budgets)}
 
 
 # -- the runtime's kernels --------------------------------------------------------------------------
 
 
-def weight_cases() -> list[KernelCase]:
-    """runtime/kernels/quant_matmul.py at the configurations it launches (see its ``cases_for_report``)."""
-    from runtime.kernels import quant_matmul
+# Issue 15's static budgets on sm_90a (thread-instructions of the main loop per weight, etc.);
+# the JSON records which ones each configuration meets.
+SASS_BUDGETS = {
+    "gemv": {"max_loop_instructions_per_unit": 2.5, "async_copies_in_loop": True, "max_loop_shared_stores": 0,
+             "max_loop_barriers": 0},
+    "small-m": {"max_loop_instructions_per_unit": 3.5},
+    "prefill": {"max_loop_instructions_per_unit": 3.0, "max_spill_instructions": 0, "min_ctas_per_sm": 2},
+}
 
-    return [KernelCase(**c) for c in quant_matmul.report_cases()]
+
+def weight_cases() -> list[KernelCase]:
+    """runtime/kernels/quant_matmul.py at the configurations it launches by default: the first
+    candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128 asymmetric
+    (the budgets' case) in fp16 and bf16, and 8-bit group 128 asymmetric in fp16."""
+    from runtime.kernels.quant_matmul import (TORCH_DTYPES, KernelWeight, _quant_matmul_kernel, candidate_configs,
+                                              dequant_type)
+
+    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
+    cases = []
+    for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
+        kw.bits = bits
+        for label, M in (("gemv", 1), ("small-m", 16), ("prefill", 4096)):
+            config = candidate_configs(M, kw)[0]
+            split = config.split_k > 1
+            signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                         "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
+                         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
+            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
+                              HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
+                              DEQUANT=dequant_type(config.use_dot, bits, TORCH_DTYPES[dtype], False),
+                              DEQUANT_ASM=True,
+                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m)
+            cases.append(KernelCase(
+                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}",
+                kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                units_per_iteration=config.block_n * kw.tile_k,
+                # aligned tensors, and sizes and row strides divisible by 16, as real layers have
+                divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
+                notes=f"default candidate for M={M} (candidate_configs(M)[0])",
+                budgets={"sm_90a": SASS_BUDGETS[label]}))
+    return cases
 
 
 def attention_cases() -> list[KernelCase]:
@@ -268,9 +331,11 @@ def summary_line(r: dict) -> str:
     loop = r["main_loop"] or {}
     per_unit = loop.get("loop_instructions_per_unit")
     per = f"{per_unit:.2f}/{r['unit']}" if per_unit is not None else "-"
+    missed = [name for name, b in r["budgets"].items() if not b["met"]]
     return (f"{r['name']:<40} {r['arch']:<7} regs {r['registers']:>3}  spills {r['spill_instructions']:>3}  "
             f"smem {r['shared_bytes']:>6}  ctas/sm {r['ctas_per_sm']}  loop {loop.get('instructions', '-')!s:>4} "
-            f"({per})  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}")
+            f"({per})  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}"
+            + (f"  MISSED {','.join(missed)}" if missed else ""))
 
 
 def main(argv=None) -> None:

@@ -29,6 +29,8 @@ def compile_case(case: dict):
     constants = dict(BITS=case["bits"], GROUP=case["group"], HAS_ZERO=case["zero"],
                      SCALE_PER_TILE=case["group"] % (16 * 32 // case["bits"]) == 0, HAS_BIAS=not split,
                      USE_DOT=case["block_m"] > 1, SPLIT=split, DOT_IN_FP32=False,
+                     DEQUANT=qm.dequant_type(case["block_m"] > 1, case["bits"], qm.TORCH_DTYPES[dtype], False),
+                     DEQUANT_ASM=True,
                      BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8)
     signature.update({name: "constexpr" for name in constants})
     # what Triton specializes at launch for aligned tensors and sizes divisible by 16
@@ -49,6 +51,8 @@ def facts(kernel) -> dict:
         "mma_sync": "mma.sync" in ptx,
         # where wgmma reads its first operand (the dequantized weight) from
         "wgmma_first_operand": sorted({"registers" if d.startswith("tensor") else "shared" for d in dots}),
+        # the packed 16-bit dequantization (inline assembly in _scaled_difference)
+        "packed_half_fma": len(re.findall(r"fma\.rn\.b?f16x2", ptx)),
     }
 
 

@@ -321,3 +321,5 @@ def test_kernels_compile_for_nvidia_gpus_without_one():
             assert got["wgmma"] and got["wgmma_first_operand"] == ["registers"], (case, got)
         if case["block_m"] > 1 and case["arch"] == 80:
             assert got["mma_sync"], (case, got)
+        # dot path, fp16 or 4-bit bf16: dequantized two weights per instruction (packed fma)
+        assert (got["packed_half_fma"] > 0) == (case["block_m"] > 1 and (case["dtype"] == "fp16" or case["bits"] <= 4))

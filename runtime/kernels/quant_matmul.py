@@ -27,8 +27,12 @@ Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` s
 values are ``u = q + 2**(bits-1)``; ``u - 2**(bits-1) - zero`` is formed exactly in fp32 with
 the ``2**23`` trick (OR the integer into the mantissa of 2**23, subtract 2**23 + offset) so no
 integer-to-float conversion instruction (a low-throughput one) runs per weight. The dot path
-then rounds ``(q - zero) * scale`` to the activation dtype exactly as
-``quant.affine.dequantize(...).to(dtype)`` does, so both see the same weight.
+instead works in the activation dtype, two weights per instruction (``_scaled_difference``):
+``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and fewer) from one OR per pair, then packed
+``fma.rn.f16x2``/``bf16x2`` for ``(v - offset) * scale``, which rounds ``(q - zero) * scale`` to
+the activation dtype once, exactly as ``quant.affine.dequantize(...).to(dtype)`` does (with the
+scale first converted to the activation dtype: a bf16 scale below fp16's normal range would be
+rounded twice), so both see the same weight. The GEMV path stays in fp32.
 
 The reference is ``weight_layout.reference_matmul`` (and, from the checkpoint tensors,
 ``reference.dequantize_weight`` + ``reference.quant_linear``); tests run these kernels in the
@@ -49,28 +53,69 @@ import triton.testing
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
 _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only as constexpr
 
 
 @triton.jit
 def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N,
-                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
-    """``q - zero`` (exact, fp32) of inputs ``k0 .. k0 + tile_k`` for outputs ``offs_n``, shaped
-    ``[pack, 16, BLOCK_N]``: element ``[i, r, n]`` is input ``k0 + 16 i + r`` (tile_order)."""
+                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HALF: tl.constexpr):
+    """``(v, offset)`` whose difference is ``q - zero`` (exact) for inputs ``k0 .. k0 + tile_k``
+    and outputs ``offs_n``; ``v`` is shaped ``[pack, 16, BLOCK_N]``: element ``[i, r, n]`` is input
+    ``k0 + 16 i + r`` (tile_order), ``offset`` broadcasts to it. In fp32, or in ``HALF`` (a 16-bit
+    float type), where pairs of values share an instruction."""
     PACK: tl.constexpr = 32 // BITS
     rows = k0 // PACK + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
     words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
     shifts = tl.arange(0, PACK) * BITS
     u = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)  # unsigned fields
-    # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
-    # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
-    u_plus_2p23 = (u | 0x4B000000).to(tl.float32, bitcast=True)
-    offset = 8388608.0 + (1 << (BITS - 1))
+    if HALF == tl.float32:
+        # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
+        # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
+        magic_bits: tl.constexpr = 0x4B000000
+        magic: tl.constexpr = 8388608.0
+        v = (u | magic_bits).to(tl.float32, bitcast=True)
+    else:
+        # The same in 16 bits: 1024 + u is exact in fp16 (10 mantissa bits), 128 + u in bf16 for
+        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16). The compiler packs
+        # pairs of these into 32-bit words: one LOP3/HSUB2 per two weights.
+        magic_bits: tl.constexpr = 0x6400 if HALF == tl.float16 else 0x4300
+        magic: tl.constexpr = 1024.0 if HALF == tl.float16 else 128.0
+        v = (u | magic_bits).to(tl.int16).to(HALF, bitcast=True)
+    offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1), dtype=v.dtype)
     if HAS_ZERO:  # int8 zero points, one row per group: [1 or pack, BLOCK_N]
         zero = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        offset = offset + zero.to(tl.float32)[:, None, :]
-    return u_plus_2p23 - offset
+        offset = offset + zero.to(v.dtype)[:, None, :]
+    return v, offset
+
+
+@triton.jit
+def _scaled_difference(v, offset, scale, ASM: tl.constexpr):
+    """``(v - offset) * scale`` in v's 16-bit float type, rounded once, two values per instruction.
+
+    The compiler widens 16-bit arithmetic to fp32 (a conversion, an op and a repack per value), so
+    the compiled path spells it as packed fused multiply-adds: ``v + offset * -1`` is exact
+    (integers below 2048 in fp16, 256 in bf16) and ``t * scale + -0`` is the correctly rounded
+    product, which is what ``quant.affine.dequantize(...).to(dtype)`` gives. The interpreter
+    cannot run inline assembly: there the same values come from fp32 (exact operands, one
+    rounding: the same result)."""
+    offset = tl.broadcast_to(offset, v.shape)
+    scale = tl.broadcast_to(scale, v.shape)
+    if ASM:
+        if v.dtype == tl.float16:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 m, z; mov.b32 m, 0xBC00BC00; mov.b32 z, 0x80008000;"
+                " fma.rn.f16x2 $0, $2, m, $1; fma.rn.f16x2 $0, $0, $3, z;}",
+                "=r,r,r,r", [v, offset, scale], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 m, z; mov.b32 m, 0xBF80BF80; mov.b32 z, 0x80008000;"
+                " fma.rn.bf16x2 $0, $2, m, $1; fma.rn.bf16x2 $0, $0, $3, z;}",
+                "=r,r,r,r", [v, offset, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        out = ((v.to(tl.float32) - offset.to(tl.float32)) * scale.to(tl.float32)).to(v.dtype)
+    return out
 
 
 @triton.jit
@@ -92,7 +137,7 @@ def _quant_matmul_kernel(
     M, N, K, stride_xm, tiles_per_split,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
@@ -119,21 +164,26 @@ def _quant_matmul_kernel(
     for t in range(t_start, t_end):
         k0 = t * TILE_K
         g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)
-        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
-        wq = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO)  # [PACK, 16, BLOCK_N]
+        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(DEQUANT)
+        v, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT)
         if USE_DOT:
             offs_k = k0 + tl.arange(0, TILE_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
             # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
-            w = tl.reshape(wq * scale[:, None, :], (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+            if DEQUANT == tl.float32:
+                wq = (v - offset) * scale[:, None, :]
+            else:
+                wq = _scaled_difference(v, offset, scale[:, None, :], DEQUANT_ASM)
+            w = tl.reshape(wq, (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
             if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
                 acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
             else:
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc)
         else:
             offs_k = k0 + tl.arange(0, PACK)[:, None] * _SUBTILE_K + tl.arange(0, _SUBTILE_K)[None, :]
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [PACK, 16] like wq
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [PACK, 16] like v
+            wq = v - offset
             if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
                 acc += tl.sum(x[:, :, None] * wq, axis=0) * scale
             else:
@@ -189,6 +239,17 @@ class MatmulConfig:
             raise ValueError("tl.dot needs block_m >= 16")
 
 
+def dequant_type(use_dot: bool, bits: int, dtype: torch.dtype, interpreted: bool):
+    """The float type weights are dequantized in: the activation dtype on the dot path (two
+    weights per instruction), where ``magic + u`` is exact in it (fp16: any width here; bf16:
+    up to 4 bits) and the interpreter can run it (not bf16); fp32 otherwise."""
+    if use_dot and dtype == torch.float16:
+        return tl.float16
+    if use_dot and dtype == torch.bfloat16 and bits <= 4 and not interpreted:
+        return tl.bfloat16
+    return tl.float32
+
+
 def interpreting() -> bool:
     """Whether these kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -242,6 +303,7 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         BITS=kw.bits, GROUP=group, HAS_ZERO=kw.zeros is not None, SCALE_PER_TILE=group % kw.tile_k == 0,
         HAS_BIAS=bias is not None and splits == 1, USE_DOT=config.use_dot, SPLIT=splits > 1,
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
+        DEQUANT=dequant_type(config.use_dot, kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -317,33 +379,3 @@ def _time_candidates(M: int, kw: KernelWeight, dtype, device, candidates: list[M
         raise RuntimeError(f"no kernel configuration fits this GPU for M={M}, {kw.out_features}x{kw.in_features}")
     return best
 
-
-# -- static report (bench/sass.py) ------------------------------------------------------------------
-
-
-def report_cases() -> list[dict]:
-    """The configurations the runtime launches, for bench/sass.py's static SASS report: the
-    default candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128
-    asymmetric (the budgets' case) in fp16 and bf16, and 8-bit group 128 asymmetric."""
-    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
-    cases = []
-    for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
-        kw.bits = bits
-        for label, M in (("gemv", 1), ("small-m", 16), ("prefill", 4096)):
-            config = candidate_configs(M, kw)[0]
-            split = config.split_k > 1
-            signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
-                         "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
-                         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
-            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
-                              HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
-                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m)
-            cases.append(dict(
-                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}",
-                kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-                units_per_iteration=config.block_n * kw.tile_k,
-                # aligned tensors, and sizes and row strides divisible by 16, as real layers have
-                divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
-                notes=f"default candidate for M={M} (candidate_configs(M)[0])"))
-    return cases
