@@ -201,6 +201,21 @@ def test_a_growing_context_reuses_one_compiled_kernel(monkeypatch):
     assert {args[-1] for _, args, _ in decode.launches} == set(splits)
 
 
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_attention_tiles_within_a_key_group(window):
+    """INT4 with key groups wider than the tile (32 tokens, 16-token tiles): the folded kernel
+    scales the query once per group and walks the group's tiles; 4 value groups per head
+    (dequantized, not folded), head_dim 128, splits that start mid-sequence."""
+    scheme = parse_kv("int4-g32-r64")
+    lens = [5, 64 + 31, 3 * 64, 2 * 64 + 40]
+    paged = empty_paged(scheme, len(lens), 2, 128, max_len=3 * 64, seed=15)
+    fill(paged, lens, seed=90)
+    q = randn(len(lens), 8, 128, seed=91)
+    want = ref.decode_attention(q, paged, lengths(lens), window=window)
+    got = kernels.decode_attention(q, paged, lengths(lens), window=window, tile=16, num_splits=2)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
 def test_decode_attention_in_float32():
     scheme = parse_kv("int8-r32")
     paged = empty_paged(scheme, 2, 2, 64, max_len=2 * B, dtype=torch.float32, seed=6)
