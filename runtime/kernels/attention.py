@@ -9,8 +9,11 @@ layout that ``runtime/cache.py``'s module docstring fixes:
   decoding: the sequence is split so that small batches still fill the GPU); it loads each
   tile of packed keys and values once for all the query heads that share that KV head (GQA:
   the query heads are the rows of a ``tl.dot``), dequantizes it in registers and runs an
-  online softmax. Each split leaves its normalized output and log-sum-exp; a second kernel
-  combines the splits (skipped when there is one split). Sequence ``s`` reads
+  online softmax. INT8 and INT4 pools over fp16 models are not dequantized at all: each packed
+  field is its own dot operand and the scales are folded into the query and the softmax
+  weights (:mod:`runtime.kernels.decode_folded`). Each split leaves its normalized output and log-sum-exp; a second kernel
+  combines the splits (skipped when there is one split). The split count is a runtime argument:
+  a growing context changes the grid, never the compiled kernel. Sequence ``s`` reads
   ``seq_lens[s]`` positions: a batch may mix lengths.
 * :func:`write_kv`: quantize-on-write. New tokens (many in prefill, one in decode) and the
   residual's rows fill blocks; a filled block is quantized into its physical block (min/max
