@@ -113,15 +113,18 @@ def _tile(scheme: KVScheme, tile: int | None = None) -> int:
     return min(t, scheme.group_size) if scheme.kivi else t
 
 
-def launch_config(bits: int, fp8: bool, kivi: bool, group_q: int, head_dim: int) -> dict:
+def launch_config(bits: int, fp8: bool, kivi: bool, group_q: int, head_dim: int,
+                  dtype: torch.dtype = torch.float16) -> dict:
     """Default tile (tokens), warps and pipeline stages of the decode kernel for a scheme (what
     the runtime launches, and what bench/sass_attention.py reports)."""
     # Static sm_90a counts (bench/sass.py), not timings: the benchmark sweeps these on a GPU.
-    if bits == 8 and not fp8:  # folded INT8: a block-wide tile spreads the per-tile softmax work
+    folded = dtype == torch.float16 and bits in (8, 4) and not fp8  # FOLD in _decode_kernel
+    if not folded:
+        return dict(tile=DEFAULT_TILE, num_warps=4, num_stages=2)
+    if bits == 8:  # folded INT8: a block-wide tile spreads the per-tile softmax work
         return dict(tile=128, num_warps=4, num_stages=2)  # 4.6 instructions/element, 178 registers
-    if bits == 4:  # folded INT4: a 16-word field tile is too narrow to share among more warps
-        return dict(tile=DEFAULT_TILE, num_warps=1, num_stages=2)  # 4.6/element, 254 registers, no spills
-    return dict(tile=DEFAULT_TILE, num_warps=4, num_stages=2)
+    # folded INT4: a 16-word field tile is too narrow to share among more warps
+    return dict(tile=DEFAULT_TILE, num_warps=1, num_stages=2)  # 4.6/element, 254 registers, no spills
 
 
 def _scheme_constants(paged: PagedKV) -> dict:
@@ -402,7 +405,7 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be a positive number of positions, got {window}")
     sch = paged.scheme
-    config = launch_config(sch.bits, sch.fp8, sch.kivi, group_q, D)
+    config = launch_config(sch.bits, sch.fp8, sch.kivi, group_q, D, paged.dtype)
     num_warps = num_warps or config["num_warps"]
     num_stages = num_stages or config["num_stages"]
     if tile is None:  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
