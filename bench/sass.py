@@ -313,7 +313,14 @@ def weight_cases() -> list[KernelCase]:
     return cases
 
 
-CASE_SOURCES = [weight_cases]  # add a kernel room's ``*_cases`` function here
+def attention_cases() -> list[KernelCase]:
+    """runtime/kernels/attention.py's decode kernel (cases in bench/sass_attention.py)."""
+    from bench.sass_attention import attention_cases as cases
+
+    return cases()
+
+
+CASE_SOURCES = [weight_cases, attention_cases]  # add a kernel room's ``*_cases`` function here
 
 
 def all_cases() -> list[KernelCase]:

@@ -77,14 +77,14 @@ def main(capability: int = 90, quick: bool = False) -> None:
         types = {**pool, **dense, **ints, **parts}
         scheme = dict(B=128, D=128, G=64 if kivi else 128, BITS=bits, FP8=fp8, KIVI=kivi)
         built = []
-        for splits, sliding in ((8, True),) if quick else ((1, False), (8, True)):
+        for sliding in (True,) if quick else (False, True):
             k = compile_kernel(A._decode_kernel, target, types,
                                dict(H=8, GROUP_Q=4, QH=16, TILE=16 if dt == "fp32" else A.DEFAULT_TILE,
-                                    SPLITS=splits, SLIDING=sliding,
+                                    SLIDING=sliding,
                                     IEEE=dt == "fp32", OUT=TL[dt], **scheme), 4, 2)
             built.append(("decode", k))
         built.append(("combine", compile_kernel(A._combine_kernel, target, {**parts, "out_ptr": f"*{dt}"},
-                                                dict(SPLITS=8, SPLITS_P2=8, D=128), 4, 1)))
+                                                dict(MAX=A.MAX_SPLITS, D=128), 4, 1)))
         built.append(("dequantize", compile_kernel(A._dequantize_kernel, target, types,
                                                    dict(H=8, TILE=A.DEFAULT_TILE, OUT=TL[dt], **scheme), 4, 1)))
         built.append(("write blocks", compile_kernel(

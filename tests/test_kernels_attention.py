@@ -165,6 +165,57 @@ def test_decode_attention_splits_and_sliding_window(splits, window):
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
+class _LaunchSpy:
+    """Stands in for a kernel: records what each launch would pass and runs nothing."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_a_growing_context_reuses_one_compiled_kernel(monkeypatch):
+    """Eager decode sizes the split from the context bound; every compile-time input (constexprs,
+    and ints Triton would specialize) must stay the same as the context grows, or each new split
+    count costs a fresh compile. The split count and blocks per split are runtime arguments."""
+    scheme = parse_kv("int4-g16-r32")
+    paged = empty_paged(scheme, 2, 2, 64, max_len=64 * B)
+    q = randn(2, 8, 64, seed=1)
+    interpreted = kernels.interpreting()
+    decode, combine = _LaunchSpy(kernels._decode_kernel), _LaunchSpy(kernels._combine_kernel)
+    monkeypatch.setattr(kernels, "_decode_kernel", decode)
+    monkeypatch.setattr(kernels, "_combine_kernel", combine)
+    for bound in (1, B + 1, 5 * B, 17 * B + 3, 64 * B):
+        kernels.decode_attention(q, paged, lengths([bound, bound]), max_seq_len=bound)
+    splits = [grid[2] for grid, _, _ in decode.launches]
+    assert len(set(splits)) >= 3, splits  # the bound did move the split count ...
+    assert all(kw == decode.launches[0][2] for _, _, kw in decode.launches)  # ... and no constexpr
+    assert all(kw == combine.launches[0][2] for _, _, kw in combine.launches)
+    for spy, names in ((decode, ("blocks_per_split", "splits")), (combine, ("splits",))):
+        jit = spy.kernel
+        skip = (jit.kwargs.get("do_not_specialize", []) if interpreted
+                else [p.name for p in jit.params if p.do_not_specialize])
+        assert set(names) <= set(skip), (names, skip)
+    # the length-following values reach the kernel as plain arguments
+    assert {args[-1] for _, args, _ in decode.launches} == set(splits)
+
+
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_attention_tiles_within_a_key_group(window):
+    """INT4 with key groups wider than the tile (32 tokens, 16-token tiles): the folded kernel
+    scales the query once per group and walks the group's tiles; 4 value groups per head
+    (dequantized, not folded), head_dim 128, splits that start mid-sequence."""
+    scheme = parse_kv("int4-g32-r64")
+    lens = [5, 64 + 31, 3 * 64, 2 * 64 + 40]
+    paged = empty_paged(scheme, len(lens), 2, 128, max_len=3 * 64, seed=15)
+    fill(paged, lens, seed=90)
+    q = randn(len(lens), 8, 128, seed=91)
+    want = ref.decode_attention(q, paged, lengths(lens), window=window)
+    got = kernels.decode_attention(q, paged, lengths(lens), window=window, tile=16, num_splits=2)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
 def test_decode_attention_in_float32():
     scheme = parse_kv("int8-r32")
     paged = empty_paged(scheme, 2, 2, 64, max_len=2 * B, dtype=torch.float32, seed=6)

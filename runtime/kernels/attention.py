@@ -9,8 +9,11 @@ layout that ``runtime/cache.py``'s module docstring fixes:
   decoding: the sequence is split so that small batches still fill the GPU); it loads each
   tile of packed keys and values once for all the query heads that share that KV head (GQA:
   the query heads are the rows of a ``tl.dot``), dequantizes it in registers and runs an
-  online softmax. Each split leaves its normalized output and log-sum-exp; a second kernel
-  combines the splits (skipped when there is one split). Sequence ``s`` reads
+  online softmax. INT8 and INT4 pools over fp16 models are not dequantized at all: each packed
+  field is its own dot operand and the scales are folded into the query and the softmax
+  weights (:mod:`runtime.kernels.decode_folded`). Each split leaves its normalized output and log-sum-exp; a second kernel
+  combines the splits (skipped when there is one split). The split count is a runtime argument:
+  a growing context changes the grid, never the compiled kernel. Sequence ``s`` reads
   ``seq_lens[s]`` positions: a batch may mix lengths.
 * :func:`write_kv`: quantize-on-write. New tokens (many in prefill, one in decode) and the
   residual's rows fill blocks; a filled block is quantized into its physical block (min/max
@@ -42,6 +45,7 @@ import triton.language as tl
 
 from kvquant import KVScheme
 from runtime.cache import KVCache
+from runtime.kernels import decode_folded as folded
 from runtime.kernels import kv_reference as ref
 from runtime.kernels.kv_reference import PagedKV
 
@@ -107,6 +111,20 @@ def _tile(scheme: KVScheme, tile: int | None = None) -> int:
         raise ValueError(f"tile must be a power of two >= 16, got {t}")
     t = min(t, scheme.block_size)
     return min(t, scheme.group_size) if scheme.kivi else t
+
+
+def launch_config(bits: int, fp8: bool, kivi: bool, group_q: int, head_dim: int,
+                  dtype: torch.dtype = torch.float16) -> dict:
+    """Default tile (tokens), warps and pipeline stages of the decode kernel for a scheme (what
+    the runtime launches, and what bench/sass_attention.py reports)."""
+    # Static sm_90a counts (bench/sass.py), not timings: the benchmark sweeps these on a GPU.
+    folded = dtype == torch.float16 and bits in (8, 4) and not fp8  # FOLD in _decode_kernel
+    if not folded:
+        return dict(tile=DEFAULT_TILE, num_warps=4, num_stages=2)
+    if bits == 8:  # folded INT8: a block-wide tile spreads the per-tile softmax work
+        return dict(tile=128, num_warps=4, num_stages=2)  # 4.6 instructions/element, 178 registers
+    # folded INT4: a 16-word field tile is too narrow to share among more warps
+    return dict(tile=DEFAULT_TILE, num_warps=1, num_stages=2)  # 4.6/element, 254 registers, no spills
 
 
 def _scheme_constants(paged: PagedKV) -> dict:
@@ -231,32 +249,45 @@ def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None 
 
 
 @triton.jit
-def _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE: tl.constexpr):
-    """One online-softmax step (log2 domain) of the query rows ``q`` [QH, D] over one tile."""
-    if IEEE:  # fp32 models: no TF32 shortcut
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(k))
+def _softmax_step(scores, ok, m, l, qk_scale):
+    """Online-softmax bookkeeping (log2 domain) for one tile of raw scores [QH, TILE]: the new
+    running max and sum, the factor ``alpha`` that rescales earlier sums, and the weights ``p``."""
     scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
+    return m_new, l, alpha, p
+
+
+@triton.jit
+def _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax step of the query rows ``q`` [QH, D] over one dequantized tile."""
+    if IEEE:  # fp32 models: no TF32 shortcut
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
-    return m_new, l, acc
+    return m, l, acc
 
 
-@triton.jit
+# Arguments that follow the context length are neither constexprs nor specialized (Triton compiles
+# a variant for an int equal to 1 or divisible by 16): a growing context never recompiles.
+_LENGTH_ARGS = ["blocks_per_split", "splits"]
+
+
+@triton.jit(do_not_specialize=_LENGTH_ARGS)
 def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr,
-                   part_lse_ptr, qk_scale, window, table_stride, blocks_per_split,
+                   part_lse_ptr, qk_scale, window, table_stride, blocks_per_split, splits,
                    H: tl.constexpr, GROUP_Q: tl.constexpr, QH: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, KIVI: tl.constexpr,
-                   TILE: tl.constexpr, SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+                   TILE: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
                    OUT: tl.constexpr):
     """Program (s, h, split): query heads ``h*GROUP_Q ..`` of sequence ``s`` over the logical
     blocks ``split*blocks_per_split ..`` (the residual is the logical block after the last full one)."""
@@ -273,6 +304,8 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
     p_end = tl.minimum((split + 1) * blocks_per_split * B, length)
     pool_end = tl.minimum(p_end, n_full * B)
 
+    # INT8 and INT4 over an fp16 model: scales folded into the query and the softmax weights
+    FOLD: tl.constexpr = (BITS == 8 or BITS == 4) and not FP8 and OUT == tl.float16
     heads = tl.arange(0, QH)
     head_ok = heads < GROUP_Q
     cols = tl.arange(0, D)
@@ -282,13 +315,33 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
     l = tl.zeros((QH,), tl.float32)
     acc = tl.zeros((QH, D), tl.float32)
 
-    for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool
-        blk = tl.load(table_ptr + s * table_stride + p0 // B)
-        pos = p0 + tl.arange(0, TILE)
-        ok = pos >= lo
-        k = _dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
-        v = _dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
-        m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
+    if FOLD:  # the pool's quantized keys and values, never dequantized (runtime/kernels/decode_folded.py)
+        q_fields = folded.query_fields(q_ptr, q_rows, head_ok, D, BITS)
+        q_sum = folded.field_sum(q_fields)
+        acc_fields = folded.zero_fields(QH, D, BITS)
+        zero_sum = tl.zeros((QH,), tl.float32)  # what the values' zero points take off every channel
+        # KIVI: a loop step covers a key group, so the query is scaled once per group
+        STEP: tl.constexpr = G if KIVI and G > TILE else TILE
+        for g0 in range(tl.maximum(p_begin // STEP * STEP, 0), pool_end, STEP):
+            plane = tl.load(table_ptr + s * table_stride + g0 // B) * H + h
+            qs_fields, key_term = folded.fold_key_scales(q_fields, q_sum, ks, kz, plane, g0 % B, B, D, G, BITS, KIVI)
+            for i in tl.static_range(STEP // TILE):
+                p0 = g0 + i * TILE
+                ok = p0 + tl.arange(0, TILE) >= tl.maximum(lo, p_begin)
+                scores = folded.folded_scores(qs_fields, key_term, kd, ks, kz, plane, p0 % B, B, D, BITS, KIVI,
+                                              TILE)
+                m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
+                acc_fields, zs = folded.folded_values(p, alpha, acc_fields, vd, vs, vz, plane, p0 % B, B, D, G,
+                                                      BITS, KIVI, TILE)
+                zero_sum = zero_sum * alpha + zs
+        acc = folded.merge_fields(acc_fields, QH, D, BITS) - zero_sum[:, None]
+    else:
+        for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool
+            blk = tl.load(table_ptr + s * table_stride + p0 // B)
+            ok = p0 + tl.arange(0, TILE) >= lo
+            k = _dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+            v = _dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+            m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
     for p0 in range(tl.maximum(p_begin, n_full * B), p_end, TILE):  # the partial block, from the residual
         pos = p0 + tl.arange(0, TILE)
         ok = (pos >= lo) & (pos < length)
@@ -298,30 +351,32 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
 
     l_safe = tl.where(l == 0.0, 1.0, l)  # a split with no positions leaves zeros and lse = -inf
     o = acc / l_safe[:, None]
-    if SPLITS == 1:
+    if splits == 1:
         tl.store(out_ptr + q_rows[:, None] * D + cols[None, :], o.to(OUT), mask=head_ok[:, None])
     else:
-        part = q_rows * SPLITS + split
+        part = q_rows * splits + split
         tl.store(part_o_ptr + part[:, None] * D + cols[None, :], o, mask=head_ok[:, None])
         lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=head_ok)
 
 
-@triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                    D: tl.constexpr):
-    """Program (query row): the splits' outputs weighted by their share of the softmax mass."""
+@triton.jit(do_not_specialize=["splits"])
+def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, splits, MAX: tl.constexpr, D: tl.constexpr):
+    """Program (query row): the splits' outputs weighted by their share of the softmax mass.
+    ``splits`` (<= ``MAX``) is a runtime argument, so a growing context reuses one binary."""
     row = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < SPLITS
-    cols = tl.arange(0, D)
-    lse = tl.load(part_lse_ptr + row * SPLITS + sp, mask=sp_ok, other=float("-inf"))
+    sp = tl.arange(0, MAX)
+    lse = tl.load(part_lse_ptr + row * splits + sp, mask=sp < splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)  # empty splits weigh 0
-    o = tl.load(part_o_ptr + (row * SPLITS + sp)[:, None] * D + cols[None, :], mask=sp_ok[:, None], other=0.0)
     total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)
+    cols = tl.arange(0, D)
+    out = tl.zeros((D,), tl.float32)
+    for i in range(splits):  # one row of D at a time: registers do not grow with MAX
+        w_i = tl.exp2(tl.load(part_lse_ptr + row * splits + i) - top)
+        out += w_i * tl.load(part_o_ptr + (row * splits + i) * D + cols)
+    out = out / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
@@ -334,7 +389,8 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, window: int | None = None,
                      scale: float | None = None, max_seq_len: int | None = None, num_splits: int | None = None,
-                     tile: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     tile: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """Same as :func:`runtime.kernels.kv_reference.decode_attention` (q [S, Hq, D] -> [S, Hq, D]).
 
     ``max_seq_len`` (a bound on ``seq_lens``, known on the host) sizes the split; without it the
@@ -348,8 +404,12 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         raise ValueError(f"seq_lens must have one entry per sequence ({S}), got shape {tuple(seq_lens.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be a positive number of positions, got {window}")
-    if tile is None and paged.dtype == torch.float32:
-        tile = 16  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
+    sch = paged.scheme
+    config = launch_config(sch.bits, sch.fp8, sch.kivi, group_q, D, paged.dtype)
+    num_warps = num_warps or config["num_warps"]
+    num_stages = num_stages or config["num_stages"]
+    if tile is None:  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
+        tile = 16 if paged.dtype == torch.float32 else config["tile"]
     q_dtype = q.dtype
     q = q.to(paged.dtype).contiguous()  # attention runs in the cache dtype, as the reference
     out = torch.empty_like(q)
@@ -359,7 +419,7 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
     if num_splits is None:
         num_splits = ref.num_splits(bound, B, S * H, target=2 * _sm_count(q.device), max_splits=MAX_SPLITS)
     blocks = max(math.ceil(bound / B), 1)
-    per_split = math.ceil(blocks / max(1, min(num_splits, blocks)))
+    per_split = math.ceil(blocks / max(1, min(num_splits, blocks, MAX_SPLITS)))
     splits = math.ceil(blocks / per_split)
     if splits > 1:
         part_o = torch.empty(S, q.shape[1], splits, D, dtype=torch.float32, device=q.device)
@@ -372,14 +432,13 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
     _decode_kernel[(S, H, splits)](
         q, kd, ks, kz, vd, vs, vz, paged.residual_k, paged.residual_v, paged.block_table,
         seq_lens.to(torch.int32), out, part_o, part_lse, scale * _LOG2E, window or 0,
-        paged.block_table.stride(0), per_split,
+        paged.block_table.stride(0), per_split, splits,
         H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged.scheme, tile),
-        SPLITS=splits, SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=_TL_DTYPES[q.dtype],
+        SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=_TL_DTYPES[q.dtype],
         **_scheme_constants(paged),
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _combine_kernel[(S * q.shape[1],)](part_o, part_lse, out, SPLITS=splits,
-                                           SPLITS_P2=triton.next_power_of_2(splits), D=D)
+        _combine_kernel[(S * q.shape[1],)](part_o, part_lse, out, splits, MAX=MAX_SPLITS, D=D)
     return out.to(q_dtype)
 
 
