@@ -1,4 +1,4 @@
-"""The layer-by-layer calibration pipeline (DESIGN.md, "Calibration pipeline").
+"""The layer-by-layer calibration pipeline (ARCHITECTURE.md, "Calibration").
 
 Capture the inputs of decoder layer 0; then for each layer: let the method
 rewrite the layer's float weights if it does (AWQ's scales), then run the layer
