@@ -294,8 +294,11 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0) -> torch.Tensor:
-        """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T``.
+    def forward(self, input_ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T`` ([B, 1, V]
+        of the last position only with ``last_only``: generation needs no more, and at 4,096
+        tokens a vocabulary of 128k makes the full logits a 1 GB tensor).
 
         With a ``cache`` the new keys/values are stored and attention reads every
         position before them; without one ``start`` must be 0 (a plain forward).
@@ -313,4 +316,6 @@ class Decoder(nn.Module):
                  for w in set(self.cfg.sliding_windows)}
         for block in self.model.layers:
             x = block(x, cos, sin, masks[block.window], cache, start)
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

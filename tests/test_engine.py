@@ -296,20 +296,20 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     bucket of rows, padding rows that write into free slots, the kernels' lengths bounded by the
     block table instead of the batch. Three sequences use the bucket of 4; prefilling sequences
     sit in high rows, so padding never touches them."""
-    from runtime.engine import _DecodeGraph
+    from runtime.execution import DecodeGraph
 
     model = models[INT4]
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=6, max_len=32, attention="triton")
-    engine._graphs = {b: _DecodeGraph(engine, b, capture=False) for b in (2, 4)}
-    used, run = [], _DecodeGraph.run
+    engine._graphs = {b: DecodeGraph(model.decoder, engine.cache, b, capture=False) for b in (2, 4)}
+    used, run = [], DecodeGraph.run
 
-    def counted(self, ids, starts):
-        used.append(len(self.starts))  # the bucket
-        return run(self, ids, starts)
+    def counted(self, tokens, starts):
+        used.append(self.batch)  # the bucket
+        return run(self, tokens, starts)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_DecodeGraph, "run", counted)
+        m.setattr(DecodeGraph, "run", counted)
         requests = engine.generate(short, [greedy(n) for n in (8, 5, 3)])  # 3, then 2, then 1 decoding
     assert set(used) == {2, 4} and len(used) == engine.stats()["decode_steps"]
     assert [r.output_ids for r in requests] == [plain(model, p, n) for p, n in zip(short, (8, 5, 3))]
