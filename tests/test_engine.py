@@ -165,6 +165,25 @@ def test_preemption_recomputes_and_gives_the_same_tokens(models, prompts, sample
         assert want == [plain(model, p, 24) for p in prompts[:3]]
 
 
+def test_int4_output_does_not_depend_on_preemption_or_where_chunks_fall(models, prompts):
+    """A quantized cache: a later prefill chunk reads earlier ones through the quantizer, so the
+    chunks are cut at multiples of prefill_chunk whatever else runs, and a preempted request
+    replays its outputs through decode steps (each token reads what it read the first time)
+    instead of prefilling them. So the engine gives model.generate's tokens at the same chunking,
+    under preemption and joins; a prompt within one chunk gives the one-forward generate's."""
+    model = models[INT4]
+    lengths = (28,) * 5
+    probe = Engine(model, max_batch=3, max_len=64).cache
+    budget = 3 * probe.slot_bytes() + 3 * probe.block_bytes()  # 3 blocks for up to 3 growing sequences
+    tight = Engine(model, max_batch=3, max_len=64, kv_memory=budget, prefill_chunk=16)
+    requests = tight.generate(prompts, [greedy(n) for n in lengths])  # 34 tokens: chunks at 0, 16, 32
+    assert tight.stats()["preemptions"] >= 3
+    assert [r.output_ids for r in requests] == [plain(model, p, n, prefill_chunk=16) for p, n in zip(prompts, lengths)]
+    for p, n, r in zip(prompts, lengths, requests):
+        if len(p) <= 16:
+            assert r.output_ids == plain(model, p, n)
+
+
 def test_seeds_reproduce_sampled_output_in_any_batch(models, prompts):
     model = models[FP16]
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
@@ -407,3 +426,38 @@ def test_bench_refuses_without_a_gpu_and_runs_its_smoke_mode(tmp_path):
         assert r["output_tokens"] == r.get("batch", r.get("requests")) * r["output_len"]
         assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["mean"] > 0
     assert engine[-1]["mode"] == "continuous" and engine[-1]["requests"] == 4
+
+
+# ----------------------------------------------------------------------------- the decode step's cost
+
+
+def decoding_engine(model_dir, prompts, attention, steps_left=20):
+    """A bf16 engine (the GPU's dtype, so casts count) whose three requests all decode."""
+    model = runtime.load(model_dir, kv=INT4, dtype=torch.bfloat16)
+    engine = Engine(model, max_batch=4, max_len=64, attention=attention)
+    for p in prompts[:3]:  # 5, 21 and 9 tokens: the first and last cross into block 1 while decoding
+        engine.submit(p, greedy(steps_left))
+    while engine.waiting or any(r.slot >= engine.decoding for r in engine.running):
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_a_decode_step_reads_the_device_once_and_copies_inputs_once(model_dir, prompts, attention):
+    """Counted with runtime.counting on CPU: the only host sync of a decode step is the read of
+    the sampled tokens, the inputs go in with one copy, and a step where a sequence crosses into a
+    new block adds one copy of its block-table row, never a read of the table. (The reference
+    path's quantizer makes small constant tensors when a block fills: copies, not syncs.)"""
+    from runtime.counting import decode_step_counts
+
+    engine = decoding_engine(model_dir, prompts, attention)
+    crossings = 0
+    for _ in range(8):
+        lengths = [r.computed for r in engine._decoders()]
+        crossing = any((n + 1) % engine.cache.block_size == 0 for n in lengths)
+        counts = decode_step_counts(engine)
+        assert counts["syncs"] == 1 and counts["ops"]["sync:tolist"] == 1, counts["ops"]
+        if attention == "triton" or not crossing:
+            assert counts["input_copies"] == 1 + crossing, (lengths, counts["ops"])
+        crossings += crossing
+    assert crossings >= 1
