@@ -167,6 +167,8 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     decoder.to(device).eval()
+    decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
+    decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it
