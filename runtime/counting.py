@@ -38,9 +38,9 @@ INPUT_FACTORIES = {torch.tensor, torch.as_tensor, torch.from_numpy}
 # casts and moves: counted here, at the Python level, because under inference_mode the ATen copy
 # beneath them does not reach a dispatch mode; a cast that changes nothing returns its input
 CASTS = {"to", "float", "half", "bfloat16", "double", "type_as", "contiguous"}
-NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default, aten.detach.default,
-             aten.alias.default, aten.detach_.default, aten._local_scalar_dense.default, aten.empty_like.default, aten.set_.source_Storage,
-             aten.resize_.default}
+NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
+             aten.new_empty_strided.default, aten.lift_fresh.default, aten.detach.default, aten.detach_.default,
+             aten.alias.default, aten._local_scalar_dense.default, aten.set_.source_Storage, aten.resize_.default}
 
 
 @dataclass

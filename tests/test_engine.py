@@ -276,16 +276,18 @@ def test_text_stream_holds_back_a_stop_string_split_over_tokens():
 # ----------------------------------------------------------------------------- kernels
 
 
-def test_triton_attention_kernels_through_the_engine(model_dir, prompts):
+def test_triton_attention_kernels_through_the_engine(models, model_dir, prompts):
     """The GPU path, run in the Triton interpreter: quantize-on-write and decode attention over
-    sequences of different lengths in one launch; prompts shorter than a block, so the plain CPU
-    path (which prefills through the quantizer) computes the same thing."""
+    sequences of different lengths in one launch, and the fused small ops (add + RMSNorm, RoPE,
+    SiLU-and-multiply); prompts shorter than a block, so the plain CPU path (which prefills
+    through the quantizer) computes the same thing."""
     model = runtime.load(model_dir, kv=INT4)
+    model.decoder.use_kernels(True)
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=3, max_len=32, attention="triton")
     requests = engine.generate(short, greedy(14))  # 12 + 14 crosses a block: one is quantized
     assert engine.stats()["attention"] == "triton"
-    assert [r.output_ids for r in requests] == [plain(model, p, 14) for p in short]
+    assert [r.output_ids for r in requests] == [plain(models[INT4], p, 14) for p in short]
 
 
 def test_chunked_prefill_through_the_kernels(model_dir, prompts):
@@ -461,3 +463,17 @@ def test_a_decode_step_reads_the_device_once_and_copies_inputs_once(model_dir, p
             assert counts["input_copies"] == 1 + crossing, (lengths, counts["ops"])
         crossings += crossing
     assert crossings >= 1
+
+
+def test_a_decode_step_launches_at_most_12_kernels_per_layer(model_dir, prompts):
+    """The CUDA path's launches, counted on CPU (ATen ops that run a kernel, plus Triton launches;
+    a quantized GEMM counts as one, split-K adds a reduction): two add+RMSNorm, the q/k/v GEMM,
+    RoPE, the cache write (blocks and residual), decode attention and its split combine, o_proj,
+    the gate/up GEMM, SiLU-and-multiply, down_proj."""
+    from runtime.counting import decode_step_counts
+
+    engine = decoding_engine(model_dir, prompts, "triton")
+    engine.model.decoder.use_kernels(True)
+    counts = decode_step_counts(engine)
+    assert counts["syncs"] == 1 and max(counts["launches_per_layer"]) <= 12, counts
+    assert counts["ops"]["triton:_add_rmsnorm_kernel"] == 2 * counts["layers"] + 1  # + the final norm
