@@ -11,9 +11,13 @@ Each :meth:`Engine.step`:
 1. admits waiting requests (oldest first) while a cache slot is free and the pool has the
    blocks for their tokens so far;
 2. prefills: up to ``prefill_chunk`` prompt tokens per step, one sequence per forward, a long
-   prompt in several chunks over several steps (so running sequences keep decoding);
+   prompt in several chunks over several steps (so running sequences keep decoding), cut at
+   the multiples of ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``);
 3. decodes: one forward for every sequence that was already decoding, each at its own
-   position, then samples one token per sequence;
+   position, then samples one token per sequence. The scheduler decides on host mirrors
+   (block table, lengths, free blocks), reserves a block only when a sequence crosses into
+   one, and sends the step's inputs in one copy: no host-device sync but the read of the
+   sampled tokens (``tests/test_engine.py`` counts them, ``runtime/counting.py``);
 
 and requests leave as soon as they finish, freeing their blocks for the next ones.
 
@@ -22,18 +26,20 @@ sequence's unquantized residual block) and as many pool blocks as the rest of th
 buys, so how many tokens, and so how many concurrent sequences, fit follows from the KV
 scheme (an INT4 block, groups of 64 over head_dim 128, costs 28% of an fp16 one). When a
 decoding sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it waits again; when readmitted it recomputes its cache from its
-prompt and the tokens it already produced (its sampler state is kept, so its output is the
-same). The cache never grows after start-up, so a full cache makes requests wait; it does
+its blocks are freed and it waits again; when readmitted it prefills its prompt as before
+and replays the tokens it already produced through decode steps (each reads the cache as it
+did the first time, so a quantized cache gives the same values; its sampler state is kept),
+so its output is the same. The cache never grows after start-up, so a full cache makes requests wait; it does
 not run out of memory.
 
 Attention: on CUDA the Triton kernels read and write the cache in place (decode over
 sequences of different lengths in one launch); on CPU, or for a scheme the kernels do not
 take, each sequence runs the reference path (store, read back dequantized, SDPA). Either way
-a request gets the plain runtime's computation (``runtime.generate`` on that device: prefill
-attends to its own tokens through the quantizer on the reference path, fresh on the
-kernels), so its greedy output is the plain runtime's; the tests check it on CPU, and through
-the kernels in the Triton interpreter. On CUDA the decode step is captured in a CUDA graph
+a request gets the plain runtime's computation (``model.generate`` with the same
+``prefill_chunk``; a prompt within one chunk: the one-forward ``generate``), so its greedy
+output is the plain runtime's; the tests check it on CPU, and through the kernels in the
+Triton interpreter. The requests live in ``runtime/request.py``, the forwards and CUDA graphs
+in ``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
 per batch-size bucket (not run on a GPU yet).
 """
 
