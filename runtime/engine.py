@@ -55,7 +55,7 @@ from kvquant import KVScheme, parse_kv
 from kvquant.memory import residual_bytes
 from kvquant.quantize import block_bytes
 from runtime.cache import KVCache
-from runtime.execution import DecodeGraph, SequenceBatch, step_inputs
+from runtime.execution import DecodeGraph, SequenceBatch, step_inputs, warm_matmul_tuning
 from runtime.generate import Token, check_prompt, prefill_chunks
 from runtime.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams, sample_params
@@ -152,6 +152,8 @@ class Engine:
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
         self._graphs: dict[int, DecodeGraph] = {}
+        if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
+            warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs:
             if model.device.type != "cuda" or not self.kernels:

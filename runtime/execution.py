@@ -106,3 +106,22 @@ class DecodeGraph:
             return self.step()[:n]
         self.graph.replay()
         return self.logits[:n]
+
+
+def warm_matmul_tuning(decoder, largest_m: int) -> int:
+    """Tune every quantized layer's GEMM for each M bucket up to ``largest_m`` now (CUDA), so no
+    request pays a tuning stall; returns how many (layer, M) pairs were asked. Nothing to do
+    where the layers run the dense reference (CPU)."""
+    from runtime.linear import QuantLinear
+
+    layers = [m for m in decoder.modules() if isinstance(m, QuantLinear) and m._kernel is not None]
+    if not layers:
+        return 0
+    from runtime.kernels.quant_matmul import choose_config
+
+    sizes = [1 << i for i in range(max(largest_m, 1).bit_length())] + [largest_m]
+    dtype = next(decoder.parameters()).dtype
+    for m in layers:
+        for M in sizes:
+            choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
+    return len(layers) * len(sizes)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -159,17 +160,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor | None:
-    """Boolean mask [queries, keys] for ``queries`` new tokens that follow ``keys - queries``
-    cached ones: causal, and within ``window`` positions when the layer slides."""
-    if queries == 1 and (window is None or keys <= window):
-        return None  # a single new token sees everything cached: SDPA's fastest path
+def attention_mask(queries: int, keys: int, window: int | None, device):
+    """The mask for ``queries`` new tokens that follow ``keys - queries`` cached ones: causal, and
+    within ``window`` positions when the layer slides. None for one new token that sees everything;
+    a lower-right causal bias (no [T, S] tensor: SDPA keeps its fused kernels) where the window does
+    not bind; else a boolean [queries, keys] tensor."""
+    if window is None or keys <= window:
+        return None if queries == 1 else causal_lower_right(queries, keys)
     q = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
     k = torch.arange(keys, device=device).unsqueeze(0)
-    mask = k <= q
-    if window is not None:
-        mask &= k > q - window
-    return mask
+    return (k <= q) & (k > q - window)
 
 
 class RMSNorm(nn.Module):
