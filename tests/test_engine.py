@@ -477,3 +477,22 @@ def test_a_decode_step_launches_at_most_12_kernels_per_layer(model_dir, prompts)
     counts = decode_step_counts(engine)
     assert counts["syncs"] == 1 and max(counts["launches_per_layer"]) <= 12, counts
     assert counts["ops"]["triton:_add_rmsnorm_kernel"] == 2 * counts["layers"] + 1  # + the final norm
+
+
+def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
+    """On CUDA the engine asks quant_matmul's tuner for every M a step can take at start-up (a GPU
+    would time the candidates then, not on a request): here the tuner is replaced by a recorder."""
+    from types import SimpleNamespace
+
+    from quant.affine import QuantScheme
+    from runtime.execution import warm_matmul_tuning
+    from runtime.kernels import quant_matmul
+    from runtime.linear import QuantLinear
+
+    layer = QuantLinear(64, 32, QuantScheme(4, 32, True))
+    decoder = torch.nn.Sequential(torch.nn.Linear(2, 2), layer)
+    assert warm_matmul_tuning(decoder, 24) == 0  # the dense reference (CPU): nothing to tune
+    layer._kernel = SimpleNamespace(qweight=torch.zeros(1))  # as materialize leaves it on a GPU
+    asked = []
+    monkeypatch.setattr(quant_matmul, "choose_config", lambda M, kw, dtype, device: asked.append(M))
+    assert warm_matmul_tuning(decoder, 24) == 6 and asked == [1, 2, 4, 8, 16, 24]
