@@ -33,7 +33,9 @@ With ``H`` KV heads of ``D`` channels, ``N`` physical blocks, ``S`` sequences
   consecutive in memory.
 * ``block_table``: ``[S, max_blocks]`` int32, shared by all layers; entry ``j`` of
   sequence ``s`` is the physical block holding its positions ``j*B .. j*B+B-1``,
-  ``-1`` where none is allocated. Blocks are allocated when they fill.
+  ``-1`` where none is allocated. Blocks are allocated when they fill. ``host_table`` is the
+  host's copy: every allocation decision reads it (reading the device table would be a host
+  sync), and the rows it changes go to the device in one copy (``take_blocks``).
 * ``residual_k[layer]``, ``residual_v[layer]``: ``[S, H, B, D]`` in the model dtype:
   the newest ``length % B`` positions of each sequence (the partial block), never
   quantized. A block is quantized and moved into the pool when it fills.
