@@ -20,25 +20,21 @@ from evals.speed import PROTOCOL, PhaseTiming, Workload, measure
 from kvquant import KVScheme, bytes_per_token
 from kvquant.memory import stored_bytes
 from runtime.linear import QuantLinear
+from runtime.units import sync
 
 COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 1024 * 2**20}
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
 BANDWIDTH_BOUND = 0.5  # a phase at half its ceiling or more is limited by it, below that by overheads
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best_time(fn, device: torch.device, repeats: int = 5) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -18,19 +18,17 @@ Activations and the framework's own memory are not counted: hold them back with
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from kvquant import KVScheme, bytes_per_token, parse_kv
 from kvquant.memory import max_tokens, sequence_bytes
+from runtime.units import parse_bytes
 
 DEFAULT_SCHEMES = ("fp16", "int8", "int4", "int2", "fp8")
 KV_DTYPE = torch.float16  # the unquantized cache and the residual block: 16-bit on every device that serves
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class PlanError(ValueError):
@@ -38,12 +36,11 @@ class PlanError(ValueError):
 
 
 def parse_memory(text: str) -> int:
-    """``24GB`` (10^9), ``24GiB`` (2^30), ``512MB``, ``1.5TB`` or a plain byte count."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m and m[2].lower()
-    if not m or unit not in _UNITS:
-        raise PlanError(f"cannot read memory size {text!r}: use e.g. 24GB, 24GiB, 512MB or a byte count")
-    return int(float(m[1]) * _UNITS[unit])
+    """``24GB`` (10^9), ``24GiB`` (2^30), ``512MB``, ``1.5TB`` or a plain byte count (``runtime.units``)."""
+    try:
+        return parse_bytes(str(text))
+    except ValueError:
+        raise PlanError(f"cannot read memory size {text!r}: use e.g. 24GB, 24GiB, 512MB or a byte count") from None
 
 
 def _config_path(spec: str) -> Path:

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from runtime.units import sync
+
 LLAMA3_8B = dict(
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -119,22 +121,17 @@ def _summary(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "p50": statistics.median(values), "p99": p99}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def engine_batch(engine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
     """``batch`` requests submitted together, run to the end."""
     from runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     prompts = random_prompts(batch, prompt_len, engine.model.decoder.cfg.vocab_size, seed)
-    _sync(engine.model.device)
+    sync(engine.model.device)
     start = time.perf_counter()
     requests = [engine.submit(p, params) for p in prompts]
     engine.run()
-    _sync(engine.model.device)
+    sync(engine.model.device)
     wall = time.perf_counter() - start
     return _requests_result(requests, wall, batch=batch, prompt_len=prompt_len, output_len=output_len)
 
@@ -181,7 +178,7 @@ def engine_arrivals(engine, requests: int, rate: float, prompt_len: int, output_
             most_running = max(most_running, len(engine.running))
         else:
             time.sleep(max(0.0, arrivals[len(submitted)] - now))
-    _sync(engine.model.device)
+    sync(engine.model.device)
     wall = time.perf_counter() - start
     return _requests_result(submitted, wall, requests=requests, rate_per_s=rate, prompt_len=prompt_len,
                             output_len=output_len, most_running=most_running)
@@ -205,10 +202,10 @@ def transformers_batch(model, batch: int, prompt_len: int, output_len: int, seed
     args = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
     def timed(n: int) -> float:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **args)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - start
 
     ttft, full = timed(1), timed(output_len)

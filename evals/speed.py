@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.units import sync
+
 PROTOCOL = ("random token ids (seed 0), batch of equal-length prompts prefilled in one forward through the "
             "runtime KV cache, greedy decode; TTFT = prefill + first sampling; ITL = one decode step for the batch; "
             "one warm-up run, medians over repeats")
@@ -59,11 +61,6 @@ class PhaseTiming:
         return d
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -93,16 +90,16 @@ def run_request(model, prompt_ids: torch.Tensor, output_len: int, scheme=None) -
     batch, prompt_len = prompt_ids.shape
     cache = model.new_cache(prompt_len + output_len, batch, scheme)  # None: the model's own scheme
     ids = prompt_ids.to(model.device)
-    _sync(model.device)
+    sync(model.device)
     start = time.perf_counter()
     token = model.decoder(ids, cache, 0)[:, -1].argmax(-1, keepdim=True)
-    _sync(model.device)
+    sync(model.device)
     ttft = time.perf_counter() - start
     itls, pos, tokens = [], prompt_len, [token]
     for _ in range(output_len - 1):
         step = time.perf_counter()
         token = model.decoder(token, cache, pos)[:, -1].argmax(-1, keepdim=True)
-        _sync(model.device)
+        sync(model.device)
         itls.append(time.perf_counter() - step)
         tokens.append(token)
         pos += 1

@@ -33,7 +33,9 @@ With ``H`` KV heads of ``D`` channels, ``N`` physical blocks, ``S`` sequences
   consecutive in memory.
 * ``block_table``: ``[S, max_blocks]`` int32, shared by all layers; entry ``j`` of
   sequence ``s`` is the physical block holding its positions ``j*B .. j*B+B-1``,
-  ``-1`` where none is allocated. Blocks are allocated when they fill.
+  ``-1`` where none is allocated. Blocks are allocated when they fill. ``host_table`` is the
+  host's copy: every allocation decision reads it (reading the device table would be a host
+  sync), and the rows it changes go to the device in one copy (``take_blocks``).
 * ``residual_k[layer]``, ``residual_v[layer]``: ``[S, H, B, D]`` in the model dtype:
   the newest ``length % B`` positions of each sequence (the partial block), never
   quantized. A block is quantized and moved into the pool when it fills.
@@ -86,6 +88,9 @@ class KVCache:
         self.residual_k = [torch.zeros(residual, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.residual_v = [torch.zeros(residual, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.block_table = torch.full((batch, max_blocks), -1, dtype=torch.int32, device=self.device)
+        # The host's copy of the block table: allocation decisions read it, never the device's
+        # (a read of the device table is a host sync); the device rows follow with one copy.
+        self.host_table = [[-1] * max_blocks for _ in range(batch)]
         self.lengths = [0] * num_layers
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.seq_lengths = [0] * batch  # per sequence, when sequences are used one by one
@@ -99,7 +104,7 @@ class KVCache:
 
     # ------------------------------------------------------------------ writes
 
-    def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_new_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         expected = (self.batch, self.kv_heads, k.shape[2] if k.ndim == 4 else -1, self.head_dim)
         if not 0 <= layer < self.num_layers or k.ndim != 4 or tuple(k.shape) != expected or k.shape != v.shape:
             raise ValueError(
@@ -111,7 +116,7 @@ class KVCache:
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v`` [S, H, T, D] at positions ``start..start+T``; return keys and values of all
         positions up to there, [S, H, start+T, D], as attention reads them (module docstring)."""
-        self._check(layer, k, v)
+        self.check_new_kv(layer, k, v)
         if start != self.lengths[layer]:
             raise ValueError(
                 f"layer {layer} of the KV cache holds {self.lengths[layer]} positions; new ones must follow them "
@@ -152,18 +157,32 @@ class KVCache:
         return end
 
     def _allocate(self, first: int, count: int, rows: slice = slice(None)) -> torch.Tensor:
-        """Physical ids of logical blocks ``first .. first+count`` of every sequence in ``rows``,
-        allocating the missing ones (the first layer to fill a block allocates it; the others find it)."""
-        table = self.block_table[rows, first: first + count]
-        missing = int((table < 0).sum())
-        if missing > len(self._free):
+        """Physical ids [rows, count] of logical blocks ``first .. first+count`` of every sequence in
+        ``rows``, allocating the missing ones (the first layer to fill a block allocates it; the others find it)."""
+        self.take_blocks(range(self.batch)[rows], first, count)
+        return self.block_table[rows, first: first + count].long()
+
+    def take_blocks(self, slots, first: int, count: int) -> bool:
+        """Give ``slots`` physical blocks for logical blocks ``first .. first+count`` where they have
+        none (decided on the host mirror; the changed device rows follow in one copy); whether any
+        was taken. A RuntimeError, taking nothing, when the pool has too few free blocks."""
+        missing = [(s, j) for s in slots for j in range(first, first + count) if self.host_table[s][j] < 0]
+        if len(missing) > len(self._free):
             raise RuntimeError(
                 f"the KV cache pool is full: {self.num_blocks} blocks of {self.block_size} tokens, "
-                f"{missing} more needed; build the cache with more num_blocks or fewer sequences"
+                f"{len(missing)} more needed; build the cache with more num_blocks or fewer sequences"
             )
-        for s, j in (table < 0).nonzero().tolist():
-            table[s, j] = self._free.pop()
-        return table.long()
+        for s, j in missing:
+            self.host_table[s][j] = self._free.pop()
+        changed = sorted({s for s, _ in missing})
+        if changed:
+            self._push_rows(changed)
+        return bool(missing)
+
+    def _push_rows(self, slots: list[int]) -> None:
+        """Copy the host mirror's rows ``slots`` to the device block table: one host-to-device copy."""
+        lo, hi = slots[0], slots[-1] + 1
+        self.block_table[lo:hi].copy_(torch.tensor(self.host_table[lo:hi], dtype=torch.int32), non_blocking=True)
 
     def _write_blocks(self, layer: int, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k, v`` [S, H, n*B, D] as n blocks per sequence into physical blocks ``ids`` [S, n]."""
@@ -231,7 +250,7 @@ class KVCache:
 
     def blocks_needed(self, slot: int, end: int) -> int:
         """Pool blocks sequence ``slot`` still lacks to hold positions up to ``end`` (blocks fill at B tokens)."""
-        return int((self.block_table[slot, : end // self.block_size] < 0).sum())
+        return sum(1 for b in self.host_table[slot][: end // self.block_size] if b < 0)
 
     def reserve(self, slot: int, end: int) -> bool:
         """Allocate the blocks positions up to ``end`` of ``slot`` fill; False (allocating nothing)
@@ -242,8 +261,7 @@ class KVCache:
             raise ValueError(f"KV cache holds {self.max_len} positions per sequence, asked for {end}")
         if self.blocks_needed(slot, end) > len(self._free):
             return False
-        if end // self.block_size:
-            self._allocate(0, end // self.block_size, slice(slot, slot + 1))
+        self.take_blocks([slot], 0, end // self.block_size)
         return True
 
     def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor):
@@ -277,9 +295,11 @@ class KVCache:
     def free_sequence(self, slot: int) -> None:
         """Return the sequence's blocks to the pool and its slot to the free slots."""
         self._check_slot(slot)
-        row = self.block_table[slot]
-        self._free.extend(sorted(row[row >= 0].tolist(), reverse=True))
-        row.fill_(-1)
+        row = self.host_table[slot]
+        self._free.extend(sorted((b for b in row if b >= 0), reverse=True))
+        if any(b >= 0 for b in row):
+            self.block_table[slot].fill_(-1)
+        self.host_table[slot] = [-1] * len(row)
         self.seq_lengths[slot] = 0
         self._free_slots.append(slot)
 
@@ -291,6 +311,7 @@ class KVCache:
             return
         for t in [self.block_table] + self.residual_k + self.residual_v:
             t[[a, b]] = t[[b, a]]
+        self.host_table[a], self.host_table[b] = self.host_table[b], self.host_table[a]
         self.seq_lengths[a], self.seq_lengths[b] = self.seq_lengths[b], self.seq_lengths[a]
         free_a, free_b = a in self._free_slots, b in self._free_slots
         if free_a != free_b:
@@ -317,6 +338,7 @@ class KVCache:
         """Forget every position (the memory stays allocated)."""
         self.lengths = [0] * self.num_layers
         self.block_table.fill_(-1)
+        self.host_table = [[-1] * len(row) for row in self.host_table]
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self.seq_lengths = [0] * self.batch
         self._free_slots = list(range(self.batch - 1, -1, -1))

@@ -11,9 +11,13 @@ Each :meth:`Engine.step`:
 1. admits waiting requests (oldest first) while a cache slot is free and the pool has the
    blocks for their tokens so far;
 2. prefills: up to ``prefill_chunk`` prompt tokens per step, one sequence per forward, a long
-   prompt in several chunks over several steps (so running sequences keep decoding);
+   prompt in several chunks over several steps (so running sequences keep decoding), cut at
+   the multiples of ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``);
 3. decodes: one forward for every sequence that was already decoding, each at its own
-   position, then samples one token per sequence;
+   position, then samples one token per sequence. The scheduler decides on host mirrors
+   (block table, lengths, free blocks), reserves a block only when a sequence crosses into
+   one, and sends the step's inputs in one copy: no host-device sync but the read of the
+   sampled tokens (``tests/test_engine.py`` counts them, ``runtime/counting.py``);
 
 and requests leave as soon as they finish, freeing their blocks for the next ones.
 
@@ -22,18 +26,20 @@ sequence's unquantized residual block) and as many pool blocks as the rest of th
 buys, so how many tokens, and so how many concurrent sequences, fit follows from the KV
 scheme (an INT4 block, groups of 64 over head_dim 128, costs 28% of an fp16 one). When a
 decoding sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it waits again; when readmitted it recomputes its cache from its
-prompt and the tokens it already produced (its sampler state is kept, so its output is the
-same). The cache never grows after start-up, so a full cache makes requests wait; it does
+its blocks are freed and it waits again; when readmitted it prefills its prompt as before
+and replays the tokens it already produced through decode steps (each reads the cache as it
+did the first time, so a quantized cache gives the same values; its sampler state is kept),
+so its output is the same. The cache never grows after start-up, so a full cache makes requests wait; it does
 not run out of memory.
 
 Attention: on CUDA the Triton kernels read and write the cache in place (decode over
 sequences of different lengths in one launch); on CPU, or for a scheme the kernels do not
 take, each sequence runs the reference path (store, read back dequantized, SDPA). Either way
-a request gets the plain runtime's computation (``runtime.generate`` on that device: prefill
-attends to its own tokens through the quantizer on the reference path, fresh on the
-kernels), so its greedy output is the plain runtime's; the tests check it on CPU, and through
-the kernels in the Triton interpreter. On CUDA the decode step is captured in a CUDA graph
+a request gets the plain runtime's computation (``model.generate`` with the same
+``prefill_chunk``; a prompt within one chunk: the one-forward ``generate``), so its greedy
+output is the plain runtime's; the tests check it on CPU, and through the kernels in the
+Triton interpreter. The requests live in ``runtime/request.py``, the forwards and CUDA graphs
+in ``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
 per batch-size bucket (not run on a GPU yet).
 """
 
@@ -42,173 +48,22 @@ from __future__ import annotations
 import collections
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvquant import KVScheme, parse_kv
 from kvquant.memory import residual_bytes
 from kvquant.quantize import block_bytes
 from runtime.cache import KVCache
-from runtime.generate import TextStream, Token
-from runtime.kernels import kv_reference as ref
-from runtime.model import attention_mask
+from runtime.execution import DecodeGraph, SequenceBatch, step_inputs, warm_matmul_tuning
+from runtime.generate import Token, check_prompt, prefill_chunks
+from runtime.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams, sample_params
+from runtime.units import parse_bytes  # noqa: F401 (runtime.engine.parse_bytes: older imports)
 
 
 class EngineClosedError(RuntimeError):
     """The engine was shut down: it takes no requests and runs no steps."""
-
-
-def parse_bytes(value) -> int:
-    """``2GB``, ``512MiB``, ``1e9`` or an int, to bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    text = str(value).strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            text, scale = text[: -len(unit)], factor
-            break
-    else:
-        scale = 1
-    try:
-        return int(float(text) * scale)
-    except ValueError:
-        raise ValueError(f"cannot read {value!r} as a size in bytes (e.g. 2GB, 512MiB, 1000000)") from None
-
-
-# ------------------------------------------------------------------------------ requests
-
-
-@dataclass
-class RequestMetrics:
-    """Times in seconds from the request's arrival (``submit``)."""
-
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft_s: float | None = None  # arrival to first token
-    itl_s: list[float] = field(default_factory=list)  # gaps between later tokens
-    e2e_s: float | None = None  # arrival to finish
-    preemptions: int = 0
-
-    @property
-    def mean_itl_s(self) -> float | None:
-        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Output tokens over the request's whole time in the engine (queueing included)."""
-        return self.output_tokens / self.e2e_s if self.e2e_s else None
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Tokens after the first over the time after the first: the rate this request streamed at."""
-        span = sum(self.itl_s)
-        return len(self.itl_s) / span if span > 0 else None
-
-    def to_dict(self) -> dict:
-        return dict(prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens, ttft_s=self.ttft_s,
-                    mean_itl_s=self.mean_itl_s, e2e_s=self.e2e_s, tokens_per_s=self.tokens_per_s,
-                    decode_tokens_per_s=self.decode_tokens_per_s, preemptions=self.preemptions)
-
-
-class Request:
-    """One request: iterate it to stream its :class:`Token` s (iterating drives the engine).
-
-    ``output_ids``, ``text``, ``finish_reason`` ("stop": EOS, a stop id or a stop string;
-    "length": ``max_tokens`` or the context) and ``metrics`` fill in as it runs.
-    """
-
-    def __init__(self, engine: "Engine", request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 total: int):
-        self.engine, self.id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
-        self.total = total  # positions it may reach: prompt + max_tokens, within the context
-        self.output_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.stream = TextStream(engine.model.tokenizer, params.stop)
-        self.arrival = time.perf_counter()
-        self._last_token_at: float | None = None
-        self._pending: collections.deque[Token] = collections.deque()
-        self.slot: int | None = None  # its cache row while it runs
-        self.computed = 0  # positions its cache holds
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def text(self) -> str:
-        return self.stream.text
-
-    @property
-    def tokens(self) -> list[int]:
-        """What the model reads: the prompt, then every output token."""
-        return self.prompt_ids + self.output_ids
-
-    def __iter__(self):
-        while True:
-            while self._pending:
-                yield self._pending.popleft()
-            if self.finished:
-                return
-            self.engine.step()
-
-    def result(self) -> "Request":
-        """Run the engine until this request finishes; returns it."""
-        for _ in self:
-            pass
-        return self
-
-    def __repr__(self) -> str:
-        state = self.finish_reason or ("running" if self.slot is not None else "waiting")
-        return f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, output={len(self.output_ids)}, {state})"
-
-
-# -------------------------------------------------------------------- a forward's view of the cache
-
-
-class SequenceBatch:
-    """Rows ``first .. first+count`` of the cache, sequence ``i`` writing at ``starts[i]``: what
-    one forward of the engine reads and writes. ``runtime.model.Attention`` hands it each
-    layer's new keys and values (``attend``).
-
-    ``kernels``: the Triton ops over views of the cache tensors (GPU; the interpreter in tests).
-    Otherwise each sequence stores its keys and values, reads back all of its cache dequantized
-    and runs SDPA, exactly as the plain runtime (``KVCache.update`` + SDPA) does.
-    """
-
-    def __init__(self, cache: KVCache, first: int, starts: list[int], kernels: bool,
-                 starts_tensor: torch.Tensor | None = None, max_seq_len: int | None = None):
-        self.cache, self.first, self.starts, self.kernels = cache, first, starts, kernels
-        self.count = len(starts)
-        self.starts_tensor = starts_tensor if starts_tensor is not None else torch.tensor(
-            starts, dtype=torch.int32, device=cache.device)
-        self.max_seq_len = max_seq_len
-
-    def attend(self, layer: int, q, k, v, mask, window):
-        if self.kernels:
-            from runtime.kernels.attention import KERNEL_OPS
-
-            rows = slice(self.first, self.first + self.count)
-            c = self.cache
-            paged = ref.PagedKV(c.pool[layer]["k"], c.pool[layer]["v"], c.residual_k[layer][rows],
-                                c.residual_v[layer][rows], c.block_table[rows], c.scheme)
-            start = self.starts[0] if k.shape[2] > 1 else None  # prefill: one sequence, start known on the host
-            return ref.paged_attention(paged, self.starts_tensor, q, k, v, mask, window, KERNEL_OPS,
-                                       max_seq_len=self.max_seq_len, start=start)
-        return torch.cat([self._attend_one(layer, i, q[i:i + 1], k[i], v[i], window) for i in range(self.count)])
-
-    def _attend_one(self, layer, i, q, k, v, window):
-        slot, start, T = self.first + i, self.starts[i], k.shape[1]
-        keys, values = self.cache.write_sequence(layer, slot, start, k, v)
-        mask = attention_mask(T, start + T, window, q.device)
-        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
-                                              enable_gqa=q.shape[1] != keys.shape[0])
 
 
 # --------------------------------------------------------------------------------- engine
@@ -296,7 +151,9 @@ class Engine:
         self._busy_s = 0.0
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graphs: dict[int, DecodeGraph] = {}
+        if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
+            warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs:
             if model.device.type != "cuda" or not self.kernels:
@@ -397,22 +254,9 @@ class Engine:
     # ------------------------------------------------------------ scheduling
 
     def _prompt_ids(self, prompt) -> list[int]:
-        tok = self.model.tokenizer
-        if isinstance(prompt, str):
-            if tok is None:
-                raise ValueError(f"{self.model.path} has no tokenizer: pass the prompt as a list of token ids")
-            ids = tok(prompt).input_ids
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, longer than the engine's context ({self.max_len})")
-        vocab = self.model.decoder.cfg.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-        return ids
+        m = self.model
+        return check_prompt(prompt, m.tokenizer, m.decoder.cfg.vocab_size, self.max_len, m.path,
+                            "the engine's context (max_len)")
 
     def _admit(self) -> None:
         """Give waiting requests (oldest first) a slot and the blocks their tokens so far fill."""
@@ -430,64 +274,77 @@ class Engine:
             self.running.append(r)
 
     def _prefill(self) -> None:
+        """Prefill the next chunk of each prefilling request, oldest first, while the step's
+        ``prefill_chunk`` tokens last. A request's chunks are cut at the multiples of
+        ``prefill_chunk`` whatever else runs, so its output does not depend on the schedule."""
         budget = self.prefill_chunk
         for r in [r for r in self.running if r.slot >= self.decoding]:  # admission order: oldest first
-            if budget <= 0:
-                return
             if r not in self.running:  # preempted by an earlier prefill of this step
                 continue
-            n = min(len(r.tokens) - r.computed, budget)
-            if not self._reserve(r, r.computed + n):
+            a, b = prefill_chunks(r.computed, len(r.prompt_ids), self.prefill_chunk)[0]
+            if b - a > budget:
+                return
+            if not self._reserve(r, b):
                 continue  # r itself was preempted
-            ids = torch.tensor([r.tokens[r.computed: r.computed + n]], device=self.model.device)
-            batch = SequenceBatch(self.cache, r.slot, [r.computed], self.kernels, max_seq_len=r.computed + n)
+            ids = torch.tensor([r.prompt_ids[a:b]], device=self.model.device)
+            batch = SequenceBatch(self.cache, r.slot, [a], self.kernels, max_seq_len=b)
             with torch.inference_mode():
-                logits = self.model.decoder(ids, batch, r.computed)[0, -1]
-            self.cache.advance(r.slot, n)
-            r.computed += n
-            budget -= n
-            self._counters["prefill_tokens"] += n
-            if r.computed == len(r.tokens):  # the whole prompt (and any recomputed output) is in
+                logits = self.model.decoder(ids, batch, a, last_only=True)[0, -1]
+            self.cache.advance(r.slot, b - a)
+            r.computed = b
+            budget -= b - a
+            self._counters["prefill_tokens"] += b - a
+            if r.computed == len(r.tokens):  # a new request's prompt is in: its first token
                 self._emit(r, sample_params(logits, r.params, r.generator))
+            # a recomputed request's outputs are known: it replays them through decode steps
 
     def _decoders(self) -> list[Request]:
         """The requests in cache rows 0 .. decoding-1, by row."""
         return sorted((r for r in self.running if r.slot < self.decoding), key=lambda r: r.slot)
 
     def _decode(self) -> None:
-        # every decoder needs the block its next position may fill; the newest go while none is left
-        for r in self._decoders():
-            if r in self.running:
+        """One forward for every decoding sequence: each reads the token at its position (the
+        last sampled one, or, replaying after a preemption, one it already output) and the ones
+        that reach their end sample the next. No host-device sync but the read of the tokens."""
+        block = self.cache.block_size
+        for r in self._decoders():  # a block only where a sequence crosses into a new one
+            if r in self.running and (r.computed + 1) % block == 0:
                 self._reserve(r, r.computed + 1)
         decoders = self._decoders()
         if not decoders:
             return
-        starts = [r.computed for r in decoders]
-        ids = torch.tensor([[r.tokens[-1]] for r in decoders], device=self.model.device)
+        tokens, starts = [r.tokens[r.computed] for r in decoders], [r.computed for r in decoders]
         graph = self._graph_for(len(decoders))
         with torch.inference_mode():
             if graph is not None:
-                logits = graph.run(ids, starts)
+                logits = graph.run(tokens, starts)
             else:
-                batch = SequenceBatch(self.cache, 0, starts, self.kernels, max_seq_len=max(starts) + 1)
-                logits = self.model.decoder(ids, batch, batch.starts_tensor)
-        logits = logits[:, -1]
+                ids, starts_t, lengths = step_inputs(tokens, starts, self.model.device)
+                batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1)
+                logits = self.model.decoder(ids, batch, starts_t, last_only=True)
         self._counters["decode_steps"] += 1
-        if all(r.params.greedy for r in decoders):
-            tokens = logits.argmax(-1).tolist()
-        else:
-            logits = logits.float().cpu()  # one copy for every sampler
-            tokens = [sample_params(logits[i], r.params, r.generator) for i, r in enumerate(decoders)]
         for r in decoders:
             self.cache.advance(r.slot, 1)
             r.computed += 1
-        for r, token in zip(decoders, tokens):
-            self._emit(r, token)
+        sampling = [i for i, r in enumerate(decoders) if r.computed == len(r.tokens)]  # the rest replay
+        for i, token in zip(sampling, self._sample(logits[:, -1], [decoders[i] for i in sampling], sampling)):
+            self._emit(decoders[i], token)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> list[int]:
+        """The next token of each of ``requests`` (logits ``rows``): one read from the device."""
+        if not requests:
+            return []
+        if all(r.params.greedy for r in requests):
+            best = logits.argmax(-1).tolist()
+            return [best[i] for i in rows]
+        logits = logits.float().cpu()  # one copy for every sampler
+        return [sample_params(logits[i], r.params, r.generator) for i, r in zip(rows, requests)]
 
     def _promote(self) -> None:
-        """Move requests whose cache now holds all but their last token into the decoder rows."""
+        """Move requests whose prompt is in the cache into the decoder rows."""
         for r in sorted(self.running, key=lambda r: r.slot):
-            if r.slot >= self.decoding and r.computed == len(r.tokens) - 1:  # the next forward takes one token
+            if r.slot >= self.decoding and r.computed == len(r.prompt_ids):  # the next forward takes one token
                 self.cache.swap_sequences(r.slot, self.decoding)
                 self._swap_owner(r.slot, self.decoding)
                 self.decoding += 1
@@ -558,7 +415,7 @@ class Engine:
 
     # ------------------------------------------------------------ CUDA graphs
 
-    def _graph_for(self, n: int) -> "_DecodeGraph | None":
+    def _graph_for(self, n: int) -> "DecodeGraph | None":
         """The captured decode step of the smallest bucket that holds ``n`` sequences, when its
         padding rows are free slots (a prefilling sequence must not be written by padding)."""
         bucket = next((b for b in sorted(self._graphs) if b >= n), None)
@@ -569,42 +426,4 @@ class Engine:
     def _capture_graphs(self) -> None:
         buckets = sorted({min(b, self.cache.batch) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
         for b in buckets:  # at start-up: the warm-up writes into free slots only
-            self._graphs[b] = _DecodeGraph(self, b)
-
-
-class _DecodeGraph:
-    """One decode step for ``batch`` rows captured in a CUDA graph: static token and position
-    inputs, the attention kernels over views of the cache (no host sync, no allocation at replay).
-    Rows past the live sequences are padding: free slots written at position 0 and ignored.
-
-    ``capture=False`` runs the same padded step eagerly on the static inputs: what the tests run
-    (in the Triton interpreter) to check everything but the capture itself."""
-
-    def __init__(self, engine: Engine, batch: int, capture: bool = True):
-        device = engine.model.device
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.starts = torch.zeros(batch, dtype=torch.int32, device=device)
-        view = SequenceBatch(engine.cache, 0, [0] * batch, kernels=True, starts_tensor=self.starts)
-        self.step = lambda: engine.model.decoder(self.ids, view, self.starts)
-        self.graph = None
-        if capture:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), torch.inference_mode():  # warm-up: Triton autotuning and compilation
-                for _ in range(2):
-                    self.step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), torch.inference_mode():
-                self.logits = self.step()
-
-    def run(self, ids: torch.Tensor, starts: list[int]) -> torch.Tensor:
-        n = len(starts)
-        self.ids.zero_()
-        self.starts.zero_()
-        self.ids[:n] = ids
-        self.starts[:n] = torch.tensor(starts, dtype=torch.int32)
-        if self.graph is None:
-            return self.step()[:n]
-        self.graph.replay()
-        return self.logits[:n]
+            self._graphs[b] = DecodeGraph(self.model.decoder, self.cache, b)

@@ -10,6 +10,35 @@ import torch
 from runtime.sampling import sample
 
 
+def check_prompt(prompt, tokenizer, vocab_size: int, max_len: int, source, context: str) -> list[int]:
+    """A prompt (text, or token ids) as token ids, or a ValueError naming what is wrong with it.
+    ``source`` names the model (for a missing tokenizer), ``context`` the length limit."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer: pass the prompt as a list of token ids")
+        ids = tokenizer(prompt).input_ids
+    else:
+        ids = [int(i) for i in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) > max_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens, longer than {context} ({max_len})")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+    return ids
+
+
+def prefill_chunks(start: int, end: int, chunk: int | None) -> list[tuple[int, int]]:
+    """Positions ``start .. end`` cut at the multiples of ``chunk`` (None: one piece). The cuts
+    depend on the positions alone, never on what else runs: a quantized cache makes a later chunk
+    read earlier ones through the quantizer, so where the cuts fall is part of the result."""
+    if chunk is None:
+        return [(start, end)] if end > start else []
+    cuts = [start, *range((start // chunk + 1) * chunk, end, chunk), end]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 @dataclass
 class Token:
     id: int
@@ -76,6 +105,7 @@ class Generation:
     top_p: float = 1.0
     seed: int | None = None
     stop_at_eos: bool = True
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: the whole prompt in one)
     ids: list[int] = field(default_factory=list)
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -98,12 +128,16 @@ class Generation:
         eos = set(m.eos_token_ids) if self.stop_at_eos else set()
         stream = TextStream(m.tokenizer)
 
-        # Prefill: the whole prompt in one forward; then one token per step through the cache.
-        inputs = torch.tensor([self.prompt_ids], device=m.device)
-        pos, last = 0, start
+        # Prefill: the whole prompt in one forward (or chunks); then one token per step through the cache.
+        pieces = prefill_chunks(0, len(self.prompt_ids), self.prefill_chunk)
+        with torch.inference_mode():
+            for a, b in pieces[:-1]:
+                m.decoder(torch.tensor([self.prompt_ids[a:b]], device=m.device), cache, a, last_only=True)
+        pos, last = pieces[-1][0], start
+        inputs = torch.tensor([self.prompt_ids[pos:]], device=m.device)
         while True:
             with torch.inference_mode():
-                logits = m.decoder(inputs, cache, pos)[0, -1]
+                logits = m.decoder(inputs, cache, pos, last_only=True)[0, -1]
             pos += inputs.shape[1]
             token = sample(logits, self.temperature, self.top_p, generator)
             now = time.perf_counter()

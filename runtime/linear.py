@@ -93,3 +93,45 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+
+def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One layer computing ``parts`` side by side (their outputs concatenated), built at load from
+    their loaded tensors (never stored in a checkpoint): q/k/v or gate/up as one GEMM. None when
+    they cannot be joined (mixed kinds or schemes, act-order groups that differ)."""
+    first = parts[0]
+    if any(type(p) is not type(first) or (p.bias is None) != (first.bias is None) for p in parts):
+        return None
+    total = sum(p.out_features for p in parts)
+    bias = torch.cat([p.bias for p in parts]) if first.bias is not None else None
+    if type(first) is nn.Linear:
+        joined = nn.Linear(first.in_features, total, bias=bias is not None, device="meta")
+        joined.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    elif isinstance(first, QuantLinear):
+        joined = _concat_quant(parts, total)
+        if joined is None:
+            return None
+    else:
+        return None
+    if bias is not None:
+        joined.bias = nn.Parameter(bias, requires_grad=False)
+    return joined
+
+
+def _concat_quant(parts: list[QuantLinear], total: int) -> QuantLinear | None:
+    first = parts[0]
+    pack = 32 // first.scheme.bits  # zero points are packed along the outputs: each part must fill its words
+    g_idx = [getattr(p, "weight_g_idx", None) for p in parts]
+    if (any(p.scheme != first.scheme or p.weight_scale.dtype != first.weight_scale.dtype for p in parts)
+            or (not first.scheme.symmetric and any(p.out_features % pack for p in parts))
+            or (g_idx[0] is not None and any(not torch.equal(g, g_idx[0]) for g in g_idx))):
+        return None
+    with torch.device("meta"):
+        joined = QuantLinear(first.in_features, total, first.scheme, first.bias is not None, first.weight_scale.dtype)
+    for name in ("weight_packed", "weight_scale", "weight_zero_point"):
+        if hasattr(first, name):
+            setattr(joined, name, torch.cat([getattr(p, name) for p in parts]))
+    joined.weight_shape = torch.tensor([total, first.in_features], device=first.weight_packed.device)
+    if g_idx[0] is not None:
+        joined.weight_g_idx = g_idx[0]
+    return joined

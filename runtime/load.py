@@ -10,7 +10,7 @@ from kvquant import KVScheme, kv_scheme_from_dict, parse_kv
 from quant import checkpoint, models
 from quant.affine import QuantScheme
 from runtime.cache import KVCache
-from runtime.generate import Generation
+from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
 from runtime.linear import QuantLinear
 from runtime.model import Decoder, DecoderConfig, plain_linear
@@ -81,26 +81,17 @@ class Model:
         return self.decoder(input_ids.to(self.device, torch.long)).float()
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> Generation:
-        """A lazy, iterable :class:`Generation`: the work happens while it is iterated."""
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+                 prefill_chunk: int | None = None) -> Generation:
+        """A lazy, iterable :class:`Generation`: the work happens while it is iterated.
+        ``prefill_chunk``: prefill the prompt in pieces cut at its multiples (as the engine does)."""
         check_sampling(max_new_tokens, temperature, top_p)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.path} has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer(prompt).input_ids
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.max_positions:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, longer than the model's context "
-                f"(max_position_embeddings={self.max_positions})"
-            )
-        bad = [i for i in ids if not 0 <= i < self.decoder.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {self.decoder.cfg.vocab_size})")
-        return Generation(self, ids, max_new_tokens, temperature, top_p, seed, stop_at_eos)
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive integer or None, got {prefill_chunk!r}")
+        ids = check_prompt(prompt, self.tokenizer, self.decoder.cfg.vocab_size, self.max_positions, self.path,
+                           "the model's context (max_position_embeddings)")
+        return Generation(self, ids, max_new_tokens, temperature, top_p, seed, stop_at_eos, prefill_chunk)
 
 
 def default_dtype(device: torch.device, config: dict) -> torch.dtype:
@@ -176,6 +167,8 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     decoder.to(device).eval()
+    decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
+    decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it

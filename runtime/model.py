@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -159,20 +160,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor | None:
-    """Boolean mask [queries, keys] for ``queries`` new tokens that follow ``keys - queries``
-    cached ones: causal, and within ``window`` positions when the layer slides."""
-    if queries == 1 and (window is None or keys <= window):
-        return None  # a single new token sees everything cached: SDPA's fastest path
+def attention_mask(queries: int, keys: int, window: int | None, device):
+    """The mask for ``queries`` new tokens that follow ``keys - queries`` cached ones: causal, and
+    within ``window`` positions when the layer slides. None for one new token that sees everything;
+    a lower-right causal bias (no [T, S] tensor: SDPA keeps its fused kernels) where the window does
+    not bind; else a boolean [queries, keys] tensor."""
+    if window is None or keys <= window:
+        return None if queries == 1 else causal_lower_right(queries, keys)
     q = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
     k = torch.arange(keys, device=device).unsqueeze(0)
-    mask = k <= q
-    if window is not None:
-        mask &= k > q - window
-    return mask
+    return (k <= q) & (k > q - window)
 
 
 class RMSNorm(nn.Module):
+    kernels = False  # the fused Triton kernel (Decoder.use_kernels), else PyTorch
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -184,6 +186,16 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """``(norm(x + residual), x + residual)``: the residual stream's add and the next norm,
+        one launch on the kernels (``residual`` None: no add)."""
+        if self.kernels:
+            from runtime.kernels.small_ops import add_rmsnorm
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        s = x if residual is None else x + residual
+        return self(s), s
+
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
@@ -193,6 +205,8 @@ def plain_linear(name: str, in_features: int, out_features: int, bias: bool) -> 
 
 
 class Attention(nn.Module):
+    kernels = False
+
     def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
         super().__init__()
         self.cfg = cfg
@@ -205,16 +219,31 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache=None, layer: int = 0, start: int = 0):
+    def project(self, x, cos, sin):
+        """q [B, Hq, T, D], k and v [B, Hk, T, D], RoPE applied: one GEMM when q/k/v were joined
+        at load (``qkv_proj``), and one launch for RoPE on the kernels."""
         B, T, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x)
+            if self.kernels and not cfg.qk_norm:
+                from runtime.kernels.small_ops import rope_qkv
+
+                return rope_qkv(qkv, cos, sin, h, kv, d)
+            q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(B, T, h, d), k.view(B, T, kv, d), v.view(B, T, kv, d)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, mask, cache=None, layer: int = 0, start: int = 0):
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q, k, v = self.project(x, cos, sin)
         out = None
         if hasattr(cache, "attend"):
             # sequences at positions of their own (runtime.engine's batches): the batch stores
@@ -244,8 +273,18 @@ class MLP(nn.Module):
         self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, b)
         self.down_proj = make_linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, b)
 
+    kernels = False
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not hasattr(self, "gate_up_proj"):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load
+        if self.kernels:
+            from runtime.kernels.small_ops import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -259,9 +298,13 @@ class Block(nn.Module):
         self.index = i
         self.window = cfg.sliding_windows[i]
 
-    def forward(self, x, cos, sin, mask, cache=None, start: int = 0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, self.index, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, mask, cache=None, start: int = 0):
+        """``(mlp output, residual stream before it)``: the stream's adds happen in the next norm
+        (``RMSNorm.add_forward``), so on the kernels an add and a norm are one launch."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, mask, cache, self.index, start)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Body(nn.Module):
@@ -294,8 +337,11 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0) -> torch.Tensor:
-        """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T``.
+    def forward(self, input_ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits for ``input_ids`` [B, T] placed at positions ``start .. start+T`` ([B, 1, V]
+        of the last position only with ``last_only``: generation needs no more, and at 4,096
+        tokens a vocabulary of 128k makes the full logits a 1 GB tensor).
 
         With a ``cache`` the new keys/values are stored and attention reads every
         position before them; without one ``start`` must be 0 (a plain forward).
@@ -311,6 +357,32 @@ class Decoder(nn.Module):
         # one mask per distinct window, shared by the layers (not rebuilt per layer)
         masks = {w: None if per_sequence else attention_mask(T, start + T, w, x.device)
                  for w in set(self.cfg.sliding_windows)}
+        residual = None
         for block in self.model.layers:
-            x = block(x, cos, sin, masks[block.window], cache, start)
-        return self.lm_head(self.model.norm(x))
+            x, residual = block(x, residual, cos, sin, masks[block.window], cache, start)
+        if last_only:
+            x, residual = x[:, -1:], residual[:, -1:]
+        return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+
+    def use_kernels(self, on: bool = True) -> None:
+        """Run RMSNorm (with the residual add), RoPE and SiLU-and-multiply as the fused Triton
+        kernels (``runtime.kernels.small_ops``; CUDA, or the interpreter) or as PyTorch."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.kernels = on
+
+    def join_projections(self) -> None:
+        """q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (at load,
+        after the weights are in: checkpoints keep HF's names). Layers that cannot be joined
+        (``runtime.linear.concat_linears``) stay apart."""
+        from runtime.linear import concat_linears
+
+        for block in self.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            for owner, names, joined_name in ((attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                              (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+                joined = concat_linears([getattr(owner, n) for n in names])
+                if joined is not None:
+                    setattr(owner, joined_name, joined)
+                    for n in names:
+                        delattr(owner, n)

@@ -165,6 +165,25 @@ def test_preemption_recomputes_and_gives_the_same_tokens(models, prompts, sample
         assert want == [plain(model, p, 24) for p in prompts[:3]]
 
 
+def test_int4_output_does_not_depend_on_preemption_or_where_chunks_fall(models, prompts):
+    """A quantized cache: a later prefill chunk reads earlier ones through the quantizer, so the
+    chunks are cut at multiples of prefill_chunk whatever else runs, and a preempted request
+    replays its outputs through decode steps (each token reads what it read the first time)
+    instead of prefilling them. So the engine gives model.generate's tokens at the same chunking,
+    under preemption and joins; a prompt within one chunk gives the one-forward generate's."""
+    model = models[INT4]
+    lengths = (28,) * 5
+    probe = Engine(model, max_batch=3, max_len=64).cache
+    budget = 3 * probe.slot_bytes() + 3 * probe.block_bytes()  # 3 blocks for up to 3 growing sequences
+    tight = Engine(model, max_batch=3, max_len=64, kv_memory=budget, prefill_chunk=16)
+    requests = tight.generate(prompts, [greedy(n) for n in lengths])  # 34 tokens: chunks at 0, 16, 32
+    assert tight.stats()["preemptions"] >= 3
+    assert [r.output_ids for r in requests] == [plain(model, p, n, prefill_chunk=16) for p, n in zip(prompts, lengths)]
+    for p, n, r in zip(prompts, lengths, requests):
+        if len(p) <= 16:
+            assert r.output_ids == plain(model, p, n)
+
+
 def test_seeds_reproduce_sampled_output_in_any_batch(models, prompts):
     model = models[FP16]
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
@@ -257,16 +276,18 @@ def test_text_stream_holds_back_a_stop_string_split_over_tokens():
 # ----------------------------------------------------------------------------- kernels
 
 
-def test_triton_attention_kernels_through_the_engine(model_dir, prompts):
+def test_triton_attention_kernels_through_the_engine(models, model_dir, prompts):
     """The GPU path, run in the Triton interpreter: quantize-on-write and decode attention over
-    sequences of different lengths in one launch; prompts shorter than a block, so the plain CPU
-    path (which prefills through the quantizer) computes the same thing."""
+    sequences of different lengths in one launch, and the fused small ops (add + RMSNorm, RoPE,
+    SiLU-and-multiply); prompts shorter than a block, so the plain CPU path (which prefills
+    through the quantizer) computes the same thing."""
     model = runtime.load(model_dir, kv=INT4)
+    model.decoder.use_kernels(True)
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=3, max_len=32, attention="triton")
     requests = engine.generate(short, greedy(14))  # 12 + 14 crosses a block: one is quantized
     assert engine.stats()["attention"] == "triton"
-    assert [r.output_ids for r in requests] == [plain(model, p, 14) for p in short]
+    assert [r.output_ids for r in requests] == [plain(models[INT4], p, 14) for p in short]
 
 
 def test_chunked_prefill_through_the_kernels(model_dir, prompts):
@@ -296,20 +317,20 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     bucket of rows, padding rows that write into free slots, the kernels' lengths bounded by the
     block table instead of the batch. Three sequences use the bucket of 4; prefilling sequences
     sit in high rows, so padding never touches them."""
-    from runtime.engine import _DecodeGraph
+    from runtime.execution import DecodeGraph
 
     model = models[INT4]
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=6, max_len=32, attention="triton")
-    engine._graphs = {b: _DecodeGraph(engine, b, capture=False) for b in (2, 4)}
-    used, run = [], _DecodeGraph.run
+    engine._graphs = {b: DecodeGraph(model.decoder, engine.cache, b, capture=False) for b in (2, 4)}
+    used, run = [], DecodeGraph.run
 
-    def counted(self, ids, starts):
-        used.append(len(self.starts))  # the bucket
-        return run(self, ids, starts)
+    def counted(self, tokens, starts):
+        used.append(self.batch)  # the bucket
+        return run(self, tokens, starts)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_DecodeGraph, "run", counted)
+        m.setattr(DecodeGraph, "run", counted)
         requests = engine.generate(short, [greedy(n) for n in (8, 5, 3)])  # 3, then 2, then 1 decoding
     assert set(used) == {2, 4} and len(used) == engine.stats()["decode_steps"]
     assert [r.output_ids for r in requests] == [plain(model, p, n) for p, n in zip(short, (8, 5, 3))]
@@ -407,3 +428,71 @@ def test_bench_refuses_without_a_gpu_and_runs_its_smoke_mode(tmp_path):
         assert r["output_tokens"] == r.get("batch", r.get("requests")) * r["output_len"]
         assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["mean"] > 0
     assert engine[-1]["mode"] == "continuous" and engine[-1]["requests"] == 4
+
+
+# ----------------------------------------------------------------------------- the decode step's cost
+
+
+def decoding_engine(model_dir, prompts, attention, steps_left=20):
+    """A bf16 engine (the GPU's dtype, so casts count) whose three requests all decode."""
+    model = runtime.load(model_dir, kv=INT4, dtype=torch.bfloat16)
+    engine = Engine(model, max_batch=4, max_len=64, attention=attention)
+    for p in prompts[:3]:  # 5, 21 and 9 tokens: the first and last cross into block 1 while decoding
+        engine.submit(p, greedy(steps_left))
+    while engine.waiting or any(r.slot >= engine.decoding for r in engine.running):
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_a_decode_step_reads_the_device_once_and_copies_inputs_once(model_dir, prompts, attention):
+    """Counted with runtime.counting on CPU: the only host sync of a decode step is the read of
+    the sampled tokens, the inputs go in with one copy, and a step where a sequence crosses into a
+    new block adds one copy of its block-table row, never a read of the table. (The reference
+    path's quantizer makes small constant tensors when a block fills: copies, not syncs.)"""
+    from runtime.counting import decode_step_counts
+
+    engine = decoding_engine(model_dir, prompts, attention)
+    crossings = 0
+    for _ in range(8):
+        lengths = [r.computed for r in engine._decoders()]
+        crossing = any((n + 1) % engine.cache.block_size == 0 for n in lengths)
+        counts = decode_step_counts(engine)
+        assert counts["syncs"] == 1 and counts["ops"]["sync:tolist"] == 1, counts["ops"]
+        if attention == "triton" or not crossing:
+            assert counts["input_copies"] == 1 + crossing, (lengths, counts["ops"])
+        crossings += crossing
+    assert crossings >= 1
+
+
+def test_a_decode_step_launches_at_most_12_kernels_per_layer(model_dir, prompts):
+    """The CUDA path's launches, counted on CPU (ATen ops that run a kernel, plus Triton launches;
+    a quantized GEMM counts as one, split-K adds a reduction): two add+RMSNorm, the q/k/v GEMM,
+    RoPE, the cache write (blocks and residual), decode attention and its split combine, o_proj,
+    the gate/up GEMM, SiLU-and-multiply, down_proj."""
+    from runtime.counting import decode_step_counts
+
+    engine = decoding_engine(model_dir, prompts, "triton")
+    engine.model.decoder.use_kernels(True)
+    counts = decode_step_counts(engine)
+    assert counts["syncs"] == 1 and max(counts["launches_per_layer"]) <= 12, counts
+    assert counts["ops"]["triton:_add_rmsnorm_kernel"] == 2 * counts["layers"] + 1  # + the final norm
+
+
+def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
+    """On CUDA the engine asks quant_matmul's tuner for every M a step can take at start-up (a GPU
+    would time the candidates then, not on a request): here the tuner is replaced by a recorder."""
+    from types import SimpleNamespace
+
+    from quant.affine import QuantScheme
+    from runtime.execution import warm_matmul_tuning
+    from runtime.kernels import quant_matmul
+    from runtime.linear import QuantLinear
+
+    layer = QuantLinear(64, 32, QuantScheme(4, 32, True))
+    decoder = torch.nn.Sequential(torch.nn.Linear(2, 2), layer)
+    assert warm_matmul_tuning(decoder, 24) == 0  # the dense reference (CPU): nothing to tune
+    layer._kernel = SimpleNamespace(qweight=torch.zeros(1))  # as materialize leaves it on a GPU
+    asked = []
+    monkeypatch.setattr(quant_matmul, "choose_config", lambda M, kw, dtype, device: asked.append(M))
+    assert warm_matmul_tuning(decoder, 24) == 6 and asked == [1, 2, 4, 8, 16, 24]

@@ -155,7 +155,12 @@ def test_quantized_checkpoint_runs_with_the_fake_quantized_weights(tmp_path, kin
     plan["lm_head"] = QuantScheme(4, 32, True)
     path = write_quantized(model, tok, tmp_path / "q", plan)
     rt = runtime.load(path)
-    assert sum(isinstance(m, QuantLinear) for m in rt.decoder.modules()) == len(plan)
+    # every planned layer is quantized (q/k/v and gate/up joined at load: count their weights)
+    hf_linears = dict(model.named_modules())
+    assert sum(m.in_features * m.out_features for m in rt.decoder.modules() if isinstance(m, QuantLinear)) == sum(
+        hf_linears[n].weight.numel() for n in plan)
+    assert hasattr(rt.decoder.model.layers[0].self_attn, "qkv_proj") and hasattr(rt.decoder.model.layers[0].mlp,
+                                                                                  "gate_up_proj")
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = model(ids).logits
@@ -233,8 +238,8 @@ class ForcedDecoder:
     def __init__(self, decoder, ids):
         self.cfg, self.ids, self.step = decoder.cfg, ids, 0
 
-    def __call__(self, inputs, cache, pos):
-        logits = torch.zeros(1, inputs.shape[1], self.cfg.vocab_size)
+    def __call__(self, inputs, cache, pos, last_only=False):
+        logits = torch.zeros(1, 1 if last_only else inputs.shape[1], self.cfg.vocab_size)
         logits[0, -1, self.ids[self.step]] = 1
         self.step += 1
         return logits

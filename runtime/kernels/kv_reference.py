@@ -189,7 +189,7 @@ REFERENCE_OPS = AttentionOps(write_kv, dequantize_cache, decode_attention)
 def reserve(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
     """``KVCache.update``'s checks and block allocation, for writers that store the tokens
     themselves; returns the end position."""
-    cache._check(layer, k, v)
+    cache.check_new_kv(layer, k, v)
     if start != cache.lengths[layer]:
         raise ValueError(f"layer {layer} of the KV cache holds {cache.lengths[layer]} positions; new ones must follow "
                          f"them (got start={start}); reset() starts over")
@@ -199,7 +199,7 @@ def reserve(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> 
     B = cache.block_size
     full = (start % B + k.shape[2]) // B
     if full:
-        cache._allocate(start // B, full)
+        cache.take_blocks(range(cache.batch), start // B, full)
     return end
 
 
@@ -228,17 +228,20 @@ def cache_attention(cache, layer: int, start: int, q: torch.Tensor, k: torch.Ten
 
 def paged_attention(paged: PagedKV, starts: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None = None, window: int | None = None, ops: AttentionOps = REFERENCE_OPS,
-                    max_seq_len: int | None = None, start: int | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, start: int | None = None,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`cache_attention` on one layer's tensors, sequence ``s`` writing at ``starts[s]``
     (its blocks allocated by the caller). Decode (T = 1) takes a different start per sequence;
     prefill (T > 1) one start for all (``start``, when the host knows it), and ``mask`` for it.
     ``max_seq_len`` bounds the lengths (None: the block table's reach; decode then needs no host
-    sync, as CUDA graphs require)."""
+    sync, as CUDA graphs require). ``lengths``: ``starts + 1`` for decode when the caller has it
+    (computed once per step instead of once per layer)."""
     T = k.shape[2]
     ops.write_kv(paged, starts, k, v)
     gqa = q.shape[1] != k.shape[1]
     if T == 1:
-        return ops.decode_attention(q[:, :, 0], paged, starts + 1, window=window, max_seq_len=max_seq_len)[:, :, None]
+        lengths = starts + 1 if lengths is None else lengths
+        return ops.decode_attention(q[:, :, 0], paged, lengths, window=window, max_seq_len=max_seq_len)[:, :, None]
     start = int(starts[0]) if start is None else start
     if start:  # chunked prefill: earlier chunks come back from the quantized cache
         old_k, old_v = ops.dequantize_cache(paged, starts, length=start)

@@ -1,0 +1,81 @@
+"""What one engine decode step asks of the device, counted on CPU: host syncs, input copies,
+kernel launches (per layer and per step). Counts, not timings: no GPU is needed or used.
+
+    python bench/step_counts.py [--layers 4] [--batch 1,8] [--kv fp16-r16,int4-g16-r16] [--json OUT]
+
+The engine runs the CUDA path on CPU tensors: the Triton attention kernels and the fused small
+ops in the Triton interpreter, the linear layers as one GEMM each (on a GPU: ``quant_matmul``,
+one launch, plus a split-K reduction where its tuning picks one). ``runtime.counting`` says what
+each count covers. Rows: the fused small ops on (what ``runtime.load`` picks on CUDA) and off
+(PyTorch ops: what the decoder launched before them). Writes
+``bench/results/step-counts-<commit>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+
+import runtime  # noqa: E402
+from runtime import Engine, SamplingParams  # noqa: E402
+from runtime.counting import decode_step_counts  # noqa: E402
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:
+    model = runtime.load(model_dir, kv=kv, dtype=torch.bfloat16)  # the GPU's dtype, so casts count
+    model.decoder.use_kernels(fused)
+    engine = Engine(model, max_batch=batch, max_len=128, attention="triton")
+    for i in range(batch):
+        engine.submit([3 + (i + j) % 100 for j in range(5 + 3 * i)], SamplingParams(max_tokens=40, ignore_eos=True))
+    while engine.waiting or any(r.slot >= engine.decoding for r in engine.running):
+        engine.step()
+    steps = [decode_step_counts(engine) for _ in range(3)]
+    worst = max(steps, key=lambda c: c["launches"])
+    return dict(kv=kv, batch=batch, fused_small_ops=fused, syncs=max(c["syncs"] for c in steps),
+                input_copies=max(c["input_copies"] for c in steps), launches_per_step=worst["launches"],
+                launches_per_layer=max(worst["launches_per_layer"]), triton_launches=worst["triton_launches"],
+                ops=worst["ops"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--kv", default="fp16-r16,int4-g16-r16")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    from tiny import save_model, tiny_llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = tiny_llama(hidden=128, layers=args.layers)  # head_dim 32: the attention kernels take it
+        model_dir = save_model(model, tok, Path(tmp) / "m")
+        rows = [count(model_dir, kv, int(b), fused) for kv in args.kv.split(",") for b in args.batch.split(",")
+                for fused in (True, False)]
+    record = dict(what="one engine decode step on the CUDA path, counted on CPU (runtime/counting.py)",
+                  commit=commit(), torch=torch.__version__, layers=args.layers, rows=rows)
+    out = args.json or ROOT / "bench" / "results" / f"step-counts-{record['commit']}.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    for r in rows:
+        print(f"{r['kv']:>14} batch {r['batch']:>2} fused={r['fused_small_ops']!s:5}  syncs {r['syncs']}  "
+              f"copies {r['input_copies']}  launches/layer {r['launches_per_layer']:>2}  /step {r['launches_per_step']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

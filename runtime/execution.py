@@ -1,0 +1,127 @@
+"""How the engine runs a forward: which cache rows it reads and writes, its inputs, its CUDA graphs.
+
+The scheduler (``runtime.engine``) decides what runs; this module runs it without asking the
+device anything. A decode step's inputs (token ids, start positions, lengths) are packed on the
+host and go to the device in one copy; the block table changes only when a sequence crosses a
+block boundary (``KVCache.take_blocks``), so a steady decode step has no host-device sync
+before its logits come back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.cache import KVCache
+from runtime.kernels import kv_reference as ref
+from runtime.model import attention_mask
+
+
+def step_inputs(tokens: list[int], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [n, 1], starts [n], lengths after the step [n])`` on ``device``, int32, from one
+    host tensor: one host-to-device copy for the whole step."""
+    host = torch.tensor([tokens, starts, [s + 1 for s in starts]], dtype=torch.int32)
+    packed = host.to(device, non_blocking=True)
+    return packed[0, :, None], packed[1], packed[2]
+
+
+class SequenceBatch:
+    """Rows ``first .. first+count`` of the cache, sequence ``i`` writing at ``starts[i]``: what
+    one forward of the engine reads and writes. ``runtime.model.Attention`` hands it each
+    layer's new keys and values (``attend``).
+
+    ``kernels``: the Triton ops over views of the cache tensors (GPU; the interpreter in tests).
+    Otherwise each sequence stores its keys and values, reads back all of its cache dequantized
+    and runs SDPA, exactly as the plain runtime (``KVCache.update`` + SDPA) does.
+    ``starts_tensor`` and ``lengths``: ``starts`` on the device, and ``starts + T`` (decode:
+    given by the caller, so no layer computes them).
+    """
+
+    def __init__(self, cache: KVCache, first: int, starts: list[int], kernels: bool,
+                 starts_tensor: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                 max_seq_len: int | None = None):
+        self.cache, self.first, self.starts, self.kernels = cache, first, starts, kernels
+        self.count = len(starts)
+        self.starts_tensor = starts_tensor if starts_tensor is not None else torch.tensor(
+            starts, dtype=torch.int32, device=cache.device)
+        self.lengths = lengths
+        self.max_seq_len = max_seq_len
+
+    def attend(self, layer: int, q, k, v, mask, window):
+        if self.kernels:
+            from runtime.kernels.attention import KERNEL_OPS
+
+            rows = slice(self.first, self.first + self.count)
+            c = self.cache
+            paged = ref.PagedKV(c.pool[layer]["k"], c.pool[layer]["v"], c.residual_k[layer][rows],
+                                c.residual_v[layer][rows], c.block_table[rows], c.scheme)
+            start = self.starts[0] if k.shape[2] > 1 else None  # prefill: one sequence, start known on the host
+            return ref.paged_attention(paged, self.starts_tensor, q, k, v, mask, window, KERNEL_OPS,
+                                       max_seq_len=self.max_seq_len, start=start, lengths=self.lengths)
+        return torch.cat([self._attend_one(layer, i, q[i:i + 1], k[i], v[i], window) for i in range(self.count)])
+
+    def _attend_one(self, layer, i, q, k, v, window):
+        slot, start, T = self.first + i, self.starts[i], k.shape[1]
+        keys, values = self.cache.write_sequence(layer, slot, start, k, v)
+        mask = attention_mask(T, start + T, window, q.device)
+        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
+                                              enable_gqa=q.shape[1] != keys.shape[0])
+
+
+class DecodeGraph:
+    """One decode step for ``batch`` rows captured in a CUDA graph: static token, position and
+    length inputs, the attention kernels over views of the cache (no host sync, no allocation at
+    replay). Rows past the live sequences are padding: free slots written at position 0 and ignored.
+
+    ``capture=False`` runs the same padded step eagerly on the static inputs: what the tests run
+    (in the Triton interpreter) to check everything but the capture itself."""
+
+    def __init__(self, decoder, cache: KVCache, batch: int, capture: bool = True):
+        device = cache.device
+        self.batch = batch
+        self.inputs = torch.zeros(3, batch, dtype=torch.int32, device=device)  # ids, starts, lengths
+        self.inputs[2] = 1
+        ids, starts, lengths = self.inputs[0, :, None], self.inputs[1], self.inputs[2]
+        view = SequenceBatch(cache, 0, [0] * batch, kernels=True, starts_tensor=starts, lengths=lengths)
+        self.step = lambda: decoder(ids, view, starts, last_only=True)
+        self.graph = None
+        if capture:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side), torch.inference_mode():  # warm-up: Triton autotuning and compilation
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph), torch.inference_mode():
+                self.logits = self.step()
+
+    def run(self, tokens: list[int], starts: list[int]) -> torch.Tensor:
+        """Logits [n, 1, V] of the live rows; the inputs go in with one copy (padding: id 0 at 0)."""
+        n, pad = len(starts), self.batch - len(starts)
+        host = torch.tensor([tokens + [0] * pad, starts + [0] * pad, [s + 1 for s in starts] + [1] * pad],
+                            dtype=torch.int32)
+        self.inputs.copy_(host, non_blocking=True)
+        if self.graph is None:
+            return self.step()[:n]
+        self.graph.replay()
+        return self.logits[:n]
+
+
+def warm_matmul_tuning(decoder, largest_m: int) -> int:
+    """Tune every quantized layer's GEMM for each M bucket up to ``largest_m`` now (CUDA), so no
+    request pays a tuning stall; returns how many (layer, M) pairs were asked. Nothing to do
+    where the layers run the dense reference (CPU)."""
+    from runtime.linear import QuantLinear
+
+    layers = [m for m in decoder.modules() if isinstance(m, QuantLinear) and m._kernel is not None]
+    if not layers:
+        return 0
+    from runtime.kernels.quant_matmul import choose_config
+
+    sizes = [1 << i for i in range(max(largest_m, 1).bit_length())] + [largest_m]
+    dtype = next(decoder.parameters()).dtype
+    for m in layers:
+        for M in sizes:
+            choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
+    return len(layers) * len(sizes)

@@ -1,0 +1,98 @@
+"""A request to the serving engine: its tokens, its sampler state, its stream and its metrics."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.generate import TextStream, Token
+from runtime.sampling import SamplingParams
+
+
+@dataclass
+class RequestMetrics:
+    """Times in seconds from the request's arrival (``submit``)."""
+
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_s: float | None = None  # arrival to first token
+    itl_s: list[float] = field(default_factory=list)  # gaps between later tokens
+    e2e_s: float | None = None  # arrival to finish
+    preemptions: int = 0
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Output tokens over the request's whole time in the engine (queueing included)."""
+        return self.output_tokens / self.e2e_s if self.e2e_s else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first: the rate this request streamed at."""
+        span = sum(self.itl_s)
+        return len(self.itl_s) / span if span > 0 else None
+
+    def to_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens, ttft_s=self.ttft_s,
+                    mean_itl_s=self.mean_itl_s, e2e_s=self.e2e_s, tokens_per_s=self.tokens_per_s,
+                    decode_tokens_per_s=self.decode_tokens_per_s, preemptions=self.preemptions)
+
+
+class Request:
+    """One request: iterate it to stream its :class:`Token` s (iterating drives the engine).
+
+    ``output_ids``, ``text``, ``finish_reason`` ("stop": EOS, a stop id or a stop string;
+    "length": ``max_tokens`` or the context) and ``metrics`` fill in as it runs.
+    """
+
+    def __init__(self, engine: "Engine", request_id: int, prompt_ids: list[int], params: SamplingParams,
+                 total: int):
+        self.engine, self.id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
+        self.total = total  # positions it may reach: prompt + max_tokens, within the context
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.stream = TextStream(engine.model.tokenizer, params.stop)
+        self.arrival = time.perf_counter()
+        self._last_token_at: float | None = None
+        self._pending: collections.deque[Token] = collections.deque()
+        self.slot: int | None = None  # its cache row while it runs
+        self.computed = 0  # positions its cache holds
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the model reads: the prompt, then every output token."""
+        return self.prompt_ids + self.output_ids
+
+    def __iter__(self):
+        while True:
+            while self._pending:
+                yield self._pending.popleft()
+            if self.finished:
+                return
+            self.engine.step()
+
+    def result(self) -> "Request":
+        """Run the engine until this request finishes; returns it."""
+        for _ in self:
+            pass
+        return self
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or ("running" if self.slot is not None else "waiting")
+        return f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, output={len(self.output_ids)}, {state})"
