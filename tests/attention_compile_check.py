@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from runtime.kernels import attention as A  # noqa: E402
+from runtime.kernels import kv_write as W  # noqa: E402
 
 TL = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
 
@@ -88,10 +89,10 @@ def main(capability: int = 90, quick: bool = False) -> None:
         built.append(("dequantize", compile_kernel(A._dequantize_kernel, target, types,
                                                    dict(H=8, TILE=A.DEFAULT_TILE, OUT=TL[dt], **scheme), 4, 1)))
         built.append(("write blocks", compile_kernel(
-            A._write_blocks_kernel, target, types,
-            dict(H=8, KEY_ROWS=64 if kivi else A.WRITE_ROWS, ROWS=A.WRITE_ROWS, CACHE=TL[dt], **scheme),
-            A.WRITE_WARPS, 1)))
-        built.append(("write residual", compile_kernel(A._write_residual_kernel, target, types,
+            W._write_blocks_kernel, target, types,
+            dict(H=8, KEY_ROWS=64 if kivi else W.WRITE_ROWS, ROWS=W.WRITE_ROWS, CACHE=TL[dt], **scheme),
+            W.WRITE_WARPS, 1)))
+        built.append(("write residual", compile_kernel(W._write_residual_kernel, target, types,
                                                        dict(H=8, B=128, D=128, ROWS=16, CACHE=TL[dt]), 4, 1)))
         for kernel_name, k in built:
             print(f"sm_{capability} {name} {dt} {kernel_name}: compiled {ptxas_report(k, capability)}")
