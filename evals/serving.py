@@ -73,7 +73,7 @@ def random_model(config: dict, weights: str, kv: str, device: torch.device, dtyp
     from kvquant import parse_kv
     from quant.affine import QuantScheme
     from runtime.linear import QuantLinear
-    from runtime.load import Model, linear_factory, linear_names
+    from runtime.load import Model, linear_factory, linear_names, prepare
     from runtime.model import Decoder, DecoderConfig
 
     cfg = DecoderConfig.from_hf(config)
@@ -98,10 +98,7 @@ def random_model(config: dict, weights: str, kv: str, device: torch.device, dtyp
         if isinstance(module, QuantLinear):
             state[f"{name}.weight_shape"] = torch.tensor([module.out_features, module.in_features])
     decoder.load_state_dict(state, assign=True)
-    decoder.to(device).eval()
-    for module in decoder.modules():
-        if isinstance(module, QuantLinear):
-            module.materialize(dtype)
+    prepare(decoder, device, dtype)  # as runtime.load: joined projections, fused small ops on CUDA
     return Model(decoder, config, None, device, dtype, Path(f"random-{weights}"), parse_kv(kv))
 
 

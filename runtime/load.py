@@ -140,6 +140,17 @@ def kv_scheme_of(manifest: dict | None, kv: KVScheme | str | None) -> KVScheme:
     return kv or saved
 
 
+def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype) -> None:
+    """A decoder whose weights are in, made ready to run on ``device``: what every runtime model
+    goes through (``load``, and the benchmarks' random models)."""
+    decoder.to(device).eval()
+    decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
+    decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            module.materialize(dtype)  # at load, so the first request does not pay for it
+
+
 def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
          kv: KVScheme | str | None = None) -> Model:
     """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias.
@@ -166,11 +177,6 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     check_quantized_shapes(decoder, path)
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
-    decoder.to(device).eval()
-    decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
-    decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
-    for module in decoder.modules():
-        if isinstance(module, QuantLinear):
-            module.materialize(dtype)  # at load, so the first request does not pay for it
+    prepare(decoder, device, dtype)
     tokenizer = load_tokenizer(path) if any((path / f).exists() for f in TOKENIZER_FILES) else None
     return Model(decoder, config, tokenizer, device, dtype, path, kv_scheme)
