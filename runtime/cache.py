@@ -68,6 +68,9 @@ import math
 import torch
 
 from kvquant import KVScheme, QuantizedKV, dequantize_blocks, layout, quantize_blocks
+from kvquant.memory import residual_bytes
+from kvquant.quantize import block_bytes
+from runtime.units import parse_bytes
 
 
 class KVCache:
@@ -348,3 +351,24 @@ class KVCache:
         tensors = [t for layer in self.pool for q in layer.values() for t in q if t is not None]
         tensors += self.residual_k + self.residual_v + [self.block_table]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cache_size(model, scheme: KVScheme, kv_memory, max_batch: int, max_len: int) -> tuple[int, int]:
+    """``(budget, pool blocks)``: the slots' residual blocks come first, blocks take the rest.
+    Default budget: every slot at ``max_len``, capped on CUDA at 80% of the free memory (activations
+    and CUDA graphs need the rest)."""
+    cfg = model.decoder.cfg
+    per_block = cfg.num_layers * cfg.num_kv_heads * block_bytes(scheme, cfg.head_dim, model.dtype)
+    per_slot = residual_bytes(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    if kv_memory is not None:
+        budget = parse_bytes(kv_memory)
+    else:
+        budget = max_batch * (per_slot + -(-max_len // scheme.block_size) * per_block)
+        if model.device.type == "cuda":
+            budget = min(budget, int(0.8 * torch.cuda.mem_get_info(model.device)[0]))
+    blocks = (budget - max_batch * per_slot) // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"a KV budget of {budget:,} bytes holds no cache block beside {max_batch} slots' residual blocks "
+            f"({per_slot:,} bytes each, {scheme.name}); raise kv_memory or lower max_batch")
+    return budget, int(blocks)

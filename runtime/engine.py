@@ -47,19 +47,15 @@ from __future__ import annotations
 
 import collections
 import time
-import warnings
 
 import torch
 
 from kvquant import KVScheme, parse_kv
-from kvquant.memory import residual_bytes
-from kvquant.quantize import block_bytes
-from runtime.cache import KVCache
-from runtime.execution import DecodeGraph, SequenceBatch, step_inputs, warm_matmul_tuning
+from runtime.cache import KVCache, cache_size
+from runtime.execution import DecodeGraph, SequenceBatch, kernels_for, step_inputs, warm_matmul_tuning
 from runtime.generate import Token, check_prompt, prefill_chunks
 from runtime.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams, sample_params
-from runtime.units import parse_bytes  # noqa: F401 (runtime.engine.parse_bytes: older imports)
 
 
 class EngineClosedError(RuntimeError):
@@ -69,48 +65,6 @@ class EngineClosedError(RuntimeError):
 # --------------------------------------------------------------------------------- engine
 
 
-def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: torch.device,
-                attention: str = "auto") -> bool:
-    """Whether the engine runs the Triton attention kernels: ``auto`` on CUDA when they take this
-    cache (else the reference, with a warning), ``triton`` always (an error if they cannot;
-    on CPU it needs the interpreter), ``reference`` never."""
-    if attention not in ("auto", "triton", "reference"):
-        raise ValueError(f"attention must be auto, triton or reference, got {attention!r}")
-    if attention == "reference" or (attention == "auto" and device.type != "cuda"):
-        return False
-    from runtime.kernels.attention import unsupported_reason
-
-    reason = unsupported_reason(scheme, head_dim, dtype, device)
-    if reason is None:
-        return True
-    if attention == "triton":
-        raise ValueError(f"KV cache {scheme.name}: the Triton attention kernels do not support {reason}")
-    warnings.warn(f"KV cache {scheme.name}: no attention kernel for {reason} on {device}; the engine runs the "
-                  "PyTorch reference per sequence (correct, slow)")
-    return False
-
-
-def cache_size(model, scheme: KVScheme, kv_memory, max_batch: int, max_len: int) -> tuple[int, int]:
-    """``(budget, pool blocks)``: the slots' residual blocks come first, blocks take the rest.
-    Default budget: every slot at ``max_len``, capped on CUDA at 80% of the free memory (activations
-    and CUDA graphs need the rest)."""
-    cfg = model.decoder.cfg
-    per_block = cfg.num_layers * cfg.num_kv_heads * block_bytes(scheme, cfg.head_dim, model.dtype)
-    per_slot = residual_bytes(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
-    if kv_memory is not None:
-        budget = parse_bytes(kv_memory)
-    else:
-        budget = max_batch * (per_slot + -(-max_len // scheme.block_size) * per_block)
-        if model.device.type == "cuda":
-            budget = min(budget, int(0.8 * torch.cuda.mem_get_info(model.device)[0]))
-    blocks = (budget - max_batch * per_slot) // per_block
-    if blocks < 1:
-        raise ValueError(
-            f"a KV budget of {budget:,} bytes holds no cache block beside {max_batch} slots' residual blocks "
-            f"({per_slot:,} bytes each, {scheme.name}); raise kv_memory or lower max_batch")
-    return budget, int(blocks)
-
-
 class Engine:
     """Continuous batching over one loaded :class:`runtime.Model` (see the module docstring).
 
@@ -118,7 +72,7 @@ class Engine:
     sequences of ``max_len`` tokens. ``max_batch``: the most sequences running at once (cache
     slots). ``max_len``: the longest sequence, prompt and output (default and upper bound: the
     model's context). ``kv``: the cache scheme (default: the model's). ``prefill_chunk``: prompt
-    tokens prefilled per step. ``attention``: see :func:`kernels_for`. ``cuda_graphs``: capture
+    tokens prefilled per step. ``attention``: see :func:`runtime.execution.kernels_for`. ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
 
     One thread drives it: ``step`` (or iterating a request, which steps) is not thread-safe.

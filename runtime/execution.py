@@ -9,9 +9,12 @@ before its logits come back.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
+from kvquant import KVScheme
 from runtime.cache import KVCache
 from runtime.kernels import kv_reference as ref
 from runtime.model import attention_mask
@@ -125,3 +128,24 @@ def warm_matmul_tuning(decoder, largest_m: int) -> int:
         for M in sizes:
             choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
     return len(layers) * len(sizes)
+
+
+def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: torch.device,
+                attention: str = "auto") -> bool:
+    """Whether the engine runs the Triton attention kernels: ``auto`` on CUDA when they take this
+    cache (else the reference, with a warning), ``triton`` always (an error if they cannot;
+    on CPU it needs the interpreter), ``reference`` never."""
+    if attention not in ("auto", "triton", "reference"):
+        raise ValueError(f"attention must be auto, triton or reference, got {attention!r}")
+    if attention == "reference" or (attention == "auto" and device.type != "cuda"):
+        return False
+    from runtime.kernels.attention import unsupported_reason
+
+    reason = unsupported_reason(scheme, head_dim, dtype, device)
+    if reason is None:
+        return True
+    if attention == "triton":
+        raise ValueError(f"KV cache {scheme.name}: the Triton attention kernels do not support {reason}")
+    warnings.warn(f"KV cache {scheme.name}: no attention kernel for {reason} on {device}; the engine runs the "
+                  "PyTorch reference per sequence (correct, slow)")
+    return False

@@ -10,7 +10,9 @@ import torch
 import runtime
 from kvquant import parse_kv
 from runtime.cache import KVCache
-from runtime.engine import Engine, EngineClosedError, kernels_for, parse_bytes
+from runtime.engine import Engine, EngineClosedError
+from runtime.execution import kernels_for
+from runtime.units import parse_bytes
 from runtime.generate import TextStream
 from runtime.sampling import SamplingParams, sample
 from tiny import save_model, tiny_llama, tiny_tokenizer

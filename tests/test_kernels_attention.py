@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # before the kernels are built (tests/conftes
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from bench.correctness import same_cache  # noqa: E402
 from kvquant import KVScheme, parse_kv, quantize_kv  # noqa: E402
 from runtime.cache import KVCache  # noqa: E402
 from runtime.kernels import attention as kernels  # noqa: E402
@@ -80,16 +81,7 @@ def lengths(values) -> torch.Tensor:
 
 
 def assert_same_cache(actual: PagedKV, expected: PagedKV) -> None:
-    actual, expected = on_cpu(actual), on_cpu(expected)
-    for got, want in ((actual.k, expected.k), (actual.v, expected.v)):
-        for a, e in zip(got, want):
-            if a is None:
-                continue
-            if a.dtype == torch.float8_e4m3fn:  # compare the bytes (-0 and 0 differ)
-                a, e = a.view(torch.uint8), e.view(torch.uint8)
-            assert torch.equal(a, e)
-    assert torch.equal(actual.residual_k, expected.residual_k)
-    assert torch.equal(actual.residual_v, expected.residual_v)
+    assert same_cache(actual, expected)  # bench/correctness.py: gpu_check's write check, the same rule
 
 
 # ------------------------------------------------------------------------------ quantize-on-write
