@@ -155,7 +155,7 @@ def attention_shape(config) -> tuple[int, int, int]:
             raise MissingConfigKey(f"the config has no {key!r}: cannot size its attention (is it a decoder LM?)")
         return value
 
-    heads = int(get("num_attention_heads"))
+    layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
     kv_heads = int(get("num_key_value_heads", required=False) or heads)
     head_dim = int(get("head_dim", required=False) or int(get("hidden_size")) // heads)
-    return int(get("num_hidden_layers")), kv_heads, head_dim
+    return layers, kv_heads, head_dim

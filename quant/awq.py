@@ -1,10 +1,10 @@
 """AWQ: activation-aware scaling, then clipping (Lin et al., 2023).
 
-For each pair "op -> Linears that read its output" (``quant.architectures``: in the
-Llama layout a norm feeding q/k/v, v feeding o, a norm feeding gate/up, up feeding
-down), search a per-channel
-scale ``s`` from input and weight magnitudes that minimizes the error of the
-block's output when the Linears are quantized as ``W·s`` on inputs ``x/s``;
+For each pair "op -> Linears that read its output" (the family's ``scale_pairs`` in
+``quant.architectures``; in the Llama layout a norm feeding q/k/v, v feeding o, a
+norm feeding gate/up, up feeding down), search a per-channel scale ``s`` from
+input and weight magnitudes that minimizes the error of the block's output when
+the Linears are quantized as ``W·s`` on inputs ``x/s``;
 fold ``1/s`` into the op and ``s`` into the Linears (exact in floating point).
 Then search, per group, how far to shrink each Linear's range, and clamp its
 weights there, so whatever rounds them next (RTN or GPTQ) sees the clipped

@@ -144,7 +144,11 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
                 return
             batch = batch_of[_greenlet().getcurrent()]  # hooks run inside a batch's forward
             x_in = args[0]
-            if not hessian:
+            if not hessian:  # no xᵀx whose diagonal would show NaN or Inf in the inputs: look at them
+                if x_in is not batch.last_input and not torch.isfinite(x_in).all():
+                    raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf "
+                                     "(the model overflows before it)")
+                batch.last_input = x_in
                 batch.pause(name)
                 return
             if x_in is not batch.last_input:

@@ -7,6 +7,7 @@ swapped in by name without the model code knowing about formats.
 The families differ only in a few switches, all read from config.json once into
 :class:`DecoderConfig`: which projections carry a bias, Qwen3's per-head q/k
 norms, the RoPE frequencies, and (Mistral, some Qwen) a sliding attention window.
+Each family's rules for them live in ``quant/architectures.py``.
 """
 
 from __future__ import annotations

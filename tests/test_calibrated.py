@@ -163,13 +163,14 @@ def test_resume_refuses_progress_from_another_recipe(tmp_path):
         quantize_model(model, plan, "gptq", samples=ids, work_dir=tmp_path, resume=True, run_id="b", progress=False)
 
 
-def test_nan_activations_name_the_layer():
+@pytest.mark.parametrize("method", ["gptq", "awq"])  # with and without a Hessian to show the NaN
+def test_nan_activations_name_the_layer(method):
     model, _ = tiny_llama(hidden=64, layers=2)
     ids, _ = tiny_inputs(model)
     model.model.layers[1].post_attention_layernorm.weight.data[3] = float("inf")
     plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.(gate|up)_proj.*NaN or Inf"):
-        quantize_model(model, plan, "gptq", samples=ids, progress=False)
+        quantize_model(model, plan, method, samples=ids, awq=AWQConfig(search_samples=4), progress=False)
     # the paused batches were unwound and the hooks removed: the model runs as before
     assert not any(m._forward_pre_hooks for m in model.modules())
     with torch.no_grad():
