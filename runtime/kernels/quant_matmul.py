@@ -59,34 +59,83 @@ _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only a
 
 
 @triton.jit
+def _tile_inputs(BITS: tl.constexpr):
+    """Input (0 .. tile_k - 1) of each value of a tile, shaped ``[2, Q, 4, 4]`` as ``(p, q, a, b)``:
+    field ``p Q + q`` of word row ``4 a + b`` (weight_layout.tile_position, the same formula)."""
+    Q: tl.constexpr = 16 // BITS
+    p = tl.arange(0, 2)[:, None, None, None]
+    q = tl.arange(0, Q)[None, :, None, None]
+    a = tl.arange(0, 4)[None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, :]
+    return 8 * (a * Q + q) + 2 * b + p
+
+
+@triton.jit
+def _field_pairs(words, shifts, BITS: tl.constexpr, HALF: tl.constexpr):
+    """``magic + u`` in HALF for the fields of ``words`` at ``shifts``, where consecutive elements
+    (in registers) are the pair ``p = 0, 1`` of one word: one shift and one LOP3 make both halves
+    of the 16-bit pair, which the layout keeps 16 bits apart. Only the even element's shift is
+    read. Pairing is what the dot operand's register order gives (tests/kernels_aot.py checks it)."""
+    # t = words >> shift; out = (t & mask) | magic, the mask and magic on both 16-bit halves
+    if HALF == tl.float16:
+        if BITS == 2:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x00030003, 0x64006400, 0xea;}",
+                "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2)
+        elif BITS == 4:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x000f000f, 0x64006400, 0xea;}",
+                "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x00ff00ff, 0x64006400, 0xea;}",
+                "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2)
+    else:  # bf16, 4 bits and fewer (128 + u is exact below 128)
+        if BITS == 2:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x00030003, 0x43004300, 0xea;}",
+                "=r,r,r,r,r", [words, shifts], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x000f000f, 0x43004300, 0xea;}",
+                "=r,r,r,r,r", [words, shifts], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return out
+
+
+@triton.jit
 def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N,
-                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HALF: tl.constexpr):
+                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """``(v, offset)`` whose difference is ``q - zero`` (exact) for inputs ``k0 .. k0 + tile_k``
-    and outputs ``offs_n``; ``v`` is shaped ``[pack, 16, BLOCK_N]``: element ``[i, r, n]`` is input
-    ``k0 + 16 i + r`` (tile_order), ``offset`` broadcasts to it. In fp32, or in ``HALF`` (a 16-bit
-    float type), where pairs of values share an instruction."""
-    PACK: tl.constexpr = 32 // BITS
-    rows = k0 // PACK + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
+    and outputs ``offs_n``; ``v`` is shaped ``[2, Q, 4, 4, BLOCK_N]``, element ``[p, q, a, b, n]``
+    being input ``k0 + _tile_inputs()[p, q, a, b]``; ``offset`` broadcasts to it. In fp32, or in
+    ``HALF`` (a 16-bit float type), where pairs of values share an instruction."""
+    Q: tl.constexpr = 16 // BITS
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    rows = k0 // (2 * Q) + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
     words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-    shifts = tl.arange(0, PACK) * BITS
-    u = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)  # unsigned fields
+    words = tl.reshape(words, (1, 1, 4, 4, BLOCK_N))
+    shifts = BITS * (tl.arange(0, 2)[:, None, None, None, None] * Q + tl.arange(0, Q)[None, :, None, None, None])
     if HALF == tl.float32:
         # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
         # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
-        magic_bits: tl.constexpr = 0x4B000000
         magic: tl.constexpr = 8388608.0
-        v = (u | magic_bits).to(tl.float32, bitcast=True)
+        v = (((words >> shifts) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
     else:
         # The same in 16 bits: 1024 + u is exact in fp16 (10 mantissa bits), 128 + u in bf16 for
-        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16). The compiler packs
-        # pairs of these into 32-bit words: one LOP3/HSUB2 per two weights.
-        magic_bits: tl.constexpr = 0x6400 if HALF == tl.float16 else 0x4300
+        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16).
         magic: tl.constexpr = 1024.0 if HALF == tl.float16 else 128.0
-        v = (u | magic_bits).to(tl.int16).to(HALF, bitcast=True)
-    offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1), dtype=v.dtype)
-    if HAS_ZERO:  # int8 zero points, one row per group: [1 or pack, BLOCK_N]
-        zero = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        offset = offset + zero.to(v.dtype)[:, None, :]
+        if ASM:
+            shape: tl.constexpr = (2, Q, 4, 4, BLOCK_N)
+            v = _field_pairs(tl.broadcast_to(words, shape), tl.broadcast_to(shifts, shape), BITS, HALF)
+        else:  # the interpreter: one value at a time, the same bits
+            magic_bits: tl.constexpr = 0x6400 if HALF == tl.float16 else 0x4300
+            u = (words >> shifts) & ((1 << BITS) - 1)
+            v = (u | magic_bits).to(tl.int16).to(HALF, bitcast=True)
+    offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1, 1), dtype=v.dtype)
+    if HAS_ZERO:  # int8 zero points, one row per group: g_rows broadcasts to [1, Q, 4, 1]
+        zero = tl.load(z_ptr + g_rows[:, :, :, :, None] * N + offs_n[None, None, None, None, :],
+                       mask=n_mask[None, None, None, None, :], other=0)
+        offset = offset + zero.to(v.dtype)
     return v, offset
 
 
@@ -120,13 +169,16 @@ def _scaled_difference(v, offset, scale, ASM: tl.constexpr):
 
 @triton.jit
 def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
-    """Group row of each scale the tile needs: one when the tile lies in one group, else one per
-    16-input field (groups of 16 j inputs). Fields past K (padding) read group 0."""
-    PACK: tl.constexpr = 32 // BITS
+    """Group row of each scale the tile needs, broadcastable to ``[2, Q, 4, 4]``: one when the
+    tile lies in one group, else one per 16-input field ``(q, a)`` (a 16-input run is a field of
+    the layout, groups are multiples of 16). Fields past K (padding) read group 0."""
     if SCALE_PER_TILE:
-        g = k0 // GROUP + tl.zeros((1,), dtype=tl.int32)
+        g = k0 // GROUP + tl.zeros((1, 1, 1, 1), dtype=tl.int32)
     else:
-        k_field = k0 + tl.arange(0, PACK) * _SUBTILE_K
+        Q: tl.constexpr = 16 // BITS
+        q = tl.arange(0, Q)[None, :, None, None]
+        a = tl.arange(0, 4)[None, None, :, None]
+        k_field = k0 + _SUBTILE_K * ((a * Q + q) // 2)  # first input of the field (_tile_inputs // 16)
         g = tl.where(k_field < K, k_field // GROUP, 0)
     return g
 
@@ -159,35 +211,40 @@ def _quant_matmul_kernel(
 
     if USE_DOT:  # transposed, out.T = W @ x.T: see the module docstring
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:  # GEMV, one row: per-(k, n) partial sums, reduced over k once after the loop
+    else:  # GEMV, one row: per-(word row, n) partial sums, reduced over them once after the loop
         acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
         k0 = t * TILE_K
-        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)
-        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(DEQUANT)
-        v, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT)
+        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1, 1 or Q, 1 or 4, 1]
+        scale = tl.load(s_ptr + g[:, :, :, :, None] * N + offs_n[None, None, None, None, :],
+                        mask=n_mask[None, None, None, None, :], other=0.0).to(DEQUANT)
+        v, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
         if USE_DOT:
             offs_k = k0 + tl.arange(0, TILE_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
             # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
             if DEQUANT == tl.float32:
-                wq = (v - offset) * scale[:, None, :]
+                wq = (v - offset) * scale
             else:
-                wq = _scaled_difference(v, offset, scale[:, None, :], DEQUANT_ASM)
-            w = tl.reshape(wq, (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+                wq = _scaled_difference(v, offset, scale, DEQUANT_ASM)
+            # [p, q, a, b, n] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
+            # are only renamed, the values already sit where the tensor-core operand wants them
+            w = tl.reshape(tl.permute(wq, (2, 1, 3, 0, 4)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
             if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
                 acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
             else:
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-        else:
-            offs_k = k0 + tl.arange(0, PACK)[:, None] * _SUBTILE_K + tl.arange(0, _SUBTILE_K)[None, :]
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [PACK, 16] like v
+        else:  # [p, q, a, b] merged to [field, word row]: the fields of a word summed in-thread
+            offs_k = k0 + tl.reshape(_tile_inputs(BITS), (PACK, _SUBTILE_K))
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             wq = v - offset
             if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
-                acc += tl.sum(x[:, :, None] * wq, axis=0) * scale
+                wq = tl.reshape(wq, (PACK, _SUBTILE_K, BLOCK_N))
+                acc += tl.sum(x[:, :, None] * wq, axis=0) * tl.reshape(scale, (1, BLOCK_N))
             else:
-                acc += tl.sum(x[:, :, None] * (wq * scale[:, None, :]), axis=0)
+                wq = tl.reshape(wq * scale, (PACK, _SUBTILE_K, BLOCK_N))
+                acc += tl.sum(x[:, :, None] * wq, axis=0)
     if USE_DOT:
         acc = tl.trans(acc)
     else:
