@@ -307,6 +307,8 @@ def test_kernels_compile_for_nvidia_gpus_without_one():
         dict(arch=90, dtype="fp16", bits=8, group=32, zero=False, split=True, block_m=16, block_n=64, num_warps=4),
         dict(arch=90, dtype="fp16", bits=4, group=64, zero=True, split=True, block_m=1, block_n=64, num_warps=4),
         dict(arch=80, dtype="bf16", bits=4, group=128, zero=False, split=False, block_m=64, block_n=128, num_warps=4),
+        dict(arch=90, dtype="fp16", bits=2, group=64, zero=True, split=False, block_m=128, block_n=64, num_warps=4),
+        dict(arch=80, dtype="fp16", bits=8, group=128, zero=True, split=False, block_m=16, block_n=64, num_warps=4),
     ]
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

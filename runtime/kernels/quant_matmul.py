@@ -71,114 +71,129 @@ def _tile_inputs(BITS: tl.constexpr):
 
 
 @triton.jit
-def _field_pairs(words, shifts, BITS: tl.constexpr, HALF: tl.constexpr):
-    """``magic + u`` in HALF for the fields of ``words`` at ``shifts``, where consecutive elements
-    (in registers) are the pair ``p = 0, 1`` of one word: one shift and one LOP3 make both halves
-    of the 16-bit pair, which the layout keeps 16 bits apart. Only the even element's shift is
-    read. Pairing is what the dot operand's register order gives (tests/kernels_aot.py checks it)."""
-    # t = words >> shift; out = (t & mask) | magic, the mask and magic on both 16-bit halves
-    if HALF == tl.float16:
-        if BITS == 2:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x00030003, 0x64006400, 0xea;}",
-                "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2)
-        elif BITS == 4:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x000f000f, 0x64006400, 0xea;}",
-                "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x00ff00ff, 0x64006400, 0xea;}",
-                "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2)
-    else:  # bf16, 4 bits and fewer (128 + u is exact below 128)
-        if BITS == 2:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x00030003, 0x43004300, 0xea;}",
-                "=r,r,r,r,r", [words, shifts], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 t; shr.u32 t, $1, $3; lop3.b32 $0, t, 0x000f000f, 0x43004300, 0xea;}",
-                "=r,r,r,r,r", [words, shifts], dtype=tl.bfloat16, is_pure=True, pack=2)
+def _group_rows(ptr, g_rows, offs_n, n_mask, N, PAIR_LAST: tl.constexpr):
+    """Rows ``g_rows`` (shaped ``[Q or 1, 4 or 1, 1]``, see _tile_groups) of a ``[groups, N]``
+    tensor (scales, zero points), shaped to broadcast to _integer_tile's values."""
+    if PAIR_LAST:
+        out = tl.load(ptr + g_rows[:, :, :, None, None] * N + offs_n[None, None, None, :, None],
+                      mask=n_mask[None, None, None, :, None], other=0)
+    else:
+        out = tl.load(ptr + g_rows[None, :, :, :, None] * N + offs_n[None, None, None, None, :],
+                      mask=n_mask[None, None, None, None, :], other=0)
     return out
 
 
 @triton.jit
-def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N,
-                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
-    """``(v, offset)`` whose difference is ``q - zero`` (exact) for inputs ``k0 .. k0 + tile_k``
-    and outputs ``offs_n``; ``v`` is shaped ``[2, Q, 4, 4, BLOCK_N]``, element ``[p, q, a, b, n]``
-    being input ``k0 + _tile_inputs()[p, q, a, b]``; ``offset`` broadcasts to it. In fp32, or in
-    ``HALF`` (a 16-bit float type), where pairs of values share an instruction."""
+def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  HALF: tl.constexpr, ASM: tl.constexpr, PAIR_LAST: tl.constexpr = True):
+    """``(v, unit, offset)`` with ``v * unit - offset == q - zero`` (exact) for inputs
+    ``k0 .. k0 + tile_k`` and outputs ``offs_n``; ``v`` is shaped ``[Q, 4, 4, BLOCK_N, 2]``, element
+    ``[q, a, b, n, p]`` being input ``k0 + _tile_inputs()[p, q, a, b]``; ``unit`` and ``offset``
+    broadcast to it. In fp32, or in ``HALF`` (a 16-bit float type), where pairs of values share an
+    instruction. ``PAIR_LAST=False`` (fp32 only, the GEMV): shaped ``[2, Q, 4, 4, BLOCK_N]`` instead,
+    which the GEMV reduces with fewer cross-thread moves."""
     Q: tl.constexpr = 16 // BITS
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     rows = k0 // (2 * Q) + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
     words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-    words = tl.reshape(words, (1, 1, 4, 4, BLOCK_N))
-    shifts = BITS * (tl.arange(0, 2)[:, None, None, None, None] * Q + tl.arange(0, Q)[None, :, None, None, None])
+    words = tl.reshape(words, (1, 4, 4, BLOCK_N))
+    field_bit = BITS * tl.arange(0, Q)[:, None, None, None]  # in the low half; p = 1: 16 bits up
     if HALF == tl.float32:
         # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
         # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
-        magic: tl.constexpr = 8388608.0
-        v = (((words >> shifts) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+        if PAIR_LAST:
+            u = words[:, :, :, :, None] >> (field_bit[:, :, :, :, None] + 16 * tl.arange(0, 2)[None, None, None, None, :])
+        else:
+            u = words[None] >> (field_bit[None] + 16 * tl.arange(0, 2)[:, None, None, None, None])
+        u = u & ((1 << BITS) - 1)
+        v = (u | 0x4B000000).to(tl.float32, bitcast=True)
+        unit = tl.full((1, 1, 1, 1, 1), 1.0, tl.float32)
+        offset = 8388608.0 + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1, 1), dtype=tl.float32)
     else:
         # The same in 16 bits: 1024 + u is exact in fp16 (10 mantissa bits), 128 + u in bf16 for
-        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16).
+        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16). Both values of a pair
+        # (p = 0, 1: 16 bits apart) come out of one shift and one AND/OR on the whole word, as one
+        # 32-bit register holding the 16-bit pair; split and joined below only to name its halves
+        # (the compiled code keeps the register as it is). In fp16 a field is taken where it sits
+        # in its byte (bit r): 1024 + u * 2**r stays exact below 2048, so one shift serves every
+        # field of a byte, and unit = 2**-r scales it back in the fma.
         magic: tl.constexpr = 1024.0 if HALF == tl.float16 else 128.0
-        if ASM:
-            shape: tl.constexpr = (2, Q, 4, 4, BLOCK_N)
-            v = _field_pairs(tl.broadcast_to(words, shape), tl.broadcast_to(shifts, shape), BITS, HALF)
-        else:  # the interpreter: one value at a time, the same bits
-            magic_bits: tl.constexpr = 0x6400 if HALF == tl.float16 else 0x4300
-            u = (words >> shifts) & ((1 << BITS) - 1)
-            v = (u | magic_bits).to(tl.int16).to(HALF, bitcast=True)
-    offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1, 1), dtype=v.dtype)
-    if HAS_ZERO:  # int8 zero points, one row per group: g_rows broadcasts to [1, Q, 4, 1]
-        zero = tl.load(z_ptr + g_rows[:, :, :, :, None] * N + offs_n[None, None, None, None, :],
-                       mask=n_mask[None, None, None, None, :], other=0)
+        magic_pair: tl.constexpr = 0x64006400 if HALF == tl.float16 else 0x43004300
+        if HALF == tl.float16:
+            r = field_bit % 8
+            unit = ((127 - r) << 23).to(tl.float32, bitcast=True).to(HALF)  # 2**-r, exactly
+            offset = magic * unit + (1 << (BITS - 1))
+        else:  # bf16 has no spare mantissa bits for u * 2**r: every field is shifted down
+            r = field_bit * 0
+            unit = tl.full((1, 1, 1, 1), 1.0, HALF)
+            offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1), dtype=HALF)
+        fields = words >> (field_bit - r)
+        masks = (((1 << BITS) - 1) * 0x10001) << r
+        if ASM:  # one LOP3 with the mask as its immediate (left to itself, the compiler picks the
+            # magic and re-materializes every mask in a register per use)
+            if HALF == tl.float16:
+                pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x64006400, 0xea;", "=r,r,r",
+                                                  [fields, masks], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x43004300, 0xea;", "=r,r,r",
+                                                  [fields, masks], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            pairs = (fields & masks) | magic_pair
+        low = (pairs & 0xFFFF).to(tl.int16).to(HALF, bitcast=True)
+        high = (pairs >> 16).to(tl.int16).to(HALF, bitcast=True)
+        v = tl.join(low, high)
+        unit = unit[:, :, :, :, None]
+        offset = offset[:, :, :, :, None]
+    if HAS_ZERO:  # int8 zero points, one row per group: g_rows broadcasts to [Q, 4, 1]
+        zero = _group_rows(z_ptr, g_rows, offs_n, n_mask, N, PAIR_LAST)
         offset = offset + zero.to(v.dtype)
-    return v, offset
+    return v, unit, offset
 
 
 @triton.jit
-def _scaled_difference(v, offset, scale, ASM: tl.constexpr):
-    """``(v - offset) * scale`` in v's 16-bit float type, rounded once, two values per instruction.
+def _scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
+    """``(v * unit - offset) * scale`` in v's 16-bit float type, rounded once, two values per
+    instruction.
 
     The compiler widens 16-bit arithmetic to fp32 (a conversion, an op and a repack per value), so
-    the compiled path spells it as packed fused multiply-adds: ``v + offset * -1`` is exact
-    (integers below 2048 in fp16, 256 in bf16) and ``t * scale + -0`` is the correctly rounded
-    product, which is what ``quant.affine.dequantize(...).to(dtype)`` gives. The interpreter
-    cannot run inline assembly: there the same values come from fp32 (exact operands, one
-    rounding: the same result)."""
-    offset = tl.broadcast_to(offset, v.shape)
+    the compiled path spells it as packed fused multiply-adds: ``v * unit + -offset`` is exact
+    (integers below 2048 in fp16, 256 in bf16; unit a power of two) and ``t * scale + -0`` is the
+    correctly rounded product, which is what ``quant.affine.dequantize(...).to(dtype)`` gives. The
+    interpreter cannot run inline assembly: there the same values come from fp32 (exact operands,
+    one rounding: the same result)."""
+    neg_offset = tl.broadcast_to(-offset, v.shape)
+    unit = tl.broadcast_to(unit, v.shape)
     scale = tl.broadcast_to(scale, v.shape)
     if ASM:
         if v.dtype == tl.float16:
             out = tl.inline_asm_elementwise(
-                "{.reg .b32 m, z; mov.b32 m, 0xBC00BC00; mov.b32 z, 0x80008000;"
-                " fma.rn.f16x2 $0, $2, m, $1; fma.rn.f16x2 $0, $0, $3, z;}",
-                "=r,r,r,r", [v, offset, scale], dtype=tl.float16, is_pure=True, pack=2)
+                "{.reg .b32 z; mov.b32 z, 0x80008000;"
+                " fma.rn.f16x2 $0, $1, $2, $3; fma.rn.f16x2 $0, $0, $4, z;}",
+                "=r,r,r,r,r", [v, unit, neg_offset, scale], dtype=tl.float16, is_pure=True, pack=2)
         else:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 m, z; mov.b32 m, 0xBF80BF80; mov.b32 z, 0x80008000;"
-                " fma.rn.bf16x2 $0, $2, m, $1; fma.rn.bf16x2 $0, $0, $3, z;}",
-                "=r,r,r,r", [v, offset, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+            out = tl.inline_asm_elementwise(  # unit is 1 in bf16 (see _integer_tile)
+                "{.reg .b32 m, z; mov.b32 m, 0x3F803F80; mov.b32 z, 0x80008000;"
+                " fma.rn.bf16x2 $0, $1, m, $3; fma.rn.bf16x2 $0, $0, $4, z;}",
+                "=r,r,r,r,r", [v, unit, neg_offset, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
-        out = ((v.to(tl.float32) - offset.to(tl.float32)) * scale.to(tl.float32)).to(v.dtype)
+        out = ((v.to(tl.float32) * unit.to(tl.float32) + neg_offset.to(tl.float32))
+               * scale.to(tl.float32)).to(v.dtype)
     return out
 
 
 @triton.jit
 def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
-    """Group row of each scale the tile needs, broadcastable to ``[2, Q, 4, 4]``: one when the
-    tile lies in one group, else one per 16-input field ``(q, a)`` (a 16-input run is a field of
-    the layout, groups are multiples of 16). Fields past K (padding) read group 0."""
+    """Group row of each scale the tile needs, broadcastable to ``[Q, 4, 4]`` ``(q, a, b)``: one when
+    the tile lies in one group, else one per 16-input field ``(q, a)`` (the 16 inputs from 16 f are
+    the fields with a Q + q = 2 f, 2 f + 1; groups are multiples of 16). Fields past K (padding)
+    read group 0."""
     if SCALE_PER_TILE:
-        g = k0 // GROUP + tl.zeros((1, 1, 1, 1), dtype=tl.int32)
+        g = k0 // GROUP + tl.zeros((1, 1, 1), dtype=tl.int32)
     else:
         Q: tl.constexpr = 16 // BITS
-        q = tl.arange(0, Q)[None, :, None, None]
-        a = tl.arange(0, 4)[None, None, :, None]
-        k_field = k0 + _SUBTILE_K * ((a * Q + q) // 2)  # first input of the field (_tile_inputs // 16)
+        q = tl.arange(0, Q)[:, None, None]
+        a = tl.arange(0, 4)[None, :, None]
+        k_field = k0 + _SUBTILE_K * ((a * Q + q) // 2)  # the field's first input
         g = tl.where(k_field < K, k_field // GROUP, 0)
     return g
 
@@ -192,6 +207,7 @@ def _quant_matmul_kernel(
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
+    Q: tl.constexpr = PACK // 2
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
     # Programs that share weight columns run close together (GROUP_M rows of tiles at a time),
     # so a weight tile read for one block of rows is still in L2 for the next.
@@ -215,10 +231,10 @@ def _quant_matmul_kernel(
         acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
         k0 = t * TILE_K
-        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1, 1 or Q, 1 or 4, 1]
-        scale = tl.load(s_ptr + g[:, :, :, :, None] * N + offs_n[None, None, None, None, :],
-                        mask=n_mask[None, None, None, None, :], other=0.0).to(DEQUANT)
-        v, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
+        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
+        scale = _group_rows(s_ptr, g, offs_n, n_mask, N, USE_DOT).to(DEQUANT)
+        v, unit, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT,
+                                        DEQUANT_ASM, USE_DOT)
         if USE_DOT:
             offs_k = k0 + tl.arange(0, TILE_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
@@ -227,15 +243,15 @@ def _quant_matmul_kernel(
             if DEQUANT == tl.float32:
                 wq = (v - offset) * scale
             else:
-                wq = _scaled_difference(v, offset, scale, DEQUANT_ASM)
-            # [p, q, a, b, n] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
+                wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
+            # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
             # are only renamed, the values already sit where the tensor-core operand wants them
-            w = tl.reshape(tl.permute(wq, (2, 1, 3, 0, 4)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+            w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
             if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
                 acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
             else:
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-        else:  # [p, q, a, b] merged to [field, word row]: the fields of a word summed in-thread
+        else:  # v is [p, q, a, b, n]: as [field (p q), word row (a b), n], fields summed in-thread
             offs_k = k0 + tl.reshape(_tile_inputs(BITS), (PACK, _SUBTILE_K))
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             wq = v - offset
@@ -393,9 +409,12 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
         configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8) for s in (1, 2)]
     elif M <= 64:
         configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
-    else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it
+    else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it. First (the
+        # untimed default): 128x64 on 4 warps, which fits 2 CTAs per SM on sm_90a by registers and
+        # shared memory (178 registers; 128x128 on 8 warps holds 1) at about 0.7 more SASS
+        # instructions per weight (bench/README.md, sass.py); the GPU's timing decides among them
         configs = [MatmulConfig(bm, bn, 1, num_warps=w, num_stages=st)
-                   for bm, bn, w in ((128, 128, 8), (64, 128, 4), (128, 64, 4), (128, 256, 8), (256, 128, 8),
+                   for bm, bn, w in ((128, 64, 4), (128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8),
                                      (64, 256, 8))
                    for st in (3, 4)]
     kept = [c for c in configs if c.split_k <= num_tiles]
