@@ -94,8 +94,8 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
     which the GEMV reduces with fewer cross-thread moves."""
     Q: tl.constexpr = 16 // BITS
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    rows = k0 // (2 * Q) + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
-    words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    # the tile's 16 word rows (padding is stored: no K mask); qw_ptr points at [16, BLOCK_N] rows 0..15
+    words = tl.load(qw_ptr + (k0 // (2 * Q)) * N, mask=n_mask[None, :], other=0)
     words = tl.reshape(words, (1, 4, 4, BLOCK_N))
     field_bit = BITS * tl.arange(0, Q)[:, None, None, None]  # in the low half; p = 1: 16 bits up
     if HALF == tl.float32:
@@ -199,6 +199,52 @@ def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE:
 
 
 @triton.jit
+def _tile_step(acc, k0, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+               MASK_K: tl.constexpr):
+    """One K tile (inputs ``k0 .. k0 + tile_k``) added into ``acc``; ``MASK_K``: the tile passes K."""
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = _SUBTILE_K * PACK
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
+    scale = _group_rows(s_ptr, g, offs_n, n_mask, N, USE_DOT).to(DEQUANT)
+    v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT,
+                                    DEQUANT_ASM, USE_DOT)
+    if USE_DOT:
+        if MASK_K:
+            x = tl.load(x_tile + k0, mask=(k0 + tl.arange(0, TILE_K) < K)[None, :], other=0.0)
+        else:
+            x = tl.load(x_tile + k0)
+        # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
+        if DEQUANT == tl.float32:
+            wq = (v - offset) * scale
+        else:
+            wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
+        # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
+        # are only renamed, the values already sit where the tensor-core operand wants them
+        w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+        if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
+            acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
+    else:  # v is [p, q, a, b, n]: as [field (p q), word row (a b), n], fields summed in-thread
+        offs_k = k0 + tl.reshape(_tile_inputs(BITS), (PACK, _SUBTILE_K))
+        if MASK_K:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs_k).to(tl.float32)
+        wq = v - offset
+        if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
+            wq = tl.reshape(wq, (PACK, _SUBTILE_K, BLOCK_N))
+            acc += tl.sum(x[:, :, None] * wq, axis=0) * tl.reshape(scale, (1, BLOCK_N))
+        else:
+            wq = tl.reshape(wq * scale, (PACK, _SUBTILE_K, BLOCK_N))
+            acc += tl.sum(x[:, :, None] * wq, axis=0)
+    return acc
+
+
+@triton.jit
 def _quant_matmul_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, tiles_per_split,
@@ -229,38 +275,19 @@ def _quant_matmul_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:  # GEMV, one row: per-(word row, n) partial sums, reduced over them once after the loop
         acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
-    for t in range(t_start, t_end):
-        k0 = t * TILE_K
-        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
-        scale = _group_rows(s_ptr, g, offs_n, n_mask, N, USE_DOT).to(DEQUANT)
-        v, unit, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT,
-                                        DEQUANT_ASM, USE_DOT)
-        if USE_DOT:
-            offs_k = k0 + tl.arange(0, TILE_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-            # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
-            if DEQUANT == tl.float32:
-                wq = (v - offset) * scale
-            else:
-                wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
-            # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
-            # are only renamed, the values already sit where the tensor-core operand wants them
-            w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
-            if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
-                acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
-            else:
-                acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-        else:  # v is [p, q, a, b, n]: as [field (p q), word row (a b), n], fields summed in-thread
-            offs_k = k0 + tl.reshape(_tile_inputs(BITS), (PACK, _SUBTILE_K))
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            wq = v - offset
-            if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
-                wq = tl.reshape(wq, (PACK, _SUBTILE_K, BLOCK_N))
-                acc += tl.sum(x[:, :, None] * wq, axis=0) * tl.reshape(scale, (1, BLOCK_N))
-            else:
-                wq = tl.reshape(wq * scale, (PACK, _SUBTILE_K, BLOCK_N))
-                acc += tl.sum(x[:, :, None] * wq, axis=0)
+    # Tile pointers made once, advanced by a scalar per tile. Rows past M read row M - 1 (real
+    # memory, no mask per load); their results are never stored.
+    w_rows = qw_ptr + tl.arange(0, _SUBTILE_K)[:, None] * N + offs_n[None, :]
+    x_tile = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, TILE_K)[None, :]
+    # Only the last tile of K can be partial: the loop reads activations without a K mask, and
+    # the partial tile, if any, runs once after it with one.
+    t_full = tl.maximum(tl.minimum(t_end, K // TILE_K), t_start)
+    for t in range(t_start, t_full):
+        acc = _tile_step(acc, t * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+    if t_full < t_end:
+        acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
     if USE_DOT:
         acc = tl.trans(acc)
     else:
