@@ -13,6 +13,12 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   on each wgmma; transposed, it keeps W in registers and overlaps the next tile's
   dequantization with the running wgmma (read off the sm_90 PTX; not timed). Small M also
   maps better: the rows become wgmma's narrow N dimension (down to 8) instead of a 64-row M.
+  The layout puts each register pair of inputs (k, k + 1) 16 bits apart in one word
+  (``weight_tile``), so the dequantized tile is built in the operand's registers with no byte
+  permutes and no trip through shared memory. Tile pointers are made once and advanced by a
+  scalar; rows past M read row M - 1 (never stored) and only the last, partial K tile masks
+  activations, so the loop's loads carry no per-element masks. ``tile_pairs`` runs two K tiles
+  per iteration (small M), sharing the loop's own instructions between them.
 * GEMV (M == 1): multiply-adds on CUDA cores. The ``pack`` fields of each word are summed
   in-thread and scaled once per tile (when the tile lies in one group) into a ``[16, BLOCK_N]``
   fp32 accumulator that is reduced across threads once, after the loop (a cross-thread
@@ -28,8 +34,9 @@ values are ``u = q + 2**(bits-1)``; ``u - 2**(bits-1) - zero`` is formed exactly
 the ``2**23`` trick (OR the integer into the mantissa of 2**23, subtract 2**23 + offset) so no
 integer-to-float conversion instruction (a low-throughput one) runs per weight. The dot path
 instead works in the activation dtype, two weights per instruction (``_scaled_difference``):
-``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and fewer) from one OR per pair, then packed
-``fma.rn.f16x2``/``bf16x2`` for ``(v - offset) * scale``, which rounds ``(q - zero) * scale`` to
+``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and fewer) from one AND/OR per pair (in fp16
+``1024 + u * 2**r`` for a field at bit r of its byte: one shift per byte), then packed
+``fma.rn.f16x2``/``bf16x2`` for ``(v * 2**-r - offset) * scale``, which rounds ``(q - zero) * scale`` to
 the activation dtype once, exactly as ``quant.affine.dequantize(...).to(dtype)`` does (with the
 scale first converted to the activation dtype: a bf16 scale below fp16's normal range would be
 rounded twice), so both see the same weight. The GEMV path stays in fp32.
@@ -51,151 +58,12 @@ import triton.language as tl
 import triton.testing
 
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
+from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups, _tile_inputs
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
 _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only as constexpr
-
-
-@triton.jit
-def _tile_inputs(BITS: tl.constexpr):
-    """Input (0 .. tile_k - 1) of each value of a tile, shaped ``[2, Q, 4, 4]`` as ``(p, q, a, b)``:
-    field ``p Q + q`` of word row ``4 a + b`` (weight_layout.tile_position, the same formula)."""
-    Q: tl.constexpr = 16 // BITS
-    p = tl.arange(0, 2)[:, None, None, None]
-    q = tl.arange(0, Q)[None, :, None, None]
-    a = tl.arange(0, 4)[None, None, :, None]
-    b = tl.arange(0, 4)[None, None, None, :]
-    return 8 * (a * Q + q) + 2 * b + p
-
-
-@triton.jit
-def _group_rows(ptr, g_rows, offs_n, n_mask, N, PAIR_LAST: tl.constexpr):
-    """Rows ``g_rows`` (shaped ``[Q or 1, 4 or 1, 1]``, see _tile_groups) of a ``[groups, N]``
-    tensor (scales, zero points), shaped to broadcast to _integer_tile's values."""
-    if PAIR_LAST:
-        out = tl.load(ptr + g_rows[:, :, :, None, None] * N + offs_n[None, None, None, :, None],
-                      mask=n_mask[None, None, None, :, None], other=0)
-    else:
-        out = tl.load(ptr + g_rows[None, :, :, :, None] * N + offs_n[None, None, None, None, :],
-                      mask=n_mask[None, None, None, None, :], other=0)
-    return out
-
-
-@triton.jit
-def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  HALF: tl.constexpr, ASM: tl.constexpr, PAIR_LAST: tl.constexpr = True):
-    """``(v, unit, offset)`` with ``v * unit - offset == q - zero`` (exact) for inputs
-    ``k0 .. k0 + tile_k`` and outputs ``offs_n``; ``v`` is shaped ``[Q, 4, 4, BLOCK_N, 2]``, element
-    ``[q, a, b, n, p]`` being input ``k0 + _tile_inputs()[p, q, a, b]``; ``unit`` and ``offset``
-    broadcast to it. In fp32, or in ``HALF`` (a 16-bit float type), where pairs of values share an
-    instruction. ``PAIR_LAST=False`` (fp32 only, the GEMV): shaped ``[2, Q, 4, 4, BLOCK_N]`` instead,
-    which the GEMV reduces with fewer cross-thread moves."""
-    Q: tl.constexpr = 16 // BITS
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
-    # the tile's 16 word rows (padding is stored: no K mask); qw_ptr points at [16, BLOCK_N] rows 0..15
-    words = tl.load(qw_ptr + (k0 // (2 * Q)) * N, mask=n_mask[None, :], other=0)
-    words = tl.reshape(words, (1, 4, 4, BLOCK_N))
-    field_bit = BITS * tl.arange(0, Q)[:, None, None, None]  # in the low half; p = 1: 16 bits up
-    if HALF == tl.float32:
-        # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
-        # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
-        if PAIR_LAST:
-            u = words[:, :, :, :, None] >> (field_bit[:, :, :, :, None] + 16 * tl.arange(0, 2)[None, None, None, None, :])
-        else:
-            u = words[None] >> (field_bit[None] + 16 * tl.arange(0, 2)[:, None, None, None, None])
-        u = u & ((1 << BITS) - 1)
-        v = (u | 0x4B000000).to(tl.float32, bitcast=True)
-        unit = tl.full((1, 1, 1, 1, 1), 1.0, tl.float32)
-        offset = 8388608.0 + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1, 1), dtype=tl.float32)
-    else:
-        # The same in 16 bits: 1024 + u is exact in fp16 (10 mantissa bits), 128 + u in bf16 for
-        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16). Both values of a pair
-        # (p = 0, 1: 16 bits apart) come out of one shift and one AND/OR on the whole word, as one
-        # 32-bit register holding the 16-bit pair; split and joined below only to name its halves
-        # (the compiled code keeps the register as it is). In fp16 a field is taken where it sits
-        # in its byte (bit r): 1024 + u * 2**r stays exact below 2048, so one shift serves every
-        # field of a byte, and unit = 2**-r scales it back in the fma.
-        magic: tl.constexpr = 1024.0 if HALF == tl.float16 else 128.0
-        magic_pair: tl.constexpr = 0x64006400 if HALF == tl.float16 else 0x43004300
-        if HALF == tl.float16:
-            r = field_bit % 8
-            unit = ((127 - r) << 23).to(tl.float32, bitcast=True).to(HALF)  # 2**-r, exactly
-            offset = magic * unit + (1 << (BITS - 1))
-        else:  # bf16 has no spare mantissa bits for u * 2**r: every field is shifted down
-            r = field_bit * 0
-            unit = tl.full((1, 1, 1, 1), 1.0, HALF)
-            offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1), dtype=HALF)
-        fields = words >> (field_bit - r)
-        masks = (((1 << BITS) - 1) * 0x10001) << r
-        if ASM:  # one LOP3 with the mask as its immediate (left to itself, the compiler picks the
-            # magic and re-materializes every mask in a register per use)
-            if HALF == tl.float16:
-                pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x64006400, 0xea;", "=r,r,r",
-                                                  [fields, masks], dtype=tl.int32, is_pure=True, pack=1)
-            else:
-                pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x43004300, 0xea;", "=r,r,r",
-                                                  [fields, masks], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            pairs = (fields & masks) | magic_pair
-        low = (pairs & 0xFFFF).to(tl.int16).to(HALF, bitcast=True)
-        high = (pairs >> 16).to(tl.int16).to(HALF, bitcast=True)
-        v = tl.join(low, high)
-        unit = unit[:, :, :, :, None]
-        offset = offset[:, :, :, :, None]
-    if HAS_ZERO:  # int8 zero points, one row per group: g_rows broadcasts to [Q, 4, 1]
-        zero = _group_rows(z_ptr, g_rows, offs_n, n_mask, N, PAIR_LAST)
-        offset = offset + zero.to(v.dtype)
-    return v, unit, offset
-
-
-@triton.jit
-def _scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
-    """``(v * unit - offset) * scale`` in v's 16-bit float type, rounded once, two values per
-    instruction.
-
-    The compiler widens 16-bit arithmetic to fp32 (a conversion, an op and a repack per value), so
-    the compiled path spells it as packed fused multiply-adds: ``v * unit + -offset`` is exact
-    (integers below 2048 in fp16, 256 in bf16; unit a power of two) and ``t * scale + -0`` is the
-    correctly rounded product, which is what ``quant.affine.dequantize(...).to(dtype)`` gives. The
-    interpreter cannot run inline assembly: there the same values come from fp32 (exact operands,
-    one rounding: the same result)."""
-    neg_offset = tl.broadcast_to(-offset, v.shape)
-    unit = tl.broadcast_to(unit, v.shape)
-    scale = tl.broadcast_to(scale, v.shape)
-    if ASM:
-        if v.dtype == tl.float16:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 z; mov.b32 z, 0x80008000;"
-                " fma.rn.f16x2 $0, $1, $2, $3; fma.rn.f16x2 $0, $0, $4, z;}",
-                "=r,r,r,r,r", [v, unit, neg_offset, scale], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            out = tl.inline_asm_elementwise(  # unit is 1 in bf16 (see _integer_tile)
-                "{.reg .b32 m, z; mov.b32 m, 0x3F803F80; mov.b32 z, 0x80008000;"
-                " fma.rn.bf16x2 $0, $1, m, $3; fma.rn.bf16x2 $0, $0, $4, z;}",
-                "=r,r,r,r,r", [v, unit, neg_offset, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
-    else:
-        out = ((v.to(tl.float32) * unit.to(tl.float32) + neg_offset.to(tl.float32))
-               * scale.to(tl.float32)).to(v.dtype)
-    return out
-
-
-@triton.jit
-def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
-    """Group row of each scale the tile needs, broadcastable to ``[Q, 4, 4]`` ``(q, a, b)``: one when
-    the tile lies in one group, else one per 16-input field ``(q, a)`` (the 16 inputs from 16 f are
-    the fields with a Q + q = 2 f, 2 f + 1; groups are multiples of 16). Fields past K (padding)
-    read group 0."""
-    if SCALE_PER_TILE:
-        g = k0 // GROUP + tl.zeros((1, 1, 1), dtype=tl.int32)
-    else:
-        Q: tl.constexpr = 16 // BITS
-        q = tl.arange(0, Q)[:, None, None]
-        a = tl.arange(0, 4)[None, :, None]
-        k_field = k0 + _SUBTILE_K * ((a * Q + q) // 2)  # the field's first input
-        g = tl.where(k_field < K, k_field // GROUP, 0)
-    return g
 
 
 @triton.jit
@@ -251,6 +119,7 @@ def _quant_matmul_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    TILE_PAIRS: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     Q: tl.constexpr = PACK // 2
@@ -282,9 +151,20 @@ def _quant_matmul_kernel(
     # Only the last tile of K can be partial: the loop reads activations without a K mask, and
     # the partial tile, if any, runs once after it with one.
     t_full = tl.maximum(tl.minimum(t_end, K // TILE_K), t_start)
-    for t in range(t_start, t_full):
-        acc = _tile_step(acc, t * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
-                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+    if TILE_PAIRS:
+        t_pairs = t_start + (t_full - t_start) // 2 * 2
+        for t in range(t_start, t_pairs, 2):  # two tiles per iteration share the loop's own work
+            acc = _tile_step(acc, t * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+            acc = _tile_step(acc, (t + 1) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+        if t_pairs < t_full:
+            acc = _tile_step(acc, t_pairs * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+    else:
+        for t in range(t_start, t_full):
+            acc = _tile_step(acc, t * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
     if t_full < t_end:
         acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                          BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
@@ -329,6 +209,7 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tile_pairs: bool = False  # two K tiles per loop iteration (fewer loop instructions per weight)
 
     def __post_init__(self):
         if any(b & (b - 1) for b in (self.block_m, self.block_n)):
@@ -404,7 +285,7 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         HAS_BIAS=bias is not None and splits == 1, USE_DOT=config.use_dot, SPLIT=splits > 1,
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
         DEQUANT=dequant_type(config.use_dot, kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, TILE_PAIRS=config.tile_pairs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -431,19 +312,21 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
     if M == 1:
         configs = [MatmulConfig(1, bn, s, use_dot=False, group_m=1) for bn in (64, 32, 128) for s in (8, 4, 16, 2, 1)]
         configs += [MatmulConfig(16, 64, s, group_m=1) for s in (4, 8)]
-    elif M <= DECODE_MAX_M:
-        configs = [MatmulConfig(16, bn, s, group_m=1) for bn in (64, 128, 32) for s in (4, 8, 2, 1, 16)]
-        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8) for s in (1, 2)]
+    elif M <= DECODE_MAX_M:  # two K tiles per iteration, two stages (the same two tiles ahead as
+        # three stages of one): 3.13 SASS instructions per weight against 3.81 (W4 16x64, sm_90a)
+        configs = [MatmulConfig(16, bn, s, group_m=1, num_stages=2, tile_pairs=True) for bn in (64, 128, 32)
+                   for s in (4, 8, 2, 1, 16)]
+        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8, num_stages=2, tile_pairs=True) for s in (1, 2)]
     elif M <= 64:
         configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
     else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it. First (the
         # untimed default): 128x64 on 4 warps, which fits 2 CTAs per SM on sm_90a by registers and
-        # shared memory (178 registers; 128x128 on 8 warps holds 1) at about 0.7 more SASS
-        # instructions per weight (bench/README.md, sass.py); the GPU's timing decides among them
+        # shared memory (128x128 on 8 warps holds 1; bench/README.md, sass.py); the GPU's timing
+        # decides among them
         configs = [MatmulConfig(bm, bn, 1, num_warps=w, num_stages=st)
                    for bm, bn, w in ((128, 64, 4), (128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8),
                                      (64, 256, 8))
-                   for st in (3, 4)]
+                   for st in (3, 4, 2)]
     kept = [c for c in configs if c.split_k <= num_tiles]
     return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
 
