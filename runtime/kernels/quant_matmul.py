@@ -17,8 +17,8 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   (``weight_tile``), so the dequantized tile is built in the operand's registers with no byte
   permutes and no trip through shared memory. Tile pointers are made once and advanced by a
   scalar; rows past M read row M - 1 (never stored) and only the last, partial K tile masks
-  activations, so the loop's loads carry no per-element masks. ``tile_pairs`` runs two K tiles
-  per iteration (small M), sharing the loop's own instructions between them.
+  activations, so the loop's loads carry no per-element masks. ``step_tiles`` runs several K
+  tiles per iteration (two for small M), sharing the loop's own instructions between them.
 * GEMV (M == 1): multiply-adds on CUDA cores. The ``pack`` fields of each word are summed
   in-thread and scaled once per tile (when the tile lies in one group) into a ``[16, BLOCK_N]``
   fp32 accumulator that is reduced across threads once, after the loop (a cross-thread
@@ -119,7 +119,7 @@ def _quant_matmul_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    TILE_PAIRS: tl.constexpr,
+    STEP_TILES: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     Q: tl.constexpr = PACK // 2
@@ -151,20 +151,15 @@ def _quant_matmul_kernel(
     # Only the last tile of K can be partial: the loop reads activations without a K mask, and
     # the partial tile, if any, runs once after it with one.
     t_full = tl.maximum(tl.minimum(t_end, K // TILE_K), t_start)
-    if TILE_PAIRS:
-        t_pairs = t_start + (t_full - t_start) // 2 * 2
-        for t in range(t_start, t_pairs, 2):  # two tiles per iteration share the loop's own work
-            acc = _tile_step(acc, t * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+    t_steps = t_start + (t_full - t_start) // STEP_TILES * STEP_TILES
+    for t in range(t_start, t_steps, STEP_TILES):  # tiles of one iteration share the loop's own work
+        for i in tl.static_range(STEP_TILES):
+            acc = _tile_step(acc, (t + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
                              GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
-            acc = _tile_step(acc, (t + 1) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
-                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
-        if t_pairs < t_full:
-            acc = _tile_step(acc, t_pairs * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
-                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
-    else:
-        for t in range(t_start, t_full):
-            acc = _tile_step(acc, t * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
-                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+    for i in tl.static_range(STEP_TILES - 1):  # the full tiles left over, if any
+        if t_steps + i < t_full:
+            acc = _tile_step(acc, (t_steps + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
     if t_full < t_end:
         acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                          BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
@@ -209,7 +204,7 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    tile_pairs: bool = False  # two K tiles per loop iteration (fewer loop instructions per weight)
+    step_tiles: int = 1  # K tiles per loop iteration (more: fewer loop instructions per weight)
 
     def __post_init__(self):
         if any(b & (b - 1) for b in (self.block_m, self.block_n)):
@@ -285,7 +280,7 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         HAS_BIAS=bias is not None and splits == 1, USE_DOT=config.use_dot, SPLIT=splits > 1,
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
         DEQUANT=dequant_type(config.use_dot, kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, TILE_PAIRS=config.tile_pairs,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STEP_TILES=config.step_tiles,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -314,9 +309,10 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
         configs += [MatmulConfig(16, 64, s, group_m=1) for s in (4, 8)]
     elif M <= DECODE_MAX_M:  # two K tiles per iteration, two stages (the same two tiles ahead as
         # three stages of one): 3.13 SASS instructions per weight against 3.81 (W4 16x64, sm_90a)
-        configs = [MatmulConfig(16, bn, s, group_m=1, num_stages=2, tile_pairs=True) for bn in (64, 128, 32)
+        # (W8: four tiles, 4.22 against 4.31, for twice the shared memory: not taken)
+        configs = [MatmulConfig(16, bn, s, group_m=1, num_stages=2, step_tiles=2) for bn in (64, 128, 32)
                    for s in (4, 8, 2, 1, 16)]
-        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8, num_stages=2, tile_pairs=True) for s in (1, 2)]
+        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8, num_stages=2, step_tiles=2) for s in (1, 2)]
     elif M <= 64:
         configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
     else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it. First (the

@@ -14,7 +14,9 @@ packed along inputs). At load, each quantized Linear is re-laid once into :class
   ``0x000f000f``-style masks after one shift makes the pair, no byte permutes. A thread of
   mma/wgmma's register operand holds inputs ``16 s + 8 h + 2 c + p`` (lane ``c``): the word
   rows ``4 a + c`` for its ``c``, every field of them. The 16 inputs ``16 f .. 16 f + 15``
-  (the smallest group) are the fields with ``a Q + q`` = ``2 f`` or ``2 f + 1``.
+  (the smallest group) are the fields with ``a Q + q`` = ``2 f`` or ``2 f + 1``. A GEMV reading
+  a word as ``Q`` 16-bit pairs multiplies pair ``q`` by the adjacent activations
+  ``x[k], x[k + 1]`` (one 32-bit fp16x2 load).
 * ``scales`` ``[groups, N]`` (the stored dtype: no rounding is added), ``zeros`` int8
   ``[groups, N]`` or None (symmetric): one row per group, outputs contiguous.
 * ``perm`` (act-order checkpoints with ``weight_g_idx``): input columns are sorted by group at
