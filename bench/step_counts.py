@@ -43,7 +43,7 @@ def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:
     engine = Engine(model, max_batch=batch, max_len=128, attention="triton")
     for i in range(batch):
         engine.submit([3 + (i + j) % 100 for j in range(5 + 3 * i)], SamplingParams(max_tokens=40, ignore_eos=True))
-    while engine.waiting or any(r.slot >= engine.decoding for r in engine.running):
+    while not engine.all_decoding:
         engine.step()
     steps = [decode_step_counts(engine) for _ in range(3)]
     worst = max(steps, key=lambda c: c["launches"])

@@ -46,6 +46,7 @@ per batch-size bucket (not run on a GPU yet).
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import torch
@@ -54,7 +55,7 @@ from kvquant import KVScheme, parse_kv
 from runtime.cache import KVCache, cache_size
 from runtime.execution import DecodeGraph, SequenceBatch, kernels_for, step_inputs, warm_matmul_tuning
 from runtime.generate import Token, check_prompt, prefill_chunks
-from runtime.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
+from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams, sample_params
 
 
@@ -75,7 +76,12 @@ class Engine:
     tokens prefilled per step. ``attention``: see :func:`runtime.execution.kernels_for`. ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
 
-    One thread drives it: ``step`` (or iterating a request, which steps) is not thread-safe.
+    Threads: one thread drives it (``step``, ``run``, iterating a request, ``shutdown``).
+    ``submit`` and ``abort`` are safe from any thread: they only queue, and the driving thread
+    applies them, in order, at the start of its next ``step``. A server runs
+    ``while ...: engine.wait_for_work(0.1) and engine.step()`` in its engine thread, submits with
+    ``on_token`` (called on the engine thread with each :class:`Token`, then ``None`` when the
+    request ends) and calls ``abort`` when a client goes away.
     """
 
     def __init__(self, model, kv_memory=None, max_batch: int = 32, max_len: int | None = None,
@@ -100,7 +106,8 @@ class Engine:
         self.running: list[Request] = []  # admission order: the last is the first preempted
         self.decoding = 0  # the decoding sequences sit in cache rows 0 .. decoding-1
         self.closed = False
-        self._next_id = 0
+        self._ids = itertools.count()  # next() is atomic: submit may run on any thread
+        self._inbox = Inbox()  # submits and aborts from any thread, applied by step
         self._counters = collections.Counter()
         self._busy_s = 0.0
         self._first_arrival: float | None = None
@@ -129,9 +136,13 @@ class Engine:
         """How many sequences of ``length`` tokens the cache holds at once (what the KV scheme buys)."""
         return min(self.cache.batch, self.cache.num_blocks // max(length // self.cache.block_size, 1))
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **sampling) -> Request:
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, on_token=None,
+               **sampling) -> Request:
         """Queue a request (its prompt as text or token ids; ``SamplingParams`` or their fields as
-        keywords). It joins the running batch at a coming step."""
+        keywords); it joins the running batch at a coming step. Bad input raises here, in the
+        caller's thread. ``on_token(token)``: called on the engine's thread with each streamed
+        :class:`Token` and then with ``None`` once the request has ended (whatever the reason); it
+        must be quick and must not raise (a server hands the token to its event loop)."""
         if self.closed:
             raise EngineClosedError("the engine has been shut down: it takes no new requests")
         if params is None:
@@ -145,11 +156,24 @@ class Engine:
             raise ValueError(
                 f"this request may reach {total} tokens ({blocks} cache blocks of {self.cache.block_size}); the "
                 f"whole cache has {self.cache.num_blocks}: raise kv_memory or lower max_tokens")
-        request = Request(self, self._next_id, ids, params, total)
-        self._next_id += 1
-        self._first_arrival = self._first_arrival or request.arrival
-        self.waiting.append(request)
+        request = Request(self, next(self._ids), ids, params, total, on_token)
+        self._inbox.put("submit", request)
         return request
+
+    def abort(self, request: Request | int) -> None:
+        """End ``request`` (or the request with that id) with finish_reason "abort": at the start of
+        the next ``step`` it leaves the queue or the batch, its cache blocks and slot are freed
+        (before that step admits anyone), and its stream ends (iteration stops after the tokens it
+        already had; ``on_token(None)``). Safe from any thread; a finished or unknown request is
+        left alone. The other requests' outputs do not change."""
+        self._inbox.put("abort", request.id if isinstance(request, Request) else int(request))
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a request is queued, waiting or running, or ``timeout`` seconds pass;
+        return whether there is work (for an engine thread that steps only when there is)."""
+        if not self.has_work():
+            self._inbox.wait(timeout)
+        return self.has_work()
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
         """Submit every prompt, run until all finish, return the requests (in order)."""
@@ -164,13 +188,19 @@ class Engine:
             self.step()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or len(self._inbox))
+
+    @property
+    def all_decoding(self) -> bool:
+        """No request is queued or waiting, and every running one is past its prompt."""
+        return not len(self._inbox) and not self.waiting and all(r.slot < self.decoding for r in self.running)
 
     def step(self) -> None:
         """Admit, prefill up to ``prefill_chunk`` prompt tokens, decode every decoding sequence once."""
         if self.closed:
             raise EngineClosedError("the engine has been shut down")
         t0 = time.perf_counter()
+        self._apply_inbox()
         self._admit()
         self._prefill()
         self._decode()
@@ -179,9 +209,12 @@ class Engine:
         self._busy_s += time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        """Finish every request as "aborted", release the cache; later calls are refused."""
+        """End every request, queued ones included, as "abort"; release the cache; later calls
+        are refused. Call it from the thread that steps (or once that thread has stopped)."""
+        self._apply_inbox()
+        now = time.perf_counter()
         for r in list(self.running) + list(self.waiting):
-            r.finish_reason = "aborted"
+            r.end("abort", now)
         self.running, self.waiting = [], collections.deque()
         self._graphs.clear()
         self.cache = None
@@ -195,7 +228,9 @@ class Engine:
         cache = self.cache
         return dict(
             steps=c["steps"], prefill_tokens=c["prefill_tokens"], decode_steps=c["decode_steps"],
-            output_tokens=c["output_tokens"], finished=c["finished"], preemptions=c["preemptions"],
+            output_tokens=c["output_tokens"], finished=c["finished"], aborted=c["aborted"],
+            preemptions=c["preemptions"], running=len(self.running), waiting=len(self.waiting) + len(self._inbox),
+            free_blocks=cache.free_blocks if cache else None,
             busy_s=self._busy_s, span_s=span,
             throughput_tokens_per_s=c["output_tokens"] / span if span else None,
             kv_scheme=self.scheme.name if cache else None, kv_budget_bytes=self.kv_budget,
@@ -211,6 +246,26 @@ class Engine:
         m = self.model
         return check_prompt(prompt, m.tokenizer, m.decoder.cfg.vocab_size, self.max_len, m.path,
                             "the engine's context (max_len)")
+
+    def _apply_inbox(self) -> None:
+        """Apply what other threads queued (``submit``, ``abort``), in the order they queued it."""
+        for kind, item in self._inbox.drain():
+            if kind == "submit":
+                self._first_arrival = self._first_arrival or item.arrival
+                self.waiting.append(item)
+            else:
+                self._abort_now(item)
+
+    def _abort_now(self, request_id: int) -> None:
+        r = next((r for r in itertools.chain(self.running, self.waiting) if r.id == request_id), None)
+        if r is None:  # finished already, or never submitted here
+            return
+        if r in self.running:
+            self._release(r)
+        else:
+            self.waiting.remove(r)
+        self._counters["aborted"] += 1
+        r.end("abort", time.perf_counter())
 
     def _admit(self) -> None:
         """Give waiting requests (oldest first) a slot and the blocks their tokens so far fill."""
@@ -355,17 +410,18 @@ class Engine:
         done = len(r.output_ids) >= r.params.max_tokens or r.computed >= r.total
         piece = r.stream.push(r.output_ids, done)
         r._pending.append(Token(token, piece, now - r.arrival))
+        if r.on_token is not None:
+            r.on_token(r._pending[-1])
         if r.stream.stopped:
             self._finish(r, "stop", now)
         elif done:
             self._finish(r, "length", now)
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
-        r.finish_reason = reason
-        r.metrics.e2e_s = now - r.arrival
         self._last_finish = now
         self._counters["finished"] += 1
         self._release(r)
+        r.end(reason, now)
 
     # ------------------------------------------------------------ CUDA graphs
 

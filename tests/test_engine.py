@@ -385,7 +385,7 @@ def test_bad_requests_and_a_shut_down_engine(models):
     running = engine.submit([5, 6, 7], max_tokens=30)
     engine.step()
     engine.shutdown()
-    assert running.finish_reason == "aborted" and len(list(running)) == 1  # what it had, then it ends
+    assert running.finish_reason == "abort" and len(list(running)) == 1  # what it had, then it ends
     with pytest.raises(EngineClosedError, match="shut down"):
         engine.submit([5, 6])
     with pytest.raises(EngineClosedError):
@@ -441,7 +441,7 @@ def decoding_engine(model_dir, prompts, attention, steps_left=20):
     engine = Engine(model, max_batch=4, max_len=64, attention=attention)
     for p in prompts[:3]:  # 5, 21 and 9 tokens: the first and last cross into block 1 while decoding
         engine.submit(p, greedy(steps_left))
-    while engine.waiting or any(r.slot >= engine.decoding for r in engine.running):
+    while not engine.all_decoding:
         engine.step()
     return engine
 
