@@ -69,21 +69,13 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     async def run_work(request: Request, work: protocol.Work) -> Response:
         started = time.perf_counter()
-        job = worker.submit(work)
-        try:
-            event = await until_disconnect(request, job, job.events.get())
-        except BaseException:
-            worker.abort(job)
-            raise
-        if event[0] == "error":
-            raise event[1]
-        prompt_tokens = event[1]
+        job = worker.submit(work)  # a refusal (400, 413, 503) raises here, before any response starts
         if work.stream:
-            return StreamingResponse(sse(request, job, prompt_tokens, started), media_type="text/event-stream",
+            return StreamingResponse(sse(job, started), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await whole(request, job, prompt_tokens, started)
+        return await whole(request, job, started)
 
-    async def whole(request: Request, job: Job, prompt_tokens: int, started: float) -> Response:
+    async def whole(request: Request, job: Job, started: float) -> Response:
         pieces = []
         try:
             while True:
@@ -101,7 +93,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         log_request(job, finish, counts, started)
         return JSONResponse(protocol.full_response(job.work, model_name, "".join(pieces), finish, counts))
 
-    async def sse(request: Request, job: Job, prompt_tokens: int, started: float):
+    async def sse(job: Job, started: float):
         work, finished = job.work, False
         try:
             if work.chat:  # the role comes first, as OpenAI sends it

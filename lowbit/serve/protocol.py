@@ -96,7 +96,9 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
     fields = dict(temperature=_typed(body, "temperature", _is_number, "a number", 1.0),
                   top_p=_typed(body, "top_p", _is_number, "a number", 1.0),
                   top_k=0 if top_k == -1 else top_k,  # -1: off, as vLLM spells it
-                  seed=_typed(body, "seed", _is_int, "an integer"), stop=_stop(body))
+                  seed=_typed(body, "seed", _is_int, "an integer"), stop=_stop(body),
+                  # vLLM's extension: a fixed output length, for benchmarks
+                  ignore_eos=_typed(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False))
     for name, value in fields.items():  # one at a time, so the error names the parameter
         try:
             SamplingParams(**{name: value})
