@@ -76,22 +76,13 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         return await whole(request, job, started)
 
     async def whole(request: Request, job: Job, started: float) -> Response:
-        pieces = []
         try:
-            while True:
-                event = await until_disconnect(request, job, job.events.get())
-                if event[0] == "delta":
-                    pieces.append(event[1])
-                elif event[0] == "error":
-                    raise event[1]
-                else:
-                    _, finish, counts = event
-                    break
+            text, finish, counts = await until_disconnect(request, job, collect(job))
         except BaseException:
             worker.abort(job)
             raise
         log_request(job, finish, counts, started)
-        return JSONResponse(protocol.full_response(job.work, model_name, "".join(pieces), finish, counts))
+        return JSONResponse(protocol.full_response(job.work, model_name, text, finish, counts))
 
     async def sse(job: Job, started: float):
         work, finished = job.work, False
@@ -148,6 +139,19 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
 
 
+async def collect(job: Job) -> tuple[str, str, dict]:
+    """A job's whole text, finish reason and usage, once it ends."""
+    pieces = []
+    while True:
+        event = await job.events.get()
+        if event[0] == "delta":
+            pieces.append(event[1])
+        elif event[0] == "error":
+            raise event[1]
+        else:
+            return "".join(pieces), event[1], event[2]
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
@@ -185,6 +189,8 @@ def log_request(job: Job, finish: str, counts: dict, started: float) -> None:
 
 
 async def _api_error(request: Request, e: APIError) -> Response:
+    log.info("%s %s: %d %s%s", request.method, request.url.path, e.status, e.message,
+             f" (param {e.param})" if e.param else "")
     return error_response(e)
 
 
