@@ -39,13 +39,13 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     connections), stops it. ``aliases``: other names a request may give for the model (its path)."""
     names = {model_name, *aliases}
 
-    def check(request: Request, work: protocol.Work | None = None) -> None:
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               code="invalid_api_key")
-        if work is not None and work.model is not None and work.model not in names:
+    def authorize(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    def check_model(work: protocol.Work) -> None:
+        if work.model is not None and work.model not in names:
             raise APIError(404, f"the model '{work.model}' does not exist here; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 
@@ -56,15 +56,15 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
     async def completions(request: Request) -> Response:
-        check(request)
+        authorize(request)
         work = protocol.completion_work(await body_of(request))
-        check(request, work)
+        check_model(work)
         return await run_work(request, work)
 
     async def chat_completions(request: Request) -> Response:
-        check(request)
+        authorize(request)
         work = protocol.chat_work(await body_of(request), worker.engine.model.tokenizer)
-        check(request, work)
+        check_model(work)
         return await run_work(request, work)
 
     async def run_work(request: Request, work: protocol.Work) -> Response:
@@ -112,7 +112,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
                 worker.abort(job)
 
     async def models(request: Request) -> Response:
-        check(request)
+        authorize(request)
         card = {"id": model_name, "object": "model", "created": int(started_at), "owned_by": "lowbit",
                 "max_model_len": worker.context, "kv_cache": worker.engine.scheme.name if worker.engine.cache else None}
         return JSONResponse({"object": "list", "data": [card]})

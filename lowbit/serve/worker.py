@@ -154,14 +154,15 @@ class EngineWorker:
             if m.tokenizer is None:
                 raise bad_param("prompt", "this model has no tokenizer: send the prompt as token ids")
             prompt = m.tokenizer(prompt, add_special_tokens=not work.chat).input_ids
+        param = "messages" if work.chat else "prompt"
         if len(prompt) >= self.context:
             raise APIError(413, f"the prompt has {len(prompt)} tokens; this server's context is {self.context} "
-                                f"tokens and at least one must be left to generate", param="prompt",
+                                f"tokens and at least one must be left to generate", param=param,
                            code="context_length_exceeded")
         try:
             return check_prompt(prompt, None, m.decoder.cfg.vocab_size, self.context, m.path, "the context")
         except ValueError as e:
-            raise bad_param("messages" if work.chat else "prompt", str(e)) from None
+            raise bad_param(param, str(e)) from None
 
     def _params(self, work: Work, prompt_len: int) -> SamplingParams:
         room = self.context - prompt_len  # a larger max_tokens ends at the context ("length")
