@@ -10,9 +10,11 @@ Each :meth:`Engine.step`:
 
 1. admits waiting requests (oldest first) while a cache slot is free and the pool has the
    blocks for their tokens so far;
-2. prefills: up to ``prefill_chunk`` prompt tokens per step, one sequence per forward, a long
-   prompt in several chunks over several steps (so running sequences keep decoding), cut at
-   the multiples of ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``);
+2. prefills: up to ``prefill_chunk`` prompt tokens per step, the chunks of several sequences
+   packed into one forward (``execution.PackedBatch``), a long prompt in several chunks over
+   several steps (so running sequences keep decoding), cut at the multiples of
+   ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``); logits of each
+   sequence's last token only;
 3. decodes: one forward for every sequence that was already decoding, each at its own
    position, then samples one token per sequence. The scheduler decides on host mirrors
    (block table, lengths, free blocks), reserves a block only when a sequence crosses into
@@ -53,7 +55,8 @@ import torch
 
 from kvquant import KVScheme, parse_kv
 from runtime.cache import KVCache, cache_size
-from runtime.execution import DecodeGraph, SequenceBatch, kernels_for, step_inputs, warm_matmul_tuning
+from runtime.execution import (DecodeGraph, PackedBatch, SequenceBatch, kernels_for, step_inputs,
+                               warm_matmul_tuning)
 from runtime.generate import Token, check_prompt, prefill_chunks
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams, sample_params
@@ -227,7 +230,8 @@ class Engine:
         c = self._counters
         cache = self.cache
         return dict(
-            steps=c["steps"], prefill_tokens=c["prefill_tokens"], decode_steps=c["decode_steps"],
+            steps=c["steps"], prefill_tokens=c["prefill_tokens"], prefill_forwards=c["prefill_forwards"],
+            decode_steps=c["decode_steps"],
             output_tokens=c["output_tokens"], finished=c["finished"], aborted=c["aborted"],
             preemptions=c["preemptions"], running=len(self.running), waiting=len(self.waiting) + len(self._inbox),
             free_blocks=cache.free_blocks if cache else None,
@@ -284,28 +288,35 @@ class Engine:
 
     def _prefill(self) -> None:
         """Prefill the next chunk of each prefilling request, oldest first, while the step's
-        ``prefill_chunk`` tokens last. A request's chunks are cut at the multiples of
-        ``prefill_chunk`` whatever else runs, so its output does not depend on the schedule."""
-        budget = self.prefill_chunk
+        ``prefill_chunk`` tokens last, all in one forward (``PackedBatch``). A request's chunks
+        are cut at the multiples of ``prefill_chunk`` whatever else runs, so its output does not
+        depend on the schedule."""
+        budget, chunks = self.prefill_chunk, []
         for r in [r for r in self.running if r.slot >= self.decoding]:  # admission order: oldest first
-            if r not in self.running:  # preempted by an earlier prefill of this step
+            if r not in self.running:  # preempted by an earlier reservation of this step
                 continue
             a, b = prefill_chunks(r.computed, len(r.prompt_ids), self.prefill_chunk)[0]
             if b - a > budget:
-                return
-            if not self._reserve(r, b):
-                continue  # r itself was preempted
-            ids = torch.tensor([r.prompt_ids[a:b]], device=self.model.device)
-            batch = SequenceBatch(self.cache, r.slot, [a], self.kernels, max_seq_len=b)
-            with torch.inference_mode():
-                logits = self.model.decoder(ids, batch, a, last_only=True)[0, -1]
+                break
+            if self._reserve(r, b):  # may preempt newer requests (never one already chosen: they are older)
+                chunks.append((r, a, b))
+                budget -= b - a
+        if not chunks:
+            return
+        batch = PackedBatch(self.cache, [r.slot for r, _, _ in chunks], [a for _, a, _ in chunks],
+                            [r.prompt_ids[a:b] for r, a, b in chunks], self.kernels)
+        with torch.inference_mode():
+            logits = self.model.decoder.forward_packed(batch.input_ids, batch.positions, batch, batch.logits_at)
+        self._counters["prefill_forwards"] += 1
+        for r, a, b in chunks:
             self.cache.advance(r.slot, b - a)
             r.computed = b
-            budget -= b - a
             self._counters["prefill_tokens"] += b - a
-            if r.computed == len(r.tokens):  # a new request's prompt is in: its first token
-                self._emit(r, sample_params(logits, r.params, r.generator))
-            # a recomputed request's outputs are known: it replays them through decode steps
+        # a new request whose prompt is in samples its first token; a recomputed one (after a
+        # preemption) knows its outputs and replays them through decode steps
+        rows = [i for i, (r, _, _) in enumerate(chunks) if r.computed == len(r.tokens)]
+        for i, token in zip(rows, self._sample(logits, [chunks[i][0] for i in rows], rows)):
+            self._emit(chunks[i][0], token)
 
     def _decoders(self) -> list[Request]:
         """The requests in cache rows 0 .. decoding-1, by row."""

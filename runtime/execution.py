@@ -9,6 +9,7 @@ before its logits come back.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -52,23 +53,73 @@ class SequenceBatch:
 
     def attend(self, layer: int, q, k, v, mask, window):
         if self.kernels:
-            from runtime.kernels.attention import KERNEL_OPS
-
             rows = slice(self.first, self.first + self.count)
-            c = self.cache
-            paged = ref.PagedKV(c.pool[layer]["k"], c.pool[layer]["v"], c.residual_k[layer][rows],
-                                c.residual_v[layer][rows], c.block_table[rows], c.scheme)
             start = self.starts[0] if k.shape[2] > 1 else None  # prefill: one sequence, start known on the host
-            return ref.paged_attention(paged, self.starts_tensor, q, k, v, mask, window, KERNEL_OPS,
-                                       max_seq_len=self.max_seq_len, start=start, lengths=self.lengths)
-        return torch.cat([self._attend_one(layer, i, q[i:i + 1], k[i], v[i], window) for i in range(self.count)])
+            return kernel_attention(self.cache, layer, rows, self.starts_tensor, q, k, v, window, self.max_seq_len,
+                                    start, self.lengths)
+        return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
+                                              v[i], window) for i in range(self.count)])
 
-    def _attend_one(self, layer, i, q, k, v, window):
-        slot, start, T = self.first + i, self.starts[i], k.shape[1]
-        keys, values = self.cache.write_sequence(layer, slot, start, k, v)
-        mask = attention_mask(T, start + T, window, q.device)
-        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
-                                              enable_gqa=q.shape[1] != keys.shape[0])
+
+class PackedBatch:
+    """Prefill chunks of several sequences in one forward, packed end to end (no padding: every
+    GEMM of the forward runs on exactly the prompt tokens, M = their sum, and each sequence's
+    attention is causal from its own start, so no [T, S] mask has to hide padding).
+
+    Sequence ``i`` (cache row ``slots[i]``) brings tokens ``token_ids[i]`` at positions
+    ``starts[i] ..``. The token ids, their positions and the index of each sequence's last token
+    (the only logits sampling needs) go to the device in one copy. ``attend`` stores each
+    sequence's keys and values in its row and attends over its own cache, on the kernels or the
+    reference: the computation a one-sequence forward does, so the same values.
+    """
+
+    def __init__(self, cache: KVCache, slots: list[int], starts: list[int], token_ids: list[list[int]],
+                 kernels: bool):
+        self.cache, self.slots, self.starts, self.kernels = cache, slots, starts, kernels
+        ends = list(itertools.accumulate(len(t) for t in token_ids))
+        self.bounds = list(zip([0] + ends[:-1], ends))
+        n = ends[-1]
+        positions = [s + j for s, ids in zip(starts, token_ids) for j in range(len(ids))]
+        host = torch.tensor([i for ids in token_ids for i in ids] + positions + [e - 1 for e in ends],
+                            dtype=torch.int32)
+        packed = host.to(cache.device, non_blocking=True)
+        self.input_ids, self.positions, self.logits_at = packed[:n], packed[n:2 * n], packed[2 * n:]
+
+    def attend(self, layer: int, q, k, v, mask, window):
+        """``q`` [1, Hq, N, D], ``k``/``v`` [1, Hk, N, D] packed; the attention [1, Hq, N, D]."""
+        out = []
+        for slot, start, (a, b) in zip(self.slots, self.starts, self.bounds):
+            qi, ki, vi = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
+            if self.kernels:
+                rows = slice(slot, slot + 1)
+                out.append(kernel_attention(self.cache, layer, rows, self.positions[a:a + 1], qi, ki, vi, window,
+                                            start + b - a, start))
+            else:
+                out.append(reference_attention(self.cache, layer, slot, start, qi, ki[0], vi[0], window))
+        return torch.cat(out, dim=2)
+
+
+def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, window, max_seq_len, start,
+                     lengths=None):
+    """The Triton kernels over cache ``rows`` in place (``kv_reference.paged_attention``)."""
+    from runtime.kernels.attention import KERNEL_OPS
+
+    c = cache
+    paged = ref.PagedKV(c.pool[layer]["k"], c.pool[layer]["v"], c.residual_k[layer][rows], c.residual_v[layer][rows],
+                        c.block_table[rows], c.scheme)
+    mask = None if start is None else attention_mask(k.shape[2], start + k.shape[2], window, q.device)
+    return ref.paged_attention(paged, starts, q, k, v, mask, window, KERNEL_OPS, max_seq_len=max_seq_len,
+                               start=start, lengths=lengths)
+
+
+def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k, v, window):
+    """One sequence (``q`` [1, Hq, T, D], ``k``/``v`` [Hk, T, D]): store, read its cache back
+    dequantized, SDPA, as the plain runtime (``KVCache.update`` + SDPA) does."""
+    T = k.shape[1]
+    keys, values = cache.write_sequence(layer, slot, start, k, v)
+    mask = attention_mask(T, start + T, window, q.device)
+    return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
+                                          enable_gqa=q.shape[1] != keys.shape[0])
 
 
 class DecodeGraph:

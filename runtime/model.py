@@ -331,9 +331,12 @@ class Decoder(nn.Module):
         steps = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
         if isinstance(start, torch.Tensor):
             pos = start.to(self.inv_freq.device, torch.float32)[:, None] + steps  # [B, T]
-            freqs = (pos[..., None] * self.inv_freq)[:, None]  # [B, 1, T, D/2]
-        else:
-            freqs = torch.outer(start + steps, self.inv_freq)
+            return self._cos_sin(pos[:, None], dtype)  # [B, 1, T, D]
+        return self._cos_sin(start + steps, dtype)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype):
+        """cos, sin [..., D] at float32 ``positions`` [...]."""
+        freqs = positions[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -357,12 +360,29 @@ class Decoder(nn.Module):
         # one mask per distinct window, shared by the layers (not rebuilt per layer)
         masks = {w: None if per_sequence else attention_mask(T, start + T, w, x.device)
                  for w in set(self.cfg.sliding_windows)}
-        residual = None
-        for block in self.model.layers:
-            x, residual = block(x, residual, cos, sin, masks[block.window], cache, start)
+        x, residual = self._blocks(x, cos, sin, masks, cache, start)
         if last_only:
             x, residual = x[:, -1:], residual[:, -1:]
         return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
+                       logits_at: torch.Tensor) -> torch.Tensor:
+        """Several sequences' tokens in one forward, packed end to end: ``input_ids`` [N] at
+        ``positions`` [N]; ``batch`` (``runtime.execution.PackedBatch``) knows which tokens are
+        whose, stores their keys and values and attends per sequence. Logits [n, V] of the tokens
+        ``logits_at`` [n] only (each sequence's last: the rest would be thrown away)."""
+        x = self.model.embed_tokens(input_ids)[None]  # [1, N, hidden]: every GEMM sees M = N
+        cos, sin = self._cos_sin(positions.to(self.inv_freq.device, torch.float32), x.dtype)  # [N, D]
+        masks = dict.fromkeys(self.cfg.sliding_windows)  # the batch masks per sequence
+        x, residual = self._blocks(x, cos, sin, masks, batch, 0)
+        x, residual = x[0, logits_at], residual[0, logits_at]
+        return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+
+    def _blocks(self, x, cos, sin, masks, cache, start):
+        residual = None
+        for block in self.model.layers:
+            x, residual = block(x, residual, cos, sin, masks[block.window], cache, start)
+        return x, residual
 
     def use_kernels(self, on: bool = True) -> None:
         """Run RMSNorm (with the residual add), RoPE and SiLU-and-multiply as the fused Triton
