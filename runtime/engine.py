@@ -34,14 +34,16 @@ did the first time, so a quantized cache gives the same values; its sampler stat
 so its output is the same. The cache never grows after start-up, so a full cache makes requests wait; it does
 not run out of memory.
 
-Attention: on CUDA the Triton kernels read and write the cache in place (decode over
+Attention (``runtime/attention.py``, the backend chosen once at start-up, by default the
+model's): on CUDA the Triton kernels read and write the cache in place (decode over
 sequences of different lengths in one launch); on CPU, or for a scheme the kernels do not
 take, each sequence runs the reference path (store, read back dequantized, SDPA). Either way
 a request gets the plain runtime's computation (``model.generate`` with the same
 ``prefill_chunk``; a prompt within one chunk: the one-forward ``generate``), so its greedy
 output is the plain runtime's; the tests check it on CPU, and through the kernels in the
-Triton interpreter. The requests live in ``runtime/request.py``, the forwards and CUDA graphs
-in ``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
+Triton interpreter. The requests live in ``runtime/request.py``, the batches a forward
+attends through in ``runtime/attention.py``, step inputs and CUDA graphs in
+``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
 per batch-size bucket (not run on a GPU yet).
 """
 
@@ -55,8 +57,8 @@ import torch
 
 from kvquant import KVScheme, parse_kv
 from runtime.cache import KVCache, cache_size
-from runtime.execution import (DecodeGraph, PackedBatch, SequenceBatch, kernels_for, step_inputs,
-                               warm_matmul_tuning)
+from runtime.attention import PackedBatch, SequenceBatch, kernels_for
+from runtime.execution import DecodeGraph, step_inputs, warm_matmul_tuning
 from runtime.generate import Token, check_prompt, prefill_chunks
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams, sample_params
@@ -76,7 +78,7 @@ class Engine:
     sequences of ``max_len`` tokens. ``max_batch``: the most sequences running at once (cache
     slots). ``max_len``: the longest sequence, prompt and output (default and upper bound: the
     model's context). ``kv``: the cache scheme (default: the model's). ``prefill_chunk``: prompt
-    tokens prefilled per step. ``attention``: see :func:`runtime.execution.kernels_for`. ``cuda_graphs``: capture
+    tokens prefilled per step. ``attention``: see :func:`runtime.attention.kernels_for`. ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
 
     Threads: one thread drives it (``step``, ``run``, iterating a request, ``shutdown``).
@@ -100,7 +102,8 @@ class Engine:
         scheme = parse_kv(kv, default=model.kv_scheme) if isinstance(kv, str) else (kv or model.kv_scheme)
         scheme.check_head_dim(cfg.head_dim)
         self.model, self.max_len, self.prefill_chunk = model, max_len, prefill_chunk
-        self.kernels = kernels_for(scheme, cfg.head_dim, model.dtype, model.device, attention)
+        self.kernels = kernels_for(scheme, cfg.head_dim, model.dtype, model.device, attention,
+                                   model.decoder.attention_kernels)
 
         self.kv_budget, num_blocks = cache_size(model, scheme, kv_memory, max_batch, max_len)
         self.cache = KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype,

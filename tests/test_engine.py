@@ -11,7 +11,7 @@ import runtime
 from kvquant import parse_kv
 from runtime.cache import KVCache
 from runtime.engine import Engine, EngineClosedError
-from runtime.execution import kernels_for
+from runtime.attention import kernels_for
 from runtime.units import parse_bytes
 from runtime.generate import TextStream
 from runtime.sampling import SamplingParams, sample

@@ -14,7 +14,7 @@ import runtime
 from kvquant import parse_kv
 from runtime.cache import KVCache
 from runtime.engine import Engine
-from runtime.execution import PackedBatch
+from runtime.attention import PackedBatch
 from runtime.generate import prefill_chunks
 from test_engine import FP16, INT4, greedy, model_dir, models, plain, prompts  # noqa: F401 (fixtures)
 
