@@ -21,6 +21,7 @@ PyTorch keeps its fused kernels; only a binding sliding window builds a boolean 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 
@@ -90,7 +91,16 @@ def as_batch(cache, start: int | torch.Tensor, length: int, kernels: bool):
     return cache
 
 
-class NoCache:
+class Batch:
+    """What every batch answers besides ``attend``."""
+
+    def kv_store(self, layer: int, length: int):
+        """``(residual_k, residual_v, starts)`` when the RoPE launch should write this layer's new
+        keys and values into the cache itself (``small_ops.rope_qkv``), else None."""
+        return None
+
+
+class NoCache(Batch):
     """A plain forward from position 0: causal attention over the new tokens only."""
 
     def __init__(self, length: int):
@@ -100,7 +110,7 @@ class NoCache:
         return sdpa(q, k, v, attention_mask(self.length, self.length, window, q.device))
 
 
-class WholeCache:
+class WholeCache(Batch):
     """Every row of a ``KVCache`` at one ``start``: the kernels store and attend in place
     (``kv_reference.cache_attention`` on their ops), or ``KVCache.update`` + SDPA. The kernels
     serve the caches they support (dtype, head_dim, block and group sizes); others take the
@@ -124,7 +134,7 @@ class WholeCache:
         return sdpa(q, keys, values, mask)
 
 
-class SequenceBatch:
+class SequenceBatch(Batch):
     """Rows ``first .. first+count`` of the cache, sequence ``i`` writing at ``starts[i]``: what
     one decode forward of the engine reads and writes.
 
@@ -132,29 +142,45 @@ class SequenceBatch:
     its keys and values, reads back all of its cache dequantized and runs SDPA, exactly as the
     plain runtime (``KVCache.update`` + SDPA) does. ``starts_tensor`` and ``lengths``: ``starts``
     on the device, and ``starts + T`` (decode: given by the caller, so no layer computes them).
+
+    On the kernels a decode step writes its keys and values in the RoPE launch
+    (:meth:`kv_store`), and ``fills`` (known on the host: does any sequence fill a block this
+    step?) False skips the block-write launch; None: it runs, finding nothing to do or not.
     """
 
     def __init__(self, cache: KVCache, first: int, starts: list[int], kernels: bool,
                  starts_tensor: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, fills: bool | None = None):
         self.cache, self.first, self.starts, self.kernels = cache, first, starts, kernels
         self.count = len(starts)
         self.starts_tensor = starts_tensor if starts_tensor is not None else torch.tensor(
             starts, dtype=torch.int32, device=cache.device)
         self.lengths = lengths
         self.max_seq_len = max_seq_len
+        self.fills = fills
+        self._stored: set[int] = set()  # layers whose new keys and values the RoPE launch wrote
+
+    def _rows(self) -> slice:
+        return slice(self.first, self.first + self.count)
+
+    def kv_store(self, layer: int, length: int):
+        if not self.kernels or length != 1:
+            return None
+        self._stored.add(layer)
+        c, rows = self.cache, self._rows()
+        return c.residual_k[layer][rows], c.residual_v[layer][rows], self.starts_tensor
 
     def attend(self, layer: int, q, k, v, window):
         if self.kernels:
-            rows = slice(self.first, self.first + self.count)
             start = self.starts[0] if k.shape[2] > 1 else None  # prefill: one sequence, start known on the host
-            return kernel_attention(self.cache, layer, rows, self.starts_tensor, q, k, v, window, self.max_seq_len,
-                                    start, self.lengths)
+            write = dict(blocks=self.fills is not False, residual=layer not in self._stored)
+            return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
+                                    self.max_seq_len, start, self.lengths, write)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window) for i in range(self.count)])
 
 
-class PackedBatch:
+class PackedBatch(Batch):
     """Prefill chunks of several sequences in one forward, packed end to end (no padding: every
     GEMM of the forward runs on exactly the prompt tokens, M = their sum, and each sequence's
     attention is causal from its own start, so no [T, S] mask has to hide padding).
@@ -193,13 +219,17 @@ class PackedBatch:
 
 
 def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, window, max_seq_len, start,
-                     lengths=None):
-    """The Triton kernels over cache ``rows`` in place (``kv_reference.paged_attention``)."""
+                     lengths=None, write: dict | None = None):
+    """The Triton kernels over cache ``rows`` in place (``kv_reference.paged_attention``);
+    ``write``: what the cache write may skip (``kv_write.write_kv``'s ``blocks``, ``residual``)."""
     from runtime.kernels.attention import KERNEL_OPS
 
+    ops = KERNEL_OPS
+    if write and not all(write.values()):
+        ops = ops._replace(write_kv=functools.partial(ops.write_kv, **write))
     paged = ref.PagedKV.from_cache(cache, layer, rows)
     mask = None if start is None else attention_mask(k.shape[2], start + k.shape[2], window, q.device)
-    return ref.paged_attention(paged, starts, q, k, v, mask, window, KERNEL_OPS, max_seq_len=max_seq_len,
+    return ref.paged_attention(paged, starts, q, k, v, mask, window, ops, max_seq_len=max_seq_len,
                                start=start, lengths=lengths)
 
 

@@ -118,7 +118,7 @@ class Engine:
         self._busy_s = 0.0
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
-        self._graphs: dict[int, DecodeGraph] = {}
+        self._graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (bucket, writes filled blocks)
         if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
             warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
@@ -244,7 +244,8 @@ class Engine:
             num_blocks=cache.num_blocks if cache else None, block_size=cache.block_size if cache else None,
             max_batch=cache.batch if cache else None, capacity_tokens=self.capacity_tokens if cache else None,
             sequences_at_max_len=self.sequences_at(self.max_len) if cache else None,
-            attention="triton" if self.kernels else "reference", cuda_graph_buckets=sorted(self._graphs),
+            attention="triton" if self.kernels else "reference",
+            cuda_graph_buckets=sorted({b for b, _ in self._graphs}),
         )
 
     # ------------------------------------------------------------ scheduling
@@ -337,13 +338,14 @@ class Engine:
         if not decoders:
             return
         tokens, starts = [r.tokens[r.computed] for r in decoders], [r.computed for r in decoders]
-        graph = self._graph_for(len(decoders))
+        fills = any((s + 1) % block == 0 for s in starts)  # the block-write launch only when a block fills
+        graph = self._graph_for(len(decoders), fills)
         with torch.inference_mode():
             if graph is not None:
                 logits = graph.run(tokens, starts)
             else:
                 ids, starts_t, lengths = step_inputs(tokens, starts, self.model.device)
-                batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1)
+                batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1, fills)
                 logits = self.model.decoder(ids, batch, starts_t, last_only=True)
         self._counters["decode_steps"] += 1
         for r in decoders:
@@ -439,15 +441,17 @@ class Engine:
 
     # ------------------------------------------------------------ CUDA graphs
 
-    def _graph_for(self, n: int) -> "DecodeGraph | None":
-        """The captured decode step of the smallest bucket that holds ``n`` sequences, when its
-        padding rows are free slots (a prefilling sequence must not be written by padding)."""
-        bucket = next((b for b in sorted(self._graphs) if b >= n), None)
+    def _graph_for(self, n: int, fills: bool) -> "DecodeGraph | None":
+        """The captured decode step of the smallest bucket that holds ``n`` sequences (with or
+        without the block write), when its padding rows are free slots (a prefilling sequence
+        must not be written by padding)."""
+        bucket = next((b for b in sorted({b for b, _ in self._graphs}) if b >= n), None)
         if bucket is None or any(r.slot < bucket for r in self.running if r.slot >= n):
             return None
-        return self._graphs[bucket]
+        return self._graphs[bucket, fills]
 
     def _capture_graphs(self) -> None:
         buckets = sorted({min(b, self.cache.batch) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
         for b in buckets:  # at start-up: the warm-up writes into free slots only
-            self._graphs[b] = DecodeGraph(self.model.decoder, self.cache, b)
+            for fills in (False, True):
+                self._graphs[b, fills] = DecodeGraph(self.model.decoder, self.cache, b, fills)

@@ -28,16 +28,19 @@ class DecodeGraph:
     length inputs, the attention kernels over views of the cache (no host sync, no allocation at
     replay). Rows past the live sequences are padding: free slots written at position 0 and ignored.
 
+    ``fills``: whether the step writes filled blocks (a graph per bucket for steps where some
+    sequence fills one, and one without that launch for the others: the host knows which).
     ``capture=False`` runs the same padded step eagerly on the static inputs: what the tests run
     (in the Triton interpreter) to check everything but the capture itself."""
 
-    def __init__(self, decoder, cache: KVCache, batch: int, capture: bool = True):
+    def __init__(self, decoder, cache: KVCache, batch: int, fills: bool = True, capture: bool = True):
         device = cache.device
-        self.batch = batch
+        self.batch, self.fills = batch, fills
         self.inputs = torch.zeros(3, batch, dtype=torch.int32, device=device)  # ids, starts, lengths
         self.inputs[2] = 1
         ids, starts, lengths = self.inputs[0, :, None], self.inputs[1], self.inputs[2]
-        view = SequenceBatch(cache, 0, [0] * batch, kernels=True, starts_tensor=starts, lengths=lengths)
+        view = SequenceBatch(cache, 0, [0] * batch, kernels=True, starts_tensor=starts, lengths=lengths,
+                             fills=fills)
         self.step = lambda: decoder(ids, view, starts, last_only=True)
         self.graph = None
         if capture:

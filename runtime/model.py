@@ -208,9 +208,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def project(self, x, cos, sin):
+    def project(self, x, cos, sin, batch, layer: int):
         """q [B, Hq, T, D], k and v [B, Hk, T, D], RoPE applied: one GEMM when q/k/v were joined
-        at load (``qkv_proj``), and one launch for RoPE on the kernels."""
+        at load (``qkv_proj``), and one launch for RoPE on the kernels, which in a decode step
+        also writes k and v into the cache when the batch asks (``Batch.kv_store``)."""
         B, T, _ = x.shape
         cfg = self.cfg
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -219,7 +220,7 @@ class Attention(nn.Module):
             if self.kernels and not cfg.qk_norm:
                 from runtime.kernels.small_ops import rope_qkv
 
-                return rope_qkv(qkv, cos, sin, h, kv, d)
+                return rope_qkv(qkv, cos, sin, h, kv, d, store=batch.kv_store(layer, T))
             q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -233,7 +234,7 @@ class Attention(nn.Module):
         """One call into the forward's attention backend (``runtime.attention``): it stores the
         new keys and values where the batch keeps them and attends."""
         B, T, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, cos, sin, batch, layer)
         out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer])
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
