@@ -58,10 +58,10 @@ import torch
 from kvquant import KVScheme, parse_kv
 from runtime.cache import KVCache, cache_size
 from runtime.attention import PackedBatch, SequenceBatch, kernels_for
-from runtime.execution import DecodeGraph, step_inputs, warm_matmul_tuning
+from runtime.execution import DecodeGraphs, sample_tokens, step_inputs, warm_matmul_tuning
 from runtime.generate import Token, check_prompt, prefill_chunks
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
-from runtime.sampling import SamplingParams, sample_params
+from runtime.sampling import SamplingParams
 
 
 class EngineClosedError(RuntimeError):
@@ -118,14 +118,14 @@ class Engine:
         self._busy_s = 0.0
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
-        self._graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (bucket, writes filled blocks)
+        self._graphs: DecodeGraphs | None = None
         if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
             warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs:
             if model.device.type != "cuda" or not self.kernels:
                 raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")
-            self._capture_graphs()
+            self._graphs = DecodeGraphs(model.decoder, self.cache)  # at start-up: writes into free slots only
 
     # ------------------------------------------------------------------ public
 
@@ -222,7 +222,7 @@ class Engine:
         for r in list(self.running) + list(self.waiting):
             r.end("abort", now)
         self.running, self.waiting = [], collections.deque()
-        self._graphs.clear()
+        self._graphs = None
         self.cache = None
         self.closed = True
 
@@ -245,7 +245,7 @@ class Engine:
             max_batch=cache.batch if cache else None, capacity_tokens=self.capacity_tokens if cache else None,
             sequences_at_max_len=self.sequences_at(self.max_len) if cache else None,
             attention="triton" if self.kernels else "reference",
-            cuda_graph_buckets=sorted({b for b, _ in self._graphs}),
+            cuda_graph_buckets=self._graphs.buckets if self._graphs else [],
         )
 
     # ------------------------------------------------------------ scheduling
@@ -319,7 +319,7 @@ class Engine:
         # a new request whose prompt is in samples its first token; a recomputed one (after a
         # preemption) knows its outputs and replays them through decode steps
         rows = [i for i, (r, _, _) in enumerate(chunks) if r.computed == len(r.tokens)]
-        for i, token in zip(rows, self._sample(logits, [chunks[i][0] for i in rows], rows)):
+        for i, token in zip(rows, sample_tokens(logits, [chunks[i][0] for i in rows], rows)):
             self._emit(chunks[i][0], token)
 
     def _decoders(self) -> list[Request]:
@@ -339,7 +339,7 @@ class Engine:
             return
         tokens, starts = [r.tokens[r.computed] for r in decoders], [r.computed for r in decoders]
         fills = any((s + 1) % block == 0 for s in starts)  # the block-write launch only when a block fills
-        graph = self._graph_for(len(decoders), fills)
+        graph = self._graphs and self._graphs.for_step(len(decoders), fills, [r.slot for r in self.running])
         with torch.inference_mode():
             if graph is not None:
                 logits = graph.run(tokens, starts)
@@ -352,19 +352,8 @@ class Engine:
             self.cache.advance(r.slot, 1)
             r.computed += 1
         sampling = [i for i, r in enumerate(decoders) if r.computed == len(r.tokens)]  # the rest replay
-        for i, token in zip(sampling, self._sample(logits[:, -1], [decoders[i] for i in sampling], sampling)):
+        for i, token in zip(sampling, sample_tokens(logits[:, -1], [decoders[i] for i in sampling], sampling)):
             self._emit(decoders[i], token)
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> list[int]:
-        """The next token of each of ``requests`` (logits ``rows``): one read from the device."""
-        if not requests:
-            return []
-        if all(r.params.greedy for r in requests):
-            best = logits.argmax(-1).tolist()
-            return [best[i] for i in rows]
-        logits = logits.float().cpu()  # one copy for every sampler
-        return [sample_params(logits[i], r.params, r.generator) for i, r in zip(rows, requests)]
 
     def _promote(self) -> None:
         """Move requests whose prompt is in the cache into the decoder rows."""
@@ -438,20 +427,3 @@ class Engine:
         self._counters["finished"] += 1
         self._release(r)
         r.end(reason, now)
-
-    # ------------------------------------------------------------ CUDA graphs
-
-    def _graph_for(self, n: int, fills: bool) -> "DecodeGraph | None":
-        """The captured decode step of the smallest bucket that holds ``n`` sequences (with or
-        without the block write), when its padding rows are free slots (a prefilling sequence
-        must not be written by padding)."""
-        bucket = next((b for b in sorted({b for b, _ in self._graphs}) if b >= n), None)
-        if bucket is None or any(r.slot < bucket for r in self.running if r.slot >= n):
-            return None
-        return self._graphs[bucket, fills]
-
-    def _capture_graphs(self) -> None:
-        buckets = sorted({min(b, self.cache.batch) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
-        for b in buckets:  # at start-up: the warm-up writes into free slots only
-            for fills in (False, True):
-                self._graphs[b, fills] = DecodeGraph(self.model.decoder, self.cache, b, fills)

@@ -83,3 +83,34 @@ def warm_matmul_tuning(decoder, largest_m: int) -> int:
         for M in sizes:
             choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
     return len(layers) * len(sizes)
+
+
+class DecodeGraphs:
+    """The captured decode steps: one per batch-size bucket and per kind of step (with or
+    without the block write). ``for_step`` picks the smallest bucket that holds the step."""
+
+    def __init__(self, decoder, cache: KVCache, capture: bool = True, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)):
+        self.buckets = sorted({min(b, cache.batch) for b in buckets})
+        self.graphs = {(b, fills): DecodeGraph(decoder, cache, b, fills, capture)
+                       for b in self.buckets for fills in (False, True)}
+
+    def for_step(self, n: int, fills: bool, running_slots: list[int]) -> DecodeGraph | None:
+        """The graph for ``n`` decoding sequences (rows 0 .. n-1), when its padding rows are free
+        slots (a prefilling sequence in a higher row must not be written by padding)."""
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None or any(n <= slot < bucket for slot in running_slots):
+            return None
+        return self.graphs[bucket, fills]
+
+
+def sample_tokens(logits: torch.Tensor, requests: list, rows: list[int]) -> list[int]:
+    """The next token of each of ``requests`` (logits ``rows``): one read from the device."""
+    from runtime.sampling import sample_params
+
+    if not requests:
+        return []
+    if all(r.params.greedy for r in requests):
+        best = logits.argmax(-1).tolist()
+        return [best[i] for i in rows]
+    logits = logits.float().cpu()  # one copy for every sampler
+    return [sample_params(logits[i], r.params, r.generator) for i, r in zip(rows, requests)]

@@ -319,13 +319,12 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     bucket of rows, padding rows that write into free slots, the kernels' lengths bounded by the
     block table instead of the batch. Three sequences use the bucket of 4; prefilling sequences
     sit in high rows, so padding never touches them."""
-    from runtime.execution import DecodeGraph
+    from runtime.execution import DecodeGraph, DecodeGraphs
 
     model = models[INT4]
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=6, max_len=32, attention="triton")
-    engine._graphs = {(b, fills): DecodeGraph(model.decoder, engine.cache, b, fills, capture=False)
-                      for b in (2, 4) for fills in (False, True)}
+    engine._graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2, 4))
     used, run = [], DecodeGraph.run
 
     def counted(self, tokens, starts):
