@@ -43,14 +43,20 @@ def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:
     engine = Engine(model, max_batch=batch, max_len=128, attention="triton")
     for i in range(batch):
         engine.submit([3 + (i + j) % 100 for j in range(5 + 3 * i)], SamplingParams(max_tokens=40, ignore_eos=True))
-    while engine.waiting or any(r.slot >= engine.decoding for r in engine.running):
+    while not engine.all_decoding:
         engine.step()
-    steps = [decode_step_counts(engine) for _ in range(3)]
-    worst = max(steps, key=lambda c: c["launches"])
-    return dict(kv=kv, batch=batch, fused_small_ops=fused, syncs=max(c["syncs"] for c in steps),
-                input_copies=max(c["input_copies"] for c in steps), launches_per_step=worst["launches"],
-                launches_per_layer=max(worst["launches_per_layer"]), triton_launches=worst["triton_launches"],
-                ops=worst["ops"])
+    steps = {}  # whether some sequence fills a block this step -> its counts (the first such step)
+    for _ in range(16):  # every sequence crosses a block boundary within 16 steps
+        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine._decoders())
+        counts = decode_step_counts(engine)
+        steps.setdefault(fills, counts)
+    worst = max(steps.values(), key=lambda c: c["launches"])
+    return dict(kv=kv, batch=batch, fused_small_ops=fused, syncs=max(c["syncs"] for c in steps.values()),
+                input_copies=max(c["input_copies"] for c in steps.values()), launches_per_step=worst["launches"],
+                launches_per_layer=max(worst["launches_per_layer"]),
+                launches_per_layer_no_fill=max(steps[False]["launches_per_layer"]),
+                launches_per_layer_block_fills=max(steps[True]["launches_per_layer"]),
+                triton_launches=worst["triton_launches"], ops=worst["ops"], ops_no_fill=steps[False]["ops"])
 
 
 def main() -> None:
@@ -73,7 +79,8 @@ def main() -> None:
     out.write_text(json.dumps(record, indent=1) + "\n")
     for r in rows:
         print(f"{r['kv']:>14} batch {r['batch']:>2} fused={r['fused_small_ops']!s:5}  syncs {r['syncs']}  "
-              f"copies {r['input_copies']}  launches/layer {r['launches_per_layer']:>2}  /step {r['launches_per_step']}")
+              f"copies {r['input_copies']}  launches/layer {r['launches_per_layer_no_fill']:>2} "
+              f"({r['launches_per_layer_block_fills']:>2} when a block fills)  /step {r['launches_per_step']}")
     print(f"wrote {out}")
 
 

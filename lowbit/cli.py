@@ -173,6 +173,30 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
 
 @main.command()
 @click.argument("ckpt")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free one).")
+@click.option("--kv", default=None, help=KV_HELP)
+@click.option("--kv-memory", default=None, help="KV-cache budget (20GB, 512MiB); default: --max-batch full contexts.")
+@click.option("--max-batch", type=int, default=32, show_default=True, help="Requests decoding at once.")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests waiting beyond --max-batch; more are answered 503.")
+@click.option("--api-key", default=None, envvar="LOWBIT_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 (or set LOWBIT_API_KEY).")
+@_fail_cleanly
+def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key):
+    """Serve CKPT over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), with /health and
+    /metrics. SIGTERM or Ctrl-C finishes the running requests, then exits."""
+    try:
+        from lowbit.serve import serve as run_server
+    except ImportError as e:
+        raise click.ClickException(f"lowbit serve needs the serve extra ({e.name} is missing): "
+                                   "pip install 'lowbit[serve]'") from None
+    run_server(ckpt, host=host, port=port, kv=kv, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
+               api_key=api_key)
+
+
+@main.command()
+@click.argument("ckpt")
 @click.option("--layers", is_flag=True, help="Also list every quantized layer with its scheme and errors.")
 @_fail_cleanly
 def inspect(ckpt, layers):

@@ -155,7 +155,7 @@ def count_device_work():
 def decode_step_counts(engine) -> dict:
     """One engine step that only decodes (every running request is past its prompt), counted:
     the whole step, and the launches inside each decoder layer (forward hooks on the blocks)."""
-    if engine.waiting or any(r.slot >= engine.decoding for r in engine.running) or not engine.decoding:
+    if not engine.all_decoding or not engine.decoding:
         raise ValueError("decode_step_counts needs an engine whose running requests all decode and none waits")
     layers = engine.model.decoder.model.layers
     per_layer = []

@@ -10,9 +10,11 @@ Each :meth:`Engine.step`:
 
 1. admits waiting requests (oldest first) while a cache slot is free and the pool has the
    blocks for their tokens so far;
-2. prefills: up to ``prefill_chunk`` prompt tokens per step, one sequence per forward, a long
-   prompt in several chunks over several steps (so running sequences keep decoding), cut at
-   the multiples of ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``);
+2. prefills: up to ``prefill_chunk`` prompt tokens per step, the chunks of several sequences
+   packed into one forward (``execution.PackedBatch``), a long prompt in several chunks over
+   several steps (so running sequences keep decoding), cut at the multiples of
+   ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``); logits of each
+   sequence's last token only;
 3. decodes: one forward for every sequence that was already decoding, each at its own
    position, then samples one token per sequence. The scheduler decides on host mirrors
    (block table, lengths, free blocks), reserves a block only when a sequence crosses into
@@ -32,30 +34,34 @@ did the first time, so a quantized cache gives the same values; its sampler stat
 so its output is the same. The cache never grows after start-up, so a full cache makes requests wait; it does
 not run out of memory.
 
-Attention: on CUDA the Triton kernels read and write the cache in place (decode over
+Attention (``runtime/attention.py``, the backend chosen once at start-up, by default the
+model's): on CUDA the Triton kernels read and write the cache in place (decode over
 sequences of different lengths in one launch); on CPU, or for a scheme the kernels do not
 take, each sequence runs the reference path (store, read back dequantized, SDPA). Either way
 a request gets the plain runtime's computation (``model.generate`` with the same
 ``prefill_chunk``; a prompt within one chunk: the one-forward ``generate``), so its greedy
 output is the plain runtime's; the tests check it on CPU, and through the kernels in the
-Triton interpreter. The requests live in ``runtime/request.py``, the forwards and CUDA graphs
-in ``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
+Triton interpreter. The requests live in ``runtime/request.py``, the batches a forward
+attends through in ``runtime/attention.py``, step inputs and CUDA graphs in
+``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
 per batch-size bucket (not run on a GPU yet).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import torch
 
 from kvquant import KVScheme, parse_kv
 from runtime.cache import KVCache, cache_size
-from runtime.execution import DecodeGraph, SequenceBatch, kernels_for, step_inputs, warm_matmul_tuning
+from runtime.attention import PackedBatch, SequenceBatch, kernels_for
+from runtime.execution import DecodeGraphs, sample_tokens, step_inputs, warm_matmul_tuning
 from runtime.generate import Token, check_prompt, prefill_chunks
-from runtime.request import Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
-from runtime.sampling import SamplingParams, sample_params
+from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
+from runtime.sampling import SamplingParams
 
 
 class EngineClosedError(RuntimeError):
@@ -72,10 +78,15 @@ class Engine:
     sequences of ``max_len`` tokens. ``max_batch``: the most sequences running at once (cache
     slots). ``max_len``: the longest sequence, prompt and output (default and upper bound: the
     model's context). ``kv``: the cache scheme (default: the model's). ``prefill_chunk``: prompt
-    tokens prefilled per step. ``attention``: see :func:`runtime.execution.kernels_for`. ``cuda_graphs``: capture
+    tokens prefilled per step. ``attention``: see :func:`runtime.attention.kernels_for`. ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
 
-    One thread drives it: ``step`` (or iterating a request, which steps) is not thread-safe.
+    Threads: one thread drives it (``step``, ``run``, iterating a request, ``shutdown``).
+    ``submit`` and ``abort`` are safe from any thread: they only queue, and the driving thread
+    applies them, in order, at the start of its next ``step``. A server runs
+    ``while ...: engine.wait_for_work(0.1) and engine.step()`` in its engine thread, submits with
+    ``on_token`` (called on the engine thread with each :class:`Token`, then ``None`` when the
+    request ends) and calls ``abort`` when a client goes away.
     """
 
     def __init__(self, model, kv_memory=None, max_batch: int = 32, max_len: int | None = None,
@@ -91,7 +102,8 @@ class Engine:
         scheme = parse_kv(kv, default=model.kv_scheme) if isinstance(kv, str) else (kv or model.kv_scheme)
         scheme.check_head_dim(cfg.head_dim)
         self.model, self.max_len, self.prefill_chunk = model, max_len, prefill_chunk
-        self.kernels = kernels_for(scheme, cfg.head_dim, model.dtype, model.device, attention)
+        self.kernels = kernels_for(scheme, cfg.head_dim, model.dtype, model.device, attention,
+                                   model.decoder.attention_kernels)
 
         self.kv_budget, num_blocks = cache_size(model, scheme, kv_memory, max_batch, max_len)
         self.cache = KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype,
@@ -100,19 +112,20 @@ class Engine:
         self.running: list[Request] = []  # admission order: the last is the first preempted
         self.decoding = 0  # the decoding sequences sit in cache rows 0 .. decoding-1
         self.closed = False
-        self._next_id = 0
+        self._ids = itertools.count()  # next() is atomic: submit may run on any thread
+        self._inbox = Inbox()  # submits and aborts from any thread, applied by step
         self._counters = collections.Counter()
         self._busy_s = 0.0
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
-        self._graphs: dict[int, DecodeGraph] = {}
+        self._graphs: DecodeGraphs | None = None
         if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
             warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs:
             if model.device.type != "cuda" or not self.kernels:
                 raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")
-            self._capture_graphs()
+            self._graphs = DecodeGraphs(model.decoder, self.cache)  # at start-up: writes into free slots only
 
     # ------------------------------------------------------------------ public
 
@@ -129,9 +142,13 @@ class Engine:
         """How many sequences of ``length`` tokens the cache holds at once (what the KV scheme buys)."""
         return min(self.cache.batch, self.cache.num_blocks // max(length // self.cache.block_size, 1))
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **sampling) -> Request:
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, on_token=None,
+               **sampling) -> Request:
         """Queue a request (its prompt as text or token ids; ``SamplingParams`` or their fields as
-        keywords). It joins the running batch at a coming step."""
+        keywords); it joins the running batch at a coming step. Bad input raises here, in the
+        caller's thread. ``on_token(token)``: called on the engine's thread with each streamed
+        :class:`Token` and then with ``None`` once the request has ended (whatever the reason); it
+        must be quick and must not raise (a server hands the token to its event loop)."""
         if self.closed:
             raise EngineClosedError("the engine has been shut down: it takes no new requests")
         if params is None:
@@ -145,11 +162,24 @@ class Engine:
             raise ValueError(
                 f"this request may reach {total} tokens ({blocks} cache blocks of {self.cache.block_size}); the "
                 f"whole cache has {self.cache.num_blocks}: raise kv_memory or lower max_tokens")
-        request = Request(self, self._next_id, ids, params, total)
-        self._next_id += 1
-        self._first_arrival = self._first_arrival or request.arrival
-        self.waiting.append(request)
+        request = Request(self, next(self._ids), ids, params, total, on_token)
+        self._inbox.put("submit", request)
         return request
+
+    def abort(self, request: Request | int) -> None:
+        """End ``request`` (or the request with that id) with finish_reason "abort": at the start of
+        the next ``step`` it leaves the queue or the batch, its cache blocks and slot are freed
+        (before that step admits anyone), and its stream ends (iteration stops after the tokens it
+        already had; ``on_token(None)``). Safe from any thread; a finished or unknown request is
+        left alone. The other requests' outputs do not change."""
+        self._inbox.put("abort", request.id if isinstance(request, Request) else int(request))
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a request is queued, waiting or running, or ``timeout`` seconds pass;
+        return whether there is work (for an engine thread that steps only when there is)."""
+        if not self.has_work():
+            self._inbox.wait(timeout)
+        return self.has_work()
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
         """Submit every prompt, run until all finish, return the requests (in order)."""
@@ -164,13 +194,19 @@ class Engine:
             self.step()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or len(self._inbox))
+
+    @property
+    def all_decoding(self) -> bool:
+        """No request is queued or waiting, and every running one is past its prompt."""
+        return not len(self._inbox) and not self.waiting and all(r.slot < self.decoding for r in self.running)
 
     def step(self) -> None:
         """Admit, prefill up to ``prefill_chunk`` prompt tokens, decode every decoding sequence once."""
         if self.closed:
             raise EngineClosedError("the engine has been shut down")
         t0 = time.perf_counter()
+        self._apply_inbox()
         self._admit()
         self._prefill()
         self._decode()
@@ -179,11 +215,14 @@ class Engine:
         self._busy_s += time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        """Finish every request as "aborted", release the cache; later calls are refused."""
+        """End every request, queued ones included, as "abort"; release the cache; later calls
+        are refused. Call it from the thread that steps (or once that thread has stopped)."""
+        self._apply_inbox()
+        now = time.perf_counter()
         for r in list(self.running) + list(self.waiting):
-            r.finish_reason = "aborted"
+            r.end("abort", now)
         self.running, self.waiting = [], collections.deque()
-        self._graphs.clear()
+        self._graphs = None
         self.cache = None
         self.closed = True
 
@@ -194,15 +233,19 @@ class Engine:
         c = self._counters
         cache = self.cache
         return dict(
-            steps=c["steps"], prefill_tokens=c["prefill_tokens"], decode_steps=c["decode_steps"],
-            output_tokens=c["output_tokens"], finished=c["finished"], preemptions=c["preemptions"],
+            steps=c["steps"], prefill_tokens=c["prefill_tokens"], prefill_forwards=c["prefill_forwards"],
+            decode_steps=c["decode_steps"],
+            output_tokens=c["output_tokens"], finished=c["finished"], aborted=c["aborted"],
+            preemptions=c["preemptions"], running=len(self.running), waiting=len(self.waiting) + len(self._inbox),
+            free_blocks=cache.free_blocks if cache else None,
             busy_s=self._busy_s, span_s=span,
             throughput_tokens_per_s=c["output_tokens"] / span if span else None,
             kv_scheme=self.scheme.name if cache else None, kv_budget_bytes=self.kv_budget,
             num_blocks=cache.num_blocks if cache else None, block_size=cache.block_size if cache else None,
             max_batch=cache.batch if cache else None, capacity_tokens=self.capacity_tokens if cache else None,
             sequences_at_max_len=self.sequences_at(self.max_len) if cache else None,
-            attention="triton" if self.kernels else "reference", cuda_graph_buckets=sorted(self._graphs),
+            attention="triton" if self.kernels else "reference",
+            cuda_graph_buckets=self._graphs.buckets if self._graphs else [],
         )
 
     # ------------------------------------------------------------ scheduling
@@ -211,6 +254,26 @@ class Engine:
         m = self.model
         return check_prompt(prompt, m.tokenizer, m.decoder.cfg.vocab_size, self.max_len, m.path,
                             "the engine's context (max_len)")
+
+    def _apply_inbox(self) -> None:
+        """Apply what other threads queued (``submit``, ``abort``), in the order they queued it."""
+        for kind, item in self._inbox.drain():
+            if kind == "submit":
+                self._first_arrival = self._first_arrival or item.arrival
+                self.waiting.append(item)
+            else:
+                self._abort_now(item)
+
+    def _abort_now(self, request_id: int) -> None:
+        r = next((r for r in itertools.chain(self.running, self.waiting) if r.id == request_id), None)
+        if r is None:  # finished already, or never submitted here
+            return
+        if r in self.running:
+            self._release(r)
+        else:
+            self.waiting.remove(r)
+        self._counters["aborted"] += 1
+        r.end("abort", time.perf_counter())
 
     def _admit(self) -> None:
         """Give waiting requests (oldest first) a slot and the blocks their tokens so far fill."""
@@ -229,28 +292,35 @@ class Engine:
 
     def _prefill(self) -> None:
         """Prefill the next chunk of each prefilling request, oldest first, while the step's
-        ``prefill_chunk`` tokens last. A request's chunks are cut at the multiples of
-        ``prefill_chunk`` whatever else runs, so its output does not depend on the schedule."""
-        budget = self.prefill_chunk
+        ``prefill_chunk`` tokens last, all in one forward (``PackedBatch``). A request's chunks
+        are cut at the multiples of ``prefill_chunk`` whatever else runs, so its output does not
+        depend on the schedule."""
+        budget, chunks = self.prefill_chunk, []
         for r in [r for r in self.running if r.slot >= self.decoding]:  # admission order: oldest first
-            if r not in self.running:  # preempted by an earlier prefill of this step
+            if r not in self.running:  # preempted by an earlier reservation of this step
                 continue
             a, b = prefill_chunks(r.computed, len(r.prompt_ids), self.prefill_chunk)[0]
             if b - a > budget:
-                return
-            if not self._reserve(r, b):
-                continue  # r itself was preempted
-            ids = torch.tensor([r.prompt_ids[a:b]], device=self.model.device)
-            batch = SequenceBatch(self.cache, r.slot, [a], self.kernels, max_seq_len=b)
-            with torch.inference_mode():
-                logits = self.model.decoder(ids, batch, a, last_only=True)[0, -1]
+                break
+            if self._reserve(r, b):  # may preempt newer requests (never one already chosen: they are older)
+                chunks.append((r, a, b))
+                budget -= b - a
+        if not chunks:
+            return
+        batch = PackedBatch(self.cache, [r.slot for r, _, _ in chunks], [a for _, a, _ in chunks],
+                            [r.prompt_ids[a:b] for r, a, b in chunks], self.kernels)
+        with torch.inference_mode():
+            logits = self.model.decoder.forward_packed(batch.input_ids, batch.positions, batch, batch.logits_at)
+        self._counters["prefill_forwards"] += 1
+        for r, a, b in chunks:
             self.cache.advance(r.slot, b - a)
             r.computed = b
-            budget -= b - a
             self._counters["prefill_tokens"] += b - a
-            if r.computed == len(r.tokens):  # a new request's prompt is in: its first token
-                self._emit(r, sample_params(logits, r.params, r.generator))
-            # a recomputed request's outputs are known: it replays them through decode steps
+        # a new request whose prompt is in samples its first token; a recomputed one (after a
+        # preemption) knows its outputs and replays them through decode steps
+        rows = [i for i, (r, _, _) in enumerate(chunks) if r.computed == len(r.tokens)]
+        for i, token in zip(rows, sample_tokens(logits, [chunks[i][0] for i in rows], rows)):
+            self._emit(chunks[i][0], token)
 
     def _decoders(self) -> list[Request]:
         """The requests in cache rows 0 .. decoding-1, by row."""
@@ -268,32 +338,22 @@ class Engine:
         if not decoders:
             return
         tokens, starts = [r.tokens[r.computed] for r in decoders], [r.computed for r in decoders]
-        graph = self._graph_for(len(decoders))
+        fills = any((s + 1) % block == 0 for s in starts)  # the block-write launch only when a block fills
+        graph = self._graphs and self._graphs.for_step(len(decoders), fills, [r.slot for r in self.running])
         with torch.inference_mode():
             if graph is not None:
                 logits = graph.run(tokens, starts)
             else:
                 ids, starts_t, lengths = step_inputs(tokens, starts, self.model.device)
-                batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1)
+                batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1, fills)
                 logits = self.model.decoder(ids, batch, starts_t, last_only=True)
         self._counters["decode_steps"] += 1
         for r in decoders:
             self.cache.advance(r.slot, 1)
             r.computed += 1
         sampling = [i for i, r in enumerate(decoders) if r.computed == len(r.tokens)]  # the rest replay
-        for i, token in zip(sampling, self._sample(logits[:, -1], [decoders[i] for i in sampling], sampling)):
+        for i, token in zip(sampling, sample_tokens(logits[:, -1], [decoders[i] for i in sampling], sampling)):
             self._emit(decoders[i], token)
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> list[int]:
-        """The next token of each of ``requests`` (logits ``rows``): one read from the device."""
-        if not requests:
-            return []
-        if all(r.params.greedy for r in requests):
-            best = logits.argmax(-1).tolist()
-            return [best[i] for i in rows]
-        logits = logits.float().cpu()  # one copy for every sampler
-        return [sample_params(logits[i], r.params, r.generator) for i, r in zip(rows, requests)]
 
     def _promote(self) -> None:
         """Move requests whose prompt is in the cache into the decoder rows."""
@@ -355,29 +415,15 @@ class Engine:
         done = len(r.output_ids) >= r.params.max_tokens or r.computed >= r.total
         piece = r.stream.push(r.output_ids, done)
         r._pending.append(Token(token, piece, now - r.arrival))
+        if r.on_token is not None:
+            r.on_token(r._pending[-1])
         if r.stream.stopped:
             self._finish(r, "stop", now)
         elif done:
             self._finish(r, "length", now)
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
-        r.finish_reason = reason
-        r.metrics.e2e_s = now - r.arrival
         self._last_finish = now
         self._counters["finished"] += 1
         self._release(r)
-
-    # ------------------------------------------------------------ CUDA graphs
-
-    def _graph_for(self, n: int) -> "DecodeGraph | None":
-        """The captured decode step of the smallest bucket that holds ``n`` sequences, when its
-        padding rows are free slots (a prefilling sequence must not be written by padding)."""
-        bucket = next((b for b in sorted(self._graphs) if b >= n), None)
-        if bucket is None or any(r.slot < bucket for r in self.running if r.slot >= n):
-            return None
-        return self._graphs[bucket]
-
-    def _capture_graphs(self) -> None:
-        buckets = sorted({min(b, self.cache.batch) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
-        for b in buckets:  # at start-up: the warm-up writes into free slots only
-            self._graphs[b] = DecodeGraph(self.model.decoder, self.cache, b)
+        r.end(reason, now)

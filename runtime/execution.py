@@ -9,15 +9,10 @@ before its logits come back.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.nn.functional as F
 
-from kvquant import KVScheme
+from runtime.attention import SequenceBatch
 from runtime.cache import KVCache
-from runtime.kernels import kv_reference as ref
-from runtime.model import attention_mask
 
 
 def step_inputs(tokens: list[int], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,64 +23,24 @@ def step_inputs(tokens: list[int], starts: list[int], device) -> tuple[torch.Ten
     return packed[0, :, None], packed[1], packed[2]
 
 
-class SequenceBatch:
-    """Rows ``first .. first+count`` of the cache, sequence ``i`` writing at ``starts[i]``: what
-    one forward of the engine reads and writes. ``runtime.model.Attention`` hands it each
-    layer's new keys and values (``attend``).
-
-    ``kernels``: the Triton ops over views of the cache tensors (GPU; the interpreter in tests).
-    Otherwise each sequence stores its keys and values, reads back all of its cache dequantized
-    and runs SDPA, exactly as the plain runtime (``KVCache.update`` + SDPA) does.
-    ``starts_tensor`` and ``lengths``: ``starts`` on the device, and ``starts + T`` (decode:
-    given by the caller, so no layer computes them).
-    """
-
-    def __init__(self, cache: KVCache, first: int, starts: list[int], kernels: bool,
-                 starts_tensor: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-                 max_seq_len: int | None = None):
-        self.cache, self.first, self.starts, self.kernels = cache, first, starts, kernels
-        self.count = len(starts)
-        self.starts_tensor = starts_tensor if starts_tensor is not None else torch.tensor(
-            starts, dtype=torch.int32, device=cache.device)
-        self.lengths = lengths
-        self.max_seq_len = max_seq_len
-
-    def attend(self, layer: int, q, k, v, mask, window):
-        if self.kernels:
-            from runtime.kernels.attention import KERNEL_OPS
-
-            rows = slice(self.first, self.first + self.count)
-            c = self.cache
-            paged = ref.PagedKV(c.pool[layer]["k"], c.pool[layer]["v"], c.residual_k[layer][rows],
-                                c.residual_v[layer][rows], c.block_table[rows], c.scheme)
-            start = self.starts[0] if k.shape[2] > 1 else None  # prefill: one sequence, start known on the host
-            return ref.paged_attention(paged, self.starts_tensor, q, k, v, mask, window, KERNEL_OPS,
-                                       max_seq_len=self.max_seq_len, start=start, lengths=self.lengths)
-        return torch.cat([self._attend_one(layer, i, q[i:i + 1], k[i], v[i], window) for i in range(self.count)])
-
-    def _attend_one(self, layer, i, q, k, v, window):
-        slot, start, T = self.first + i, self.starts[i], k.shape[1]
-        keys, values = self.cache.write_sequence(layer, slot, start, k, v)
-        mask = attention_mask(T, start + T, window, q.device)
-        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
-                                              enable_gqa=q.shape[1] != keys.shape[0])
-
-
 class DecodeGraph:
     """One decode step for ``batch`` rows captured in a CUDA graph: static token, position and
     length inputs, the attention kernels over views of the cache (no host sync, no allocation at
     replay). Rows past the live sequences are padding: free slots written at position 0 and ignored.
 
+    ``fills``: whether the step writes filled blocks (a graph per bucket for steps where some
+    sequence fills one, and one without that launch for the others: the host knows which).
     ``capture=False`` runs the same padded step eagerly on the static inputs: what the tests run
     (in the Triton interpreter) to check everything but the capture itself."""
 
-    def __init__(self, decoder, cache: KVCache, batch: int, capture: bool = True):
+    def __init__(self, decoder, cache: KVCache, batch: int, fills: bool = True, capture: bool = True):
         device = cache.device
-        self.batch = batch
+        self.batch, self.fills = batch, fills
         self.inputs = torch.zeros(3, batch, dtype=torch.int32, device=device)  # ids, starts, lengths
         self.inputs[2] = 1
         ids, starts, lengths = self.inputs[0, :, None], self.inputs[1], self.inputs[2]
-        view = SequenceBatch(cache, 0, [0] * batch, kernels=True, starts_tensor=starts, lengths=lengths)
+        view = SequenceBatch(cache, 0, [0] * batch, kernels=True, starts_tensor=starts, lengths=lengths,
+                             fills=fills)
         self.step = lambda: decoder(ids, view, starts, last_only=True)
         self.graph = None
         if capture:
@@ -130,22 +85,32 @@ def warm_matmul_tuning(decoder, largest_m: int) -> int:
     return len(layers) * len(sizes)
 
 
-def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: torch.device,
-                attention: str = "auto") -> bool:
-    """Whether the engine runs the Triton attention kernels: ``auto`` on CUDA when they take this
-    cache (else the reference, with a warning), ``triton`` always (an error if they cannot;
-    on CPU it needs the interpreter), ``reference`` never."""
-    if attention not in ("auto", "triton", "reference"):
-        raise ValueError(f"attention must be auto, triton or reference, got {attention!r}")
-    if attention == "reference" or (attention == "auto" and device.type != "cuda"):
-        return False
-    from runtime.kernels.attention import unsupported_reason
+class DecodeGraphs:
+    """The captured decode steps: one per batch-size bucket and per kind of step (with or
+    without the block write). ``for_step`` picks the smallest bucket that holds the step."""
 
-    reason = unsupported_reason(scheme, head_dim, dtype, device)
-    if reason is None:
-        return True
-    if attention == "triton":
-        raise ValueError(f"KV cache {scheme.name}: the Triton attention kernels do not support {reason}")
-    warnings.warn(f"KV cache {scheme.name}: no attention kernel for {reason} on {device}; the engine runs the "
-                  "PyTorch reference per sequence (correct, slow)")
-    return False
+    def __init__(self, decoder, cache: KVCache, capture: bool = True, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)):
+        self.buckets = sorted({min(b, cache.batch) for b in buckets})
+        self.graphs = {(b, fills): DecodeGraph(decoder, cache, b, fills, capture)
+                       for b in self.buckets for fills in (False, True)}
+
+    def for_step(self, n: int, fills: bool, running_slots: list[int]) -> DecodeGraph | None:
+        """The graph for ``n`` decoding sequences (rows 0 .. n-1), when its padding rows are free
+        slots (a prefilling sequence in a higher row must not be written by padding)."""
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None or any(n <= slot < bucket for slot in running_slots):
+            return None
+        return self.graphs[bucket, fills]
+
+
+def sample_tokens(logits: torch.Tensor, requests: list, rows: list[int]) -> list[int]:
+    """The next token of each of ``requests`` (logits ``rows``): one read from the device."""
+    from runtime.sampling import sample_params
+
+    if not requests:
+        return []
+    if all(r.params.greedy for r in requests):
+        best = logits.argmax(-1).tolist()
+        return [best[i] for i in rows]
+    logits = logits.float().cpu()  # one copy for every sampler
+    return [sample_params(logits[i], r.params, r.generator) for i, r in zip(rows, requests)]

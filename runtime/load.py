@@ -146,6 +146,7 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype) -> None:
     decoder.to(device).eval()
     decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
+    decoder.attention_kernels = device.type == "cuda"  # the attention backend, chosen once (runtime.attention)
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it

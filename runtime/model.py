@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+
+from runtime.attention import as_batch
 
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
 from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
@@ -127,18 +128,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention_mask(queries: int, keys: int, window: int | None, device):
-    """The mask for ``queries`` new tokens that follow ``keys - queries`` cached ones: causal, and
-    within ``window`` positions when the layer slides. None for one new token that sees everything;
-    a lower-right causal bias (no [T, S] tensor: SDPA keeps its fused kernels) where the window does
-    not bind; else a boolean [queries, keys] tensor."""
-    if window is None or keys <= window:
-        return None if queries == 1 else causal_lower_right(queries, keys)
-    q = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
-    k = torch.arange(keys, device=device).unsqueeze(0)
-    return (k <= q) & (k > q - window)
-
-
 class RMSNorm(nn.Module):
     kernels = False  # the fused Triton kernel (Decoder.use_kernels), else PyTorch
 
@@ -186,9 +175,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def project(self, x, cos, sin):
+    def project(self, x, cos, sin, batch, layer: int):
         """q [B, Hq, T, D], k and v [B, Hk, T, D], RoPE applied: one GEMM when q/k/v were joined
-        at load (``qkv_proj``), and one launch for RoPE on the kernels."""
+        at load (``qkv_proj``), and one launch for RoPE on the kernels, which in a decode step
+        also writes k and v into the cache when the batch asks (``Batch.kv_store``)."""
         B, T, _ = x.shape
         cfg = self.cfg
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -197,7 +187,7 @@ class Attention(nn.Module):
             if self.kernels and not cfg.qk_norm:
                 from runtime.kernels.small_ops import rope_qkv
 
-                return rope_qkv(qkv, cos, sin, h, kv, d)
+                return rope_qkv(qkv, cos, sin, h, kv, d, store=batch.kv_store(layer, T))
             q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -207,28 +197,12 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, mask, cache=None, layer: int = 0, start: int = 0):
+    def forward(self, x, cos, sin, batch, layer: int):
+        """One call into the forward's attention backend (``runtime.attention``): it stores the
+        new keys and values where the batch keeps them and attends."""
         B, T, _ = x.shape
-        cfg = self.cfg
-        q, k, v = self.project(x, cos, sin)
-        out = None
-        if hasattr(cache, "attend"):
-            # sequences at positions of their own (runtime.engine's batches): the batch stores
-            # the new keys and values and attends per sequence, on the kernels or the reference
-            return self.o_proj(cache.attend(layer, q, k, v, mask, cfg.sliding_windows[layer]).transpose(1, 2)
-                               .reshape(B, T, -1))
-        if cache is not None and q.is_cuda:
-            # GPU: Triton kernels write the quantized cache and attend over it in place
-            # (runtime/kernels/attention.py); None when they do not take this cache's scheme.
-            from runtime.kernels.attention import cache_attention
-
-            out = cache_attention(cache, layer, start, q, k, v, mask, cfg.sliding_windows[layer])
-        if out is None:
-            if cache is not None:
-                k, v = cache.update(layer, start, k, v)
-            # enable_gqa: SDPA broadcasts the KV heads itself instead of us copying them per query head
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+        q, k, v = self.project(x, cos, sin, batch, layer)
+        out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer])
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -265,11 +239,11 @@ class Block(nn.Module):
         self.index = i
         self.window = cfg.sliding_windows[i]
 
-    def forward(self, x, residual, cos, sin, mask, cache=None, start: int = 0):
+    def forward(self, x, residual, cos, sin, batch):
         """``(mlp output, residual stream before it)``: the stream's adds happen in the next norm
         (``RMSNorm.add_forward``), so on the kernels an add and a norm are one launch."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, mask, cache, self.index, start)
+        h = self.self_attn(h, cos, sin, batch, self.index)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -285,6 +259,8 @@ class Body(nn.Module):
 
 
 class Decoder(nn.Module):
+    attention_kernels = False  # the Triton attention kernels over the KV cache (runtime.load.prepare), else PyTorch
+
     def __init__(self, cfg: DecoderConfig, make_linear: LinearFactory = plain_linear):
         super().__init__()
         self.cfg = cfg
@@ -298,9 +274,12 @@ class Decoder(nn.Module):
         steps = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
         if isinstance(start, torch.Tensor):
             pos = start.to(self.inv_freq.device, torch.float32)[:, None] + steps  # [B, T]
-            freqs = (pos[..., None] * self.inv_freq)[:, None]  # [B, 1, T, D/2]
-        else:
-            freqs = torch.outer(start + steps, self.inv_freq)
+            return self._cos_sin(pos[:, None], dtype)  # [B, 1, T, D]
+        return self._cos_sin(start + steps, dtype)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype):
+        """cos, sin [..., D] at float32 ``positions`` [...]."""
+        freqs = positions[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -310,26 +289,37 @@ class Decoder(nn.Module):
         of the last position only with ``last_only``: generation needs no more, and at 4,096
         tokens a vocabulary of 128k makes the full logits a 1 GB tensor).
 
-        With a ``cache`` the new keys/values are stored and attention reads every
-        position before them; without one ``start`` must be 0 (a plain forward).
-        ``start`` may be a tensor [B] of per-sequence positions: sequences of different
-        lengths in one batch (the serving engine); the cache then masks per sequence.
+        ``cache``: a ``KVCache`` (its rows advance together: the new keys/values are stored and
+        attention reads every position before them), a batch of ``runtime.attention`` (the
+        engine: ``start`` may then be a tensor [B] of per-sequence positions), or None (a plain
+        forward: ``start`` must be 0). Attention runs on ``attention_kernels``' backend.
         """
-        per_sequence = isinstance(start, torch.Tensor)
-        if cache is None and (per_sequence or start):
-            raise ValueError("a forward from a position other than 0 needs the KV cache")
         T = input_ids.shape[1]
+        batch = as_batch(cache, start, T, self.attention_kernels)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(start, T, x.dtype)
-        # one mask per distinct window, shared by the layers (not rebuilt per layer)
-        masks = {w: None if per_sequence else attention_mask(T, start + T, w, x.device)
-                 for w in set(self.cfg.sliding_windows)}
-        residual = None
-        for block in self.model.layers:
-            x, residual = block(x, residual, cos, sin, masks[block.window], cache, start)
+        x, residual = self._blocks(x, cos, sin, batch)
         if last_only:
             x, residual = x[:, -1:], residual[:, -1:]
         return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
+                       logits_at: torch.Tensor) -> torch.Tensor:
+        """Several sequences' tokens in one forward, packed end to end: ``input_ids`` [N] at
+        ``positions`` [N]; ``batch`` (``runtime.attention.PackedBatch``) knows which tokens are
+        whose, stores their keys and values and attends per sequence. Logits [n, V] of the tokens
+        ``logits_at`` [n] only (each sequence's last: the rest would be thrown away)."""
+        x = self.model.embed_tokens(input_ids)[None]  # [1, N, hidden]: every GEMM sees M = N
+        cos, sin = self._cos_sin(positions.to(self.inv_freq.device, torch.float32), x.dtype)  # [N, D]
+        x, residual = self._blocks(x, cos, sin, batch)
+        x, residual = x[0, logits_at], residual[0, logits_at]
+        return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+
+    def _blocks(self, x, cos, sin, batch):
+        residual = None
+        for block in self.model.layers:
+            x, residual = block(x, residual, cos, sin, batch)
+        return x, residual
 
     def use_kernels(self, on: bool = True) -> None:
         """Run RMSNorm (with the residual add), RoPE and SiLU-and-multiply as the fused Triton

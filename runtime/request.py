@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -48,13 +50,16 @@ class Request:
     """One request: iterate it to stream its :class:`Token` s (iterating drives the engine).
 
     ``output_ids``, ``text``, ``finish_reason`` ("stop": EOS, a stop id or a stop string;
-    "length": ``max_tokens`` or the context) and ``metrics`` fill in as it runs.
+    "length": ``max_tokens`` or the context; "abort": ``Engine.abort`` or ``shutdown``) and
+    ``metrics`` fill in as it runs. Iterating steps the engine, so only the thread that drives
+    the engine may iterate; another thread streams through ``submit``'s ``on_token``.
     """
 
     def __init__(self, engine: "Engine", request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 total: int):
+                 total: int, on_token=None):
         self.engine, self.id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
         self.total = total  # positions it may reach: prompt + max_tokens, within the context
+        self.on_token = on_token  # called on the engine's thread: each Token, then None at the end
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
@@ -87,6 +92,14 @@ class Request:
                 return
             self.engine.step()
 
+    def end(self, reason: str, now: float) -> None:
+        """Close the stream (the engine's thread calls it): the reason, the end-to-end time, and
+        ``on_token(None)``."""
+        self.finish_reason = reason
+        self.metrics.e2e_s = now - self.arrival
+        if self.on_token is not None:
+            self.on_token(None)
+
     def result(self) -> "Request":
         """Run the engine until this request finishes; returns it."""
         for _ in self:
@@ -96,3 +109,31 @@ class Request:
     def __repr__(self) -> str:
         state = self.finish_reason or ("running" if self.slot is not None else "waiting")
         return f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, output={len(self.output_ids)}, {state})"
+
+
+class Inbox:
+    """What other threads hand the engine (("submit", Request), ("abort", id)), kept in order
+    for the engine's thread to apply at its next step; ``wait`` sleeps until something comes."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._arrived = threading.Event()
+
+    def put(self, kind: str, item) -> None:
+        self._queue.put((kind, item))
+        self._arrived.set()
+
+    def drain(self):
+        """Yield everything queued so far, oldest first."""
+        self._arrived.clear()  # before reading: a later put sets it again
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def wait(self, timeout: float | None) -> None:
+        self._arrived.wait(timeout)
+
+    def __len__(self) -> int:
+        return self._queue.qsize()

@@ -28,7 +28,7 @@ from runtime.cache import KVCache  # noqa: E402
 from runtime.kernels import attention as kernels  # noqa: E402
 from runtime.kernels import kv_reference as ref  # noqa: E402
 from runtime.kernels.kv_reference import PagedKV  # noqa: E402
-from runtime.model import attention_mask  # noqa: E402
+from runtime.attention import attention_mask  # noqa: E402
 
 DEVICE = torch.device("cpu" if kernels.interpreting() else "cuda")
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -332,14 +332,13 @@ def test_kernels_compile_for_a_hopper_gpu():
     assert run.stdout.count("compiled") == 2 * 5, run.stdout
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the model takes the kernels for real")
 @pytest.mark.parametrize("family", [{"model_type": "llama"}, {"model_type": "mistral", "sliding_window": 12}],
                          ids=["llama", "mistral-window"])
-def test_the_models_gpu_path_runs_the_kernels_and_matches_the_cpu_path(monkeypatch, family):
-    """runtime.model.Attention sends CUDA tensors to kernels.cache_attention. Here CPU tensors pose
-    as CUDA ones for the model's forward, so the hook (mask, window, layer index, one cache shared
-    by the layers) runs the interpreted kernels; decoding token by token, it must give the CPU
-    path's logits (Mistral: a sliding window the 20 tokens outgrow)."""
+def test_the_models_kernel_backend_matches_its_reference_backend(monkeypatch, family):
+    """The attention backend is the decoder's, chosen once (``attention_kernels``: on CUDA at
+    load). With it on, every layer's attention runs the kernels over one shared cache (mask,
+    window, layer index); decoding token by token, it must give the reference backend's logits
+    (Mistral: a sliding window the 20 tokens outgrow)."""
     from runtime.model import Decoder, DecoderConfig
 
     cfg = DecoderConfig.from_hf(dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -356,9 +355,9 @@ def test_the_models_gpu_path_runs_the_kernels_and_matches_the_cpu_path(monkeypat
     want, got = [], []
     with torch.inference_mode():
         for pos in range(20):  # crosses a block boundary: 16 tokens fill and quantize one
+            model.attention_kernels = False
             want.append(model(ids[:, pos:pos + 1], plain, pos))
-            with monkeypatch.context() as m:
-                m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-                got.append(model(ids[:, pos:pos + 1], fused, pos))
+            model.attention_kernels = True
+            got.append(model(ids[:, pos:pos + 1], fused, pos))
     assert len(calls) == 20 * cfg.num_layers
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=1e-4)

@@ -48,3 +48,24 @@ def test_silu_and_multiply_of_the_joined_gate_and_up():
     gate_up = torch.randn(3, 1, 2 * 80, generator=torch.Generator().manual_seed(2)).bfloat16()
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **BF16)
+
+
+def test_rope_of_a_decode_step_writes_k_and_v_into_the_cache_residual():
+    """The decode step's RoPE launch also stores each sequence's new key and value at row
+    ``start % block`` of its residual block (what kv_write's residual launch did), nothing else."""
+    g = torch.Generator().manual_seed(3)
+    S, H, K, D, block = 3, 4, 2, 16, 16
+    qkv = torch.randn(S, 1, (H + 2 * K) * D, generator=g).bfloat16()
+    emb = torch.randn(S, 1, 1, D // 2, generator=g).repeat(1, 1, 1, 2)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    residual_k, residual_v = (torch.randn(S, K, block, D, generator=g).bfloat16() for _ in range(2))
+    before_k, before_v = residual_k.clone(), residual_v.clone()
+    starts = torch.tensor([0, 21, 47], dtype=torch.int32)  # rows 0, 5 and 15 (the last fills its block)
+    q, k, v = rope_qkv(qkv, cos, sin, H, K, D, store=(residual_k, residual_v, starts))
+    plain = rope_qkv(qkv, cos, sin, H, K, D)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), plain))  # the same outputs as without the store
+    for s, row in enumerate(starts.remainder(block).tolist()):
+        assert torch.equal(residual_k[s, :, row], k[s, :, 0]) and torch.equal(residual_v[s, :, row], v[s, :, 0])
+        others = [r for r in range(block) if r != row]
+        assert torch.equal(residual_k[s, :, others], before_k[s, :, others])
+        assert torch.equal(residual_v[s, :, others], before_v[s, :, others])

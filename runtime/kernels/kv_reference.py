@@ -35,10 +35,11 @@ class PagedKV(NamedTuple):
     scheme: KVScheme
 
     @classmethod
-    def from_cache(cls, cache, layer: int) -> "PagedKV":
+    def from_cache(cls, cache, layer: int, rows: slice = slice(None)) -> "PagedKV":
+        """Layer ``layer`` of ``cache``, its sequences ``rows`` (views: nothing is copied)."""
         pool = cache.pool[layer]
-        return cls(pool["k"], pool["v"], cache.residual_k[layer], cache.residual_v[layer], cache.block_table,
-                   cache.scheme)
+        return cls(pool["k"], pool["v"], cache.residual_k[layer][rows], cache.residual_v[layer][rows],
+                   cache.block_table[rows], cache.scheme)
 
     @property
     def block_size(self) -> int:

@@ -203,9 +203,12 @@ def _write_residual_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, starts_ptr, T, new_ss, 
 
 
 def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             num_warps: int = WRITE_WARPS) -> None:
+             num_warps: int = WRITE_WARPS, blocks: bool = True, residual: bool = True) -> None:
     """Same as :func:`runtime.kernels.kv_reference.write_kv`. The caller allocates the blocks the
-    write fills (``block_table`` entries >= 0); no host sync."""
+    write fills (``block_table`` entries >= 0); no host sync. A caller that knows more skips a
+    launch: ``blocks=False`` when no sequence fills a block (a decode step where none crosses a
+    block boundary), ``residual=False`` when the new tokens are in the residual already
+    (``small_ops.rope_qkv`` with ``store``; the block kernel still reads them from ``k, v``)."""
     require_supported(paged)
     S, H, B, D = paged.residual_k.shape
     if k.ndim != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (S, H, D):
@@ -224,7 +227,7 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
     c = scheme_constants(paged)
     cache_dtype = TL_DTYPES[paged.dtype]
     strides = (k.stride(0), k.stride(1), k.stride(2))
-    fills = (B - 1 + T) // B  # most blocks one sequence can fill
+    fills = (B - 1 + T) // B if blocks else 0  # most blocks one sequence can fill
     if fills:
         rows = min(B, WRITE_ROWS)
         key_rows = paged.scheme.group_size if paged.scheme.kivi else rows
@@ -233,6 +236,8 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
             T, paged.block_table.stride(0), *strides, KEY_ROWS=key_rows, ROWS=rows, CACHE=cache_dtype, H=H, **c,
             KEY_RATIO=paged.scheme.range_ratio(True), VALUE_RATIO=paged.scheme.range_ratio(False),
             num_warps=num_warps, enable_fp_fusion=False)  # no FMA: qparams round exactly as kvquant's
+    if not residual:
+        return
     # after the blocks (same stream): they read residual rows this overwrites
     residual_rows = 16
     _write_residual_kernel[(S, H, triton.cdiv(min(T, B - 1), residual_rows))](

@@ -4,7 +4,8 @@ same roundings to the model dtype), so the GPU path and the CPU reference comput
 tests run them in the Triton interpreter.
 
 Why: in a decode step each of these is a chain of 5-8 elementwise kernels in PyTorch, and at
-batch 1 a kernel launch costs more than the work; fused, a layer launches ~11 kernels.
+batch 1 a kernel launch costs more than the work; fused, a decode layer launches 9 or 10
+kernels (``bench/step_counts.py``).
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, row_stride, cos_sb, cos_st,
-                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rk_ptr, rv_ptr, starts_ptr, T, row_stride, cos_sb,
+                 cos_st, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+                 STORE: tl.constexpr, B: tl.constexpr):
     """Program (token, head): rotate head ``head`` (query heads, then key heads; value heads are
     copied) of one token of the fused projection's output and store it [B, H, T, D] (the layout
-    attention takes: keys and values with the same strides, so the cache write copies nothing)."""
+    attention takes: keys and values with the same strides, so the cache write copies nothing).
+    ``STORE`` (decode, T = 1): keys and values also go to row ``starts[b] % B`` of the KV cache's
+    residual block [S, HK, B, D], so no separate launch writes them there."""
     tok = tl.program_id(0)
     h = tl.program_id(1)
     b = tok // T
@@ -82,10 +86,17 @@ def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, row_stride, 
     HALF: tl.constexpr = D // 2
     i = tl.arange(0, HALF)
     src = qkv_ptr + tok.to(tl.int64) * row_stride + h * D
+    if STORE:
+        row = (tl.load(starts_ptr + b) % B).to(tl.int64)
     if h >= HQ + HK:
+        lo, hi = tl.load(src + i), tl.load(src + HALF + i)
         dst = v_ptr + ((b * HK + h - HQ - HK).to(tl.int64) * T + t) * D
-        tl.store(dst + i, tl.load(src + i))
-        tl.store(dst + HALF + i, tl.load(src + HALF + i))
+        tl.store(dst + i, lo)
+        tl.store(dst + HALF + i, hi)
+        if STORE:
+            res = rv_ptr + ((b * HK + h - HQ - HK).to(tl.int64) * B + row) * D
+            tl.store(res + i, lo)
+            tl.store(res + HALF + i, hi)
         return
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + HALF + i).to(tl.float32)
@@ -100,13 +111,21 @@ def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, row_stride, 
         dst = q_ptr + ((b * HQ + h).to(tl.int64) * T + t) * D
     else:
         dst = k_ptr + ((b * HK + h - HQ).to(tl.int64) * T + t) * D
+        if STORE:
+            res = rk_ptr + ((b * HK + h - HQ).to(tl.int64) * B + row) * D
+            tl.store(res + i, o1)
+            tl.store(res + HALF + i, o2)
     tl.store(dst + i, o1)
     tl.store(dst + HALF + i, o2)
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+             store=None):
     """Rotated q [B, Hq, T, D] and k [B, Hk, T, D], and v [B, Hk, T, D], from the fused projection
-    ``qkv`` [B, T, (Hq+2Hk)*D] in one launch; ``cos``/``sin`` are [T, D] or [B, 1, T, D] (``Decoder.rope``)."""
+    ``qkv`` [B, T, (Hq+2Hk)*D] in one launch; ``cos``/``sin`` are [T, D] or [B, 1, T, D] (``Decoder.rope``).
+    ``store``: ``(residual_k, residual_v, starts)`` of a decode step (T = 1): the same launch also
+    writes each sequence's key and value into its cache residual block [B, Hk, block, D] (contiguous,
+    the model's dtype) at row ``starts % block`` (``runtime.attention.SequenceBatch``)."""
     B, T, width = qkv.shape
     if qkv.stride(2) != 1 or qkv.stride(0) != T * qkv.stride(1):
         qkv = qkv.contiguous()
@@ -115,7 +134,19 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     q = qkv.new_empty(B, heads, T, head_dim)
     k = qkv.new_empty(B, kv_heads, T, head_dim)
     v = torch.empty_like(k)
+    if store is not None:
+        residual_k, residual_v, starts = store
+        expected = (B, kv_heads, residual_k.shape[2], head_dim)
+        if T != 1 or tuple(residual_k.shape) != expected or residual_v.shape != residual_k.shape or \
+                residual_k.dtype != qkv.dtype or not (residual_k.is_contiguous() and residual_v.is_contiguous()):
+            raise ValueError(f"rope_qkv stores one token per sequence into contiguous residual blocks "
+                             f"{expected} of dtype {qkv.dtype}; got T={T}, {tuple(residual_k.shape)} "
+                             f"{residual_k.dtype}")
+    else:
+        residual_k, residual_v, starts = k, v, k  # placeholders, never read
     _rope_kernel[(B * T, heads + 2 * kv_heads)](
-        qkv, cos, sin, q, k, v, T, qkv.stride(1), cos.stride(0) if per_batch else 0, cos.stride(-2),
-        HQ=heads, HK=kv_heads, D=head_dim, DT=_TL[qkv.dtype])
+        qkv, cos, sin, q, k, v, residual_k, residual_v, starts, T, qkv.stride(1),
+        cos.stride(0) if per_batch else 0, cos.stride(-2),
+        HQ=heads, HK=kv_heads, D=head_dim, DT=_TL[qkv.dtype], STORE=store is not None,
+        B=residual_k.shape[2] if store is not None else 1)
     return q, k, v
