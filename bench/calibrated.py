@@ -86,7 +86,8 @@ def one(method: str, bits: int, texts: dict[str, int]) -> dict:
         load = os.getloadavg()  # other work on the machine stretches wall time: say how much there was
         model = runtime.load(path)
         scores = score_texts(model.logits, model.tokenizer, texts)
-    return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "load_average": load, "peak_rss_bytes": peak,
+    return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "load_average": load,
+            "peak_rss_bytes": peak,
             "scores": scores}
 
 
@@ -105,12 +106,13 @@ def table(rows: list[dict], protocol: str) -> str:
 
     base = {t: ppl(r, t) for r in rows if r["method"] == "float" for t in r["scores"][protocol]}
     rtn = {t: ppl(r, t) for r in rows if r["method"] == "rtn" for t in r["scores"][protocol]}
-    lines = [f"| tool | method | Persuasion ppl | gap closed | code ppl | gap closed | quantize s | peak RSS GB |",
+    lines = ["| tool | method | Persuasion ppl | gap closed | code ppl | gap closed | quantize s | peak RSS GB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r["tool"], r["method"]]
         for t in ("persuasion", "code"):
-            closed = (rtn[t] - ppl(r, t)) / (rtn[t] - base[t]) if t in base and t in rtn and r["method"] != "float" else None
+            known = t in base and t in rtn and r["method"] != "float"
+            closed = (rtn[t] - ppl(r, t)) / (rtn[t] - base[t]) if known else None
             cells += [f"{ppl(r, t):.3f}", "–" if closed is None else f"{100 * closed:.0f}%"]
         cells += ["–" if r["quantize_s"] is None else f"{r['quantize_s']:.0f}", f"{r['peak_rss_bytes'] / 1e9:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -88,11 +88,13 @@ def main():
 
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, settings), max_seq_length=512, num_calibration_samples=128)
+    oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, settings), max_seq_length=512,
+            num_calibration_samples=128)
     seconds = time.perf_counter() - start
     peak = peak_rss_bytes()
-    row = {"tool": f"llm-compressor {llmcompressor.__version__}", "method": args.method, "bits": args.bits, "quantize_s": seconds,
-           "peak_rss_bytes": peak, "scores": score_texts(hf_logits_fn(model), tokenizer, parse_texts(args.texts)), "torch": torch.__version__}
+    scores = score_texts(hf_logits_fn(model), tokenizer, parse_texts(args.texts))
+    row = {"tool": f"llm-compressor {llmcompressor.__version__}", "method": args.method, "bits": args.bits,
+           "quantize_s": seconds, "peak_rss_bytes": peak, "scores": scores, "torch": torch.__version__}
     print(json.dumps(row))
 
 
