@@ -91,6 +91,26 @@ def one(method: str, bits: int, texts: dict[str, int]) -> dict:
             "scores": scores}
 
 
+def score_saved(path: str, texts: dict[str, int]) -> dict:
+    """A saved checkpoint through lowbit's runtime (the peer side loads it with transformers)."""
+    import runtime
+
+    model = runtime.load(path)
+    return {"tool": "lowbit runtime", "method": f"loaded {Path(path).name}", "checkpoint": path,
+            "scores": score_texts(model.logits, model.tokenizer, texts)}
+
+
+def loader_jobs(paths: list[str], peer_python: str | None, shared: list[str]) -> list[list[str]]:
+    """Each checkpoint scored by lowbit's runtime and, with a peer Python, by transformers in its dtype and float32."""
+    jobs = []
+    for path in paths:
+        jobs.append([sys.executable, __file__, "--score-one", path, *shared])
+        if peer_python:
+            jobs += [[peer_python, str(ROOT / "bench" / "peers.py"), "--score-checkpoint", path, "--dtype", d, *shared]
+                     for d in ("auto", "float32")]
+    return jobs
+
+
 def run_child(command: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -129,10 +149,14 @@ def main():
                     help="Texts and tokens scored (fewer on a busy machine): persuasion=16384 code=8192")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "calibrated-cpu.json")
     ap.add_argument("--append", action="store_true", help="Add the rows to an existing --out (same protocol).")
+    ap.add_argument("--loaded", nargs="*", default=[], metavar="DIR",
+                    help="Saved checkpoints to score through lowbit's runtime and (with --peer-python) transformers.")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--score-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
-        print(json.dumps(one(args.one, args.bits, parse_texts(args.texts))))
+    if args.one or args.score_one:
+        texts = parse_texts(args.texts)
+        print(json.dumps(one(args.one, args.bits, texts) if args.one else score_saved(args.score_one, texts)))
         return
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it
@@ -140,6 +164,7 @@ def main():
     jobs = [[sys.executable, __file__, "--one", m, *shared] for m in args.methods]
     if args.peer_python:
         jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m, *shared] for m in args.peer_methods]
+    jobs += loader_jobs(args.loaded, args.peer_python, ["--texts", *args.texts])
     from evals.provenance import versions
 
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
@@ -158,7 +183,7 @@ def main():
         print(json.dumps(result["rows"][-1]), flush=True)
         args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
     for name in PROTOCOLS:
-        print(f"\n{name}:\n{table(result['rows'], name)}")
+        print(f"\n{name}:\n{table([r for r in result['rows'] if 'quantize_s' in r], name)}")
 
 
 if __name__ == "__main__":

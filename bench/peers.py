@@ -12,6 +12,12 @@ It quantizes SmolLM2-135M (4-bit, group 64, asymmetric, lm_head kept; the same
 lowbit's are), times the whole job (loading, calibrating, quantizing), scores
 the result on the texts and protocols of `bench/scoring.py` and prints one JSON
 line. ``dampening`` sets GPTQ's (llm-compressor's default is 0.01).
+
+It also scores any saved checkpoint as an outside user would, loaded by
+transformers and compressed-tensors (lowbit's loader not involved), in the
+dtype the checkpoint names or in float32:
+
+    PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py --score-checkpoint DIR [--dtype float32]
 """
 
 from __future__ import annotations
@@ -66,12 +72,32 @@ def allow_cpu_only():
     IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
 
 
+def score_checkpoint(path: str, dtype: str, texts: dict[str, int]) -> dict:
+    """Perplexity of a saved checkpoint through transformers + compressed-tensors."""
+    import compressed_tensors
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+    loaded_as = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"tool": f"transformers {transformers.__version__} + compressed-tensors {compressed_tensors.__version__}",
+            "checkpoint": path, "dtype": loaded_as, "torch": torch.__version__,
+            "scores": score_texts(hf_logits_fn(model), AutoTokenizer.from_pretrained(path), texts)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("method", help="gptq, awq or awq+gptq, with optional settings: gptq:dampening=0.1")
+    ap.add_argument("method", nargs="?", help="gptq, awq or awq+gptq, with optional settings: gptq:dampening=0.1")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--texts", nargs="*", default=[f"{t}={n}" for t, n in TEXTS.items()])
+    ap.add_argument("--score-checkpoint", metavar="DIR", help="Score this checkpoint instead of quantizing.")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
+    if args.score_checkpoint:
+        print(json.dumps(score_checkpoint(args.score_checkpoint, args.dtype, parse_texts(args.texts))))
+        return
+    if not args.method:
+        ap.error("give a method, or --score-checkpoint DIR")
     method, settings = parse_method(args.method)
 
     import datasets
