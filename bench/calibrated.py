@@ -143,7 +143,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="*", default=["float", "rtn", "gptq", "awq", "awq+gptq"])
     ap.add_argument("--peer-python", help="A Python with llm-compressor installed; adds the peers' rows.")
-    ap.add_argument("--peer-methods", nargs="*", default=["gptq", "awq"])
+    ap.add_argument("--peer-methods", nargs="*", help="Default: gptq awq, none with --loaded.")
     ap.add_argument("--bits", type=int, default=4, help="Weight bits of every row, lowbit's and the peers'.")
     ap.add_argument("--texts", nargs="*", default=[f"{t}={n}" for t, n in TEXTS.items()],
                     help="Texts and tokens scored (fewer on a busy machine): persuasion=16384 code=8192")
@@ -162,8 +162,9 @@ def main():
     code_version = commit()  # read before the long run, so later commits cannot mislabel it
     shared = ["--bits", str(args.bits), "--texts", *args.texts]
     jobs = [[sys.executable, __file__, "--one", m, *shared] for m in args.methods]
+    peer_methods = args.peer_methods if args.peer_methods is not None else [] if args.loaded else ["gptq", "awq"]
     if args.peer_python:
-        jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m, *shared] for m in args.peer_methods]
+        jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m, *shared] for m in peer_methods]
     jobs += loader_jobs(args.loaded, args.peer_python, ["--texts", *args.texts])
     from evals.provenance import versions
 
