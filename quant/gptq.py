@@ -25,9 +25,11 @@ class GPTQConfig:
     # becomes each layer's scheme.actorder, which is what gptq_quantize reads.
     actorder: str = "weight"
     block_size: int = 128
-    # Fraction of the mean Hessian diagonal added to it. 0.1, not the usual 0.01: on SmolLM2 it kept
-    # prose perplexity (33.72 vs 33.68) and closed 12% of RTN's gap on Python source instead of 2%
-    # (bench/results/gptq-variants-cpu.json): a Hessian from one genre is trusted less.
+    # Fraction of the mean Hessian diagonal added to it. 0.1, not the usual 0.01 (llm-compressor's):
+    # a Hessian from one genre is trusted less. On SmolLM2 W4 g64 with Austen calibration, 0.01 is
+    # 1.6% better on Austen's Persuasion (BOS protocol 41.05 vs 41.73, level with llm-compressor's
+    # 41.01) but worse than plain rounding on Python source (11.24 vs RTN 10.85; 0.1: 10.70), under
+    # both of bench/'s protocols (bench/results/gptq-factors-w4*-cpu.json, issue 17 §0).
     dampening: float = 0.1
     mse_clip: bool = False  # search each group's range instead of min/max
 
