@@ -8,7 +8,7 @@ asymmetric, lm_head kept; 128 x 512 calibration tokens from the bundled
 non-evaluation Austen novels (seed 0); perplexity on the bundled Persuasion
 (16,384 tokens) and, as a genre the calibration never saw, Python source (8,192
 tokens), each under both protocols of `bench/scoring.py` (sliding 1,024-token
-windows without BOS; disjoint BOS + 512-token windows). A method may carry
+windows without BOS; disjoint windows of BOS + 511 tokens). A method may carry
 settings: bare keys are GPTQ's (``weights.gptq`` of the recipe), dotted ones
 name their place in the recipe:
 ``gptq:actorder=group,dampening=0.01,dtype=float32,calibration.bos=false``.

@@ -8,8 +8,8 @@ shared samples, protocol and scoring:
     PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq:dampening=0.1,calibration.bos=false
 
 It quantizes SmolLM2-135M (4-bit, group 64, asymmetric, lm_head kept; the same
-128 x 512 tokens lowbit calibrates on, seed 0, by default begun with the BOS as
-lowbit's are), times the whole job (loading, calibrating, quantizing), scores
+128 x 512 tokens lowbit calibrates on, seed 0, begun with the BOS where the
+tokenizer adds one, as lowbit's are; ``calibration.bos`` forces either way), times the whole job (loading, calibrating, quantizing), scores
 the result on the texts and protocols of `bench/scoring.py` and prints one JSON
 line. ``dampening`` sets GPTQ's (llm-compressor's default is 0.01).
 

@@ -34,7 +34,7 @@ class Calibration:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
-    bos: bool | None = None  # begin each window with the tokenizer's BOS; None: where it has one
+    bos: bool | None = None  # begin each window with the tokenizer's BOS; None: where it adds one to prompts
 
 
 @dataclass

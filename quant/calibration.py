@@ -54,19 +54,27 @@ def load_calibration_text(spec: str = "default") -> str:
     return "\n\n".join(ds["text"])
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer begins an encoded prompt with its BOS token."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    return bos_id is not None and tokenizer("a").input_ids[:1] == [bos_id]
+
+
 def calibration_samples(
     tokenizer, text: str, samples: int, seq_len: int, seed: int = 0, bos: bool | None = None
 ) -> torch.Tensor:
     """``samples`` distinct windows of ``seq_len`` tokens, chosen by ``seed``: LongTensor [samples, seq_len].
 
     With ``bos`` each window is the tokenizer's BOS and ``seq_len - 1`` tokens of text, formatted as the
-    model sees a prompt: the first position carries outsized activations that the Hessians and AWQ's
-    statistics should see. ``None`` (the default) adds it where the tokenizer has a BOS token.
+    model sees a prompt (the first position carries outsized activations). ``None`` (the default) does
+    what the tokenizer does when it encodes a prompt: BOS where it adds one (Llama), none where it does
+    not (SmolLM2; forcing one there changed nothing measurable, bench/results/gptq-factors-w4-b-cpu.json).
     """
     bos_id = getattr(tokenizer, "bos_token_id", None)
     if bos and bos_id is None:
         raise ValueError("calibration.bos is true but the tokenizer has no BOS token; set calibration.bos: false")
-    prefix = [bos_id] if bos_id is not None and bos is not False else []
+    use_bos = adds_bos(tokenizer) if bos is None else bos
+    prefix = [bos_id] if use_bos else []
     body = seq_len - len(prefix)
     if body < 1:
         raise ValueError(f"calibration.seq_len {seq_len} leaves no room for text after the BOS; use 2 or more")
