@@ -3,12 +3,16 @@
     python bench/calibrated.py [--methods float rtn gptq awq awq+gptq] \
         [--peer-python /tmp/lcvenv/bin/python --peer-methods gptq awq] [--out bench/results/calibrated-cpu.json]
 
-Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit, group 64, asymmetric,
-lm_head kept; 128 x 512 calibration tokens from the bundled non-evaluation
-Austen novels (seed 0); perplexity on the bundled Persuasion (16,384 tokens)
-and, as a genre the calibration never saw, Python source (8,192 tokens), both
-with window 1,024 / stride 512 (`bench/scoring.py`). A method may carry GPTQ settings
-(``weights.gptq`` of the recipe): ``gptq:actorder=group,mse_clip=true``.
+Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit (``--bits``), group 64,
+asymmetric, lm_head kept; 128 x 512 calibration tokens from the bundled
+non-evaluation Austen novels (seed 0); perplexity on the bundled Persuasion
+(16,384 tokens) and, as a genre the calibration never saw, Python source (8,192
+tokens), each under both protocols of `bench/scoring.py` (sliding 1,024-token
+windows without BOS; disjoint windows of BOS + 511 tokens). A method may carry
+settings: bare keys are GPTQ's (``weights.gptq`` of the recipe), dotted ones
+name their place in the recipe:
+``gptq:actorder=group,dampening=0.01,dtype=float32,calibration.bos=false``.
+The peers read ``dampening`` and ``calibration.bos`` the same way.
 
 Every row runs in a fresh child process, one after another, so its wall time
 and peak RSS are its own. Wall time covers the whole job: loading the model,
@@ -36,12 +40,34 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.scoring import commit, peak_rss_bytes, score_texts  # noqa: E402
+from bench.scoring import PROTOCOLS, TEXTS, commit, parse_texts, peak_rss_bytes, protocols, score_texts  # noqa: E402
 
-SCHEME = {"bits": 4, "group_size": 64, "symmetric": False}
+SCHEME = {"group_size": 64, "symmetric": False}
+TOP_LEVEL = ("dtype",)
 
 
-def one(method: str) -> dict:
+def method_settings(method: str) -> tuple[str, dict]:
+    """``gptq:dampening=0.01,calibration.bos=false`` -> ("gptq", {"dampening": 0.01, "calibration.bos": False})."""
+    name, _, options = method.partition(":")
+    return name, {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in options.split(",") if o)}
+
+
+def recipe_dict(method: str, bits: int, output: str) -> dict:
+    name, settings = method_settings(method)
+    recipe = {"model": "smollm2-135m", "output": output, "dtype": "bfloat16",
+              "weights": {"method": name, "bits": bits, **SCHEME}}
+    for key, value in settings.items():
+        if key in TOP_LEVEL:
+            recipe[key] = value
+        elif "." in key:
+            section, field = key.split(".", 1)
+            recipe.setdefault(section, {})[field] = value
+        else:
+            recipe["weights"].setdefault("gptq", {})[key] = value
+    return recipe
+
+
+def one(method: str, bits: int, texts: dict[str, int]) -> dict:
     """Quantize with lowbit (or load the float model for ``float``) and score it."""
     import runtime
     from lowbit import pipeline
@@ -53,18 +79,36 @@ def one(method: str) -> dict:
         if method == "float":
             path, seconds = resolve("smollm2-135m"), None
         else:
-            name, _, options = method.partition(":")  # gptq:mse_clip=true,dampening=0.1 sets weights.gptq
-            gptq = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in options.split(",") if o)}
-            recipe = parse_recipe({"model": "smollm2-135m", "output": f"{tmp}/ckpt", "dtype": "bfloat16",
-                                   "weights": {"method": name, **SCHEME, **({"gptq": gptq} if gptq else {})}})
+            recipe = parse_recipe(recipe_dict(method, bits, f"{tmp}/ckpt"))
             path = pipeline.quantize(recipe, device="cpu", progress=False)
             seconds = time.perf_counter() - start
         peak = peak_rss_bytes()
         load = os.getloadavg()  # other work on the machine stretches wall time: say how much there was
         model = runtime.load(path)
-        texts = score_texts(model.logits, model.tokenizer)
-    return {"tool": "lowbit", "method": method, "quantize_s": seconds, "load_average": load, "peak_rss_bytes": peak,
-            "texts": texts}
+        scores = score_texts(model.logits, model.tokenizer, texts)
+    return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "load_average": load,
+            "peak_rss_bytes": peak,
+            "scores": scores}
+
+
+def score_saved(path: str, texts: dict[str, int]) -> dict:
+    """A saved checkpoint through lowbit's runtime (the peer side loads it with transformers)."""
+    import runtime
+
+    model = runtime.load(path)
+    return {"tool": "lowbit runtime", "method": f"loaded {Path(path).name}", "checkpoint": path,
+            "scores": score_texts(model.logits, model.tokenizer, texts)}
+
+
+def loader_jobs(paths: list[str], peer_python: str | None, shared: list[str]) -> list[list[str]]:
+    """Each checkpoint scored by lowbit's runtime and, with a peer Python, by transformers in its dtype and float32."""
+    jobs = []
+    for path in paths:
+        jobs.append([sys.executable, __file__, "--score-one", path, *shared])
+        if peer_python:
+            jobs += [[peer_python, str(ROOT / "bench" / "peers.py"), "--score-checkpoint", path, "--dtype", d, *shared]
+                     for d in ("auto", "float32")]
+    return jobs
 
 
 def run_child(command: list[str]) -> dict:
@@ -75,17 +119,21 @@ def run_child(command: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def table(rows: list[dict]) -> str:
-    base = {t: r["texts"][t]["ppl"] for r in rows if r["method"] == "float" for t in r["texts"]}
-    rtn = {t: r["texts"][t]["ppl"] for r in rows if r["method"] == "rtn" for t in r["texts"]}
+def table(rows: list[dict], protocol: str) -> str:
+    """Markdown table of one protocol's perplexities, with the share of RTN's gap each method closes."""
+    def ppl(r, t):
+        return r["scores"][protocol][t]["ppl"]
+
+    base = {t: ppl(r, t) for r in rows if r["method"] == "float" for t in r["scores"][protocol]}
+    rtn = {t: ppl(r, t) for r in rows if r["method"] == "rtn" for t in r["scores"][protocol]}
     lines = ["| tool | method | Persuasion ppl | gap closed | code ppl | gap closed | quantize s | peak RSS GB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r["tool"], r["method"]]
         for t in ("persuasion", "code"):
-            ppl = r["texts"][t]["ppl"]
-            closed = (rtn[t] - ppl) / (rtn[t] - base[t]) if t in base and t in rtn and r["method"] != "float" else None
-            cells += [f"{ppl:.3f}", "–" if closed is None else f"{100 * closed:.0f}%"]
+            known = t in base and t in rtn and r["method"] != "float"
+            closed = (rtn[t] - ppl(r, t)) / (rtn[t] - base[t]) if known else None
+            cells += [f"{ppl(r, t):.3f}", "–" if closed is None else f"{100 * closed:.0f}%"]
         cells += ["–" if r["quantize_s"] is None else f"{r['quantize_s']:.0f}", f"{r['peak_rss_bytes'] / 1e9:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -95,21 +143,36 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="*", default=["float", "rtn", "gptq", "awq", "awq+gptq"])
     ap.add_argument("--peer-python", help="A Python with llm-compressor installed; adds the peers' rows.")
-    ap.add_argument("--peer-methods", nargs="*", default=["gptq", "awq"])
+    ap.add_argument("--peer-methods", nargs="*", help="Default: gptq awq, none with --loaded.")
+    ap.add_argument("--bits", type=int, default=4, help="Weight bits of every row, lowbit's and the peers'.")
+    ap.add_argument("--texts", nargs="*", default=[f"{t}={n}" for t, n in TEXTS.items()],
+                    help="Texts and tokens scored (fewer on a busy machine): persuasion=16384 code=8192")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "calibrated-cpu.json")
     ap.add_argument("--append", action="store_true", help="Add the rows to an existing --out (same protocol).")
+    ap.add_argument("--loaded", nargs="*", default=[], metavar="DIR",
+                    help="Saved checkpoints to score through lowbit's runtime and (with --peer-python) transformers.")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--score-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
-        print(json.dumps(one(args.one)))
+    if args.one or args.score_one:
+        texts = parse_texts(args.texts)
+        print(json.dumps(one(args.one, args.bits, texts) if args.one else score_saved(args.score_one, texts)))
         return
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it
-    jobs = [[sys.executable, __file__, "--one", m] for m in args.methods]
+    shared = ["--bits", str(args.bits), "--texts", *args.texts]
+    jobs = [[sys.executable, __file__, "--one", m, *shared] for m in args.methods]
+    peer_methods = args.peer_methods if args.peer_methods is not None else [] if args.loaded else ["gptq", "awq"]
     if args.peer_python:
-        jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m] for m in args.peer_methods]
+        jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m, *shared] for m in peer_methods]
+    jobs += loader_jobs(args.loaded, args.peer_python, ["--texts", *args.texts])
+    from evals.provenance import versions
+
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
-              "scheme": "4-bit, group 64, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
+              "versions": versions(),
+              "scheme": f"{args.bits}-bit, group 64, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
+              "protocols": {name: {t: p.describe() for t, p in protocols(name, parse_texts(args.texts)).items()}
+                            for name in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}
     if args.append:  # rows keep their own commit: a long comparison may span more than one run
         result = json.loads(args.out.read_text())
@@ -120,7 +183,8 @@ def main():
         result["rows"].append(run_child(job))
         print(json.dumps(result["rows"][-1]), flush=True)
         args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
-    print(table(result["rows"]))
+    for name in PROTOCOLS:
+        print(f"\n{name}:\n{table([r for r in result['rows'] if 'quantize_s' in r], name)}")
 
 
 if __name__ == "__main__":

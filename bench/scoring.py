@@ -1,7 +1,15 @@
 """Scoring shared by the calibrated-method benchmarks (lowbit's side and the peers').
 
-Both sides score on the same tokens with the same protocol, so their numbers
+Both sides score on the same tokens with the same protocols, so their numbers
 sit in one table. Run from the repository root (``PYTHONPATH=.``).
+
+Two protocols, every row scored on both: a method that only wins on the
+protocol it was tuned on has not won (issue 17 §0).
+- ``sliding``: windows of 1,024 tokens advancing by 512, no BOS (lowbit's own).
+- ``bos``: disjoint windows of 512 positions, the tokenizer's BOS then 511 tokens,
+  each begun as a prompt is (most GPTQ papers' and llm-compressor's examples'
+  protocol; issue 17's independent harness, whose float SmolLM2 perplexity on
+  64 such windows of Persuasion, 35.861, this reproduces).
 """
 
 from __future__ import annotations
@@ -15,22 +23,39 @@ from evals.texts import load_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (bundled text, tokens scored): Persuasion is the main protocol; Python source is a
+# (bundled text, tokens scored): Persuasion is the main text; Python source is a
 # genre the Austen calibration text has nothing like.
 TEXTS = {"persuasion": 16384, "code": 8192}
+PROTOCOLS = {"sliding": {"window": 1024, "stride": 512}, "bos": {"window": 511, "stride": 511, "bos": True}}
 
 
-def protocols() -> dict[str, Protocol]:
-    return {name: Protocol(tokens=tokens) for name, tokens in TEXTS.items()}
+def protocols(name: str, texts: dict[str, int] = TEXTS) -> dict[str, Protocol]:
+    """The protocol ``name`` for each bundled text, scoring its first ``texts[text]`` tokens."""
+    return {text: Protocol(tokens=tokens, **PROTOCOLS[name]) for text, tokens in texts.items()}
 
 
-def score_texts(logits_fn, tokenizer) -> dict[str, dict]:
-    """Perplexity on each bundled text, with the protocol that produced it."""
+def parse_texts(specs: list[str]) -> dict[str, int]:
+    """``["persuasion=8192", "code=4096"]`` -> {"persuasion": 8192, "code": 4096}: fewer tokens on a busy machine."""
+    texts = {}
+    for spec in specs:
+        name, _, tokens = spec.partition("=")
+        if name not in TEXTS or not tokens.isdigit():
+            raise SystemExit(f"--texts {spec}: expected TEXT=TOKENS with TEXT one of {', '.join(TEXTS)}")
+        texts[name] = int(tokens)
+    return texts
+
+
+def score_texts(logits_fn, tokenizer, texts: dict[str, int] = TEXTS) -> dict[str, dict[str, dict]]:
+    """Perplexity on each bundled text under each protocol: {protocol: {text: {ppl, protocol}}}."""
     out = {}
-    for name, protocol in protocols().items():
-        ids = tokenize_text(tokenizer, load_text(name), protocol)
-        out[name] = {"ppl": perplexity(logits_fn, ids, protocol, progress=False).ppl,
-                     "protocol": protocol.describe()}
+    for name in PROTOCOLS:
+        out[name] = {}
+        for text, protocol in protocols(name, texts).items():
+            if protocol.bos and tokenizer.bos_token_id is None:
+                raise ValueError(f"the {name} protocol needs a BOS token; this tokenizer has none")
+            ids = tokenize_text(tokenizer, load_text(text), protocol)
+            result = perplexity(logits_fn, ids, protocol, bos_id=tokenizer.bos_token_id, progress=False)
+            out[name][text] = {"ppl": result.ppl, "protocol": protocol.describe()}
     return out
 
 

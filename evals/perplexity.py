@@ -4,6 +4,11 @@ Sliding windows of ``window`` tokens advance by ``stride``; each window scores
 only the tokens the previous one did not, so every token after the first is
 scored exactly once, with at least ``window - stride`` tokens of context once
 the first window is passed.
+
+With ``bos`` the tokenizer's BOS is prepended to each window and every token is
+scored, the first of a window predicted from the BOS alone. That also allows
+``stride == window``: disjoint windows that each begin as a prompt does, the
+protocol of most GPTQ papers and of llm-compressor's examples.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ class Protocol:
     bos: bool = False
 
     def __post_init__(self):
-        # stride < window: each window after the first needs at least one token of context
-        # before the first token it scores.
-        if not 0 < self.stride < self.window:
-            raise ValueError(f"stride must be in 1..{self.window - 1} (below the window), got {self.stride}")
+        # Each window needs context before the first token it scores: the previous window's
+        # tail (stride < window) or, with bos, the BOS (stride == window: disjoint windows).
+        widest = self.window if self.bos else self.window - 1
+        if not 0 < self.stride <= widest:
+            raise ValueError(f"stride must be in 1..{widest} ({'at most' if self.bos else 'below'} the window), "
+                             f"got {self.stride}")
         if self.tokens < 2:
             raise ValueError(f"tokens must be at least 2, got {self.tokens}")
 
     def describe(self) -> str:
+        if self.bos and self.stride == self.window:
+            return (f"disjoint windows of BOS + {self.window} tokens, first {self.tokens} tokens, "
+                    f"each token scored once")
         return (
             f"sliding window {self.window}, stride {self.stride}, first {self.tokens} tokens, "
             f"{'BOS prepended to each window' if self.bos else 'no BOS'}, each token scored once"
@@ -62,10 +72,11 @@ def tokenize_text(tokenizer, text: str, protocol: Protocol) -> torch.Tensor:
 def windows(n: int, protocol: Protocol):
     """(begin, end, first scored position) of each window over ``n`` tokens."""
     end = min(protocol.window, n)
-    yield 0, end, 1  # the first token has no context and is never scored
+    yield 0, end, 0 if protocol.bos else 1  # without BOS the first token has no context and is never scored
     while end < n:
         new_end = min(end + protocol.stride, n)
-        yield max(0, new_end - protocol.window), new_end, end
+        disjoint = protocol.stride == protocol.window  # a short last window gets no earlier tokens either
+        yield end if disjoint else max(0, new_end - protocol.window), new_end, end
         end = new_end
 
 
@@ -75,7 +86,7 @@ def perplexity(
     """Perplexity of ``logits_fn`` (input_ids[1, T] -> logits[1, T, V]) on the first ``protocol.tokens`` ids.
 
     ``bos_id`` is needed only when ``protocol.bos`` is set (the tokenizer's BOS id, prepended to each window
-    and never scored). NLL is accumulated in float64; ``tokens_scored`` is the true count (n - 1).
+    and never scored). NLL is accumulated in float64; ``tokens_scored`` is the true count (n - 1, or n with BOS).
     """
     if protocol.bos and bos_id is None:
         raise ValueError("protocol.bos is set but the tokenizer has no BOS token")

@@ -70,7 +70,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     samples = None
     if calibrated:
         c = recipe.calibration
-        samples = calibration_samples(tokenizer, load_calibration_text(c.text), c.samples, c.seq_len, c.seed)
+        samples = calibration_samples(tokenizer, load_calibration_text(c.text), c.samples, c.seq_len, c.seed, c.bos)
     work_dir = work_dir_for(output) if calibrated else None
     if work_dir is not None and work_dir.exists():
         if resume:

@@ -32,6 +32,7 @@ class Calibration:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    bos: bool | None = None  # begin each window with the tokenizer's BOS; None: where it adds one to prompts
 
 
 @dataclass
@@ -177,6 +178,8 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
             setattr(recipe.calibration, key, c.positive(cal[key], f"calibration.{key}"))
     if "seed" in cal:
         recipe.calibration.seed = c.integer(cal["seed"], "calibration.seed")
+    if cal.get("bos") is not None:
+        recipe.calibration.bos = c.boolean(cal["bos"], "calibration.bos")
 
     known = [n for n in _names(Weights) if n != "settings"] + ["method"] + sorted(registry.REGISTRY)
     w = c.mapping(top.get("weights") or {}, "weights", known)

@@ -54,14 +54,37 @@ def load_calibration_text(spec: str = "default") -> str:
     return "\n\n".join(ds["text"])
 
 
-def calibration_samples(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """``samples`` distinct windows of ``seq_len`` tokens, chosen by ``seed``: LongTensor [samples, seq_len]."""
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer begins an encoded prompt with its BOS token."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    return bos_id is not None and tokenizer("a").input_ids[:1] == [bos_id]
+
+
+def calibration_samples(
+    tokenizer, text: str, samples: int, seq_len: int, seed: int = 0, bos: bool | None = None
+) -> torch.Tensor:
+    """``samples`` distinct windows of ``seq_len`` tokens, chosen by ``seed``: LongTensor [samples, seq_len].
+
+    With ``bos`` each window is the tokenizer's BOS and ``seq_len - 1`` tokens of text, formatted as the
+    model sees a prompt (the first position carries outsized activations). ``None`` (the default) does
+    what the tokenizer does when it encodes a prompt: BOS where it adds one (Llama), none where it does
+    not (SmolLM2; forcing one there changed nothing measurable, bench/results/gptq-factors-w4-b-cpu.json).
+    """
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos and bos_id is None:
+        raise ValueError("calibration.bos is true but the tokenizer has no BOS token; set calibration.bos: false")
+    use_bos = adds_bos(tokenizer) if bos is None else bos
+    prefix = [bos_id] if use_bos else []
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise ValueError(f"calibration.seq_len {seq_len} leaves no room for text after the BOS; use 2 or more")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
-    windows = ids.numel() // seq_len
+    windows = ids.numel() // body
     if windows < samples:
         raise ValueError(
             f"calibration needs {samples} x {seq_len} = {samples * seq_len} tokens, but the text has "
             f"{ids.numel()}; give a longer text or lower calibration.samples / calibration.seq_len"
         )
     chosen = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
-    return ids[: windows * seq_len].view(windows, seq_len)[chosen]
+    picked = ids[: windows * body].view(windows, body)[chosen]
+    return torch.cat([torch.tensor(prefix, dtype=torch.long).expand(samples, len(prefix)), picked], 1)

@@ -25,10 +25,12 @@ class GPTQConfig:
     # becomes each layer's scheme.actorder, which is what gptq_quantize reads.
     actorder: str = "weight"
     block_size: int = 128
-    # Fraction of the mean Hessian diagonal added to it. 0.1, not the usual 0.01: on SmolLM2 it kept
-    # prose perplexity (33.72 vs 33.68) and closed 12% of RTN's gap on Python source instead of 2%
-    # (bench/results/gptq-variants-cpu.json): a Hessian from one genre is trusted less.
-    dampening: float = 0.1
+    # Fraction of the mean Hessian diagonal added to it. 0.03, between llm-compressor's 0.01 and the
+    # 0.1 lowbit used before: on SmolLM2 W4 g64 with Austen calibration (BOS protocol, issue 17 §0,
+    # bench/results/gptq-factors-w4*-cpu.json) 0.03 is level with llm-compressor on Persuasion (41.04
+    # vs 41.01; 0.1: 41.73) and still beats RTN on Python source (10.82 vs 10.85), where 0.01 falls
+    # behind it (11.24): a Hessian from one genre should not be trusted fully.
+    dampening: float = 0.03
     mse_clip: bool = False  # search each group's range instead of min/max
 
 

@@ -243,6 +243,34 @@ def test_calibration_samples_are_reproducible_and_say_what_is_missing():
         calibration_samples(tok, TEXT, samples=1000, seq_len=512)
 
 
+def test_calibration_windows_begin_with_the_bos_where_the_tokenizer_adds_one():
+    from tokenizers import processors
+
+    from evals.texts import load_text
+    from quant.calibration import adds_bos
+
+    _, tok = tiny_llama()
+    text = load_text("default")[:20000]
+    plain = calibration_samples(tok, text, samples=4, seq_len=16, bos=False)
+    assert not adds_bos(tok) and torch.equal(calibration_samples(tok, text, samples=4, seq_len=16), plain)
+    forced = calibration_samples(tok, text, samples=4, seq_len=16, bos=True)
+    assert forced.shape == (4, 16) and (forced[:, 0] == tok.bos_token_id).all()
+    assert not (plain[:, 0] == tok.bos_token_id).any()
+    body = tok(text, add_special_tokens=False).input_ids
+    row = forced[0, 1:].tolist()  # the rest of the window is 15 consecutive tokens of the text
+    assert any(body[i:i + 15] == row for i in range(0, len(body), 15))
+    # a tokenizer that begins prompts with its BOS (as Llama's does) gets it in calibration too
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    assert adds_bos(tok) and torch.equal(calibration_samples(tok, text, samples=4, seq_len=16), forced)
+    with pytest.raises(ValueError, match="no room for text"):
+        calibration_samples(tok, text, samples=4, seq_len=1)
+    tok.bos_token = None
+    assert torch.equal(calibration_samples(tok, text, samples=4, seq_len=16), plain)
+    with pytest.raises(ValueError, match="calibration.bos is true but the tokenizer has no BOS"):
+        calibration_samples(tok, text, samples=4, seq_len=16, bos=True)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
 def test_pipeline_is_generic_over_decoder_families(tmp_path, kind):
     """Biased q/k/v (Qwen2), per-head q/k norms (Qwen3), Mistral: GPTQ after AWQ still lowers

@@ -83,7 +83,25 @@ def test_bos_is_prepended_but_not_scored():
         return torch.zeros(1, x.shape[1], 10)
 
     result = perplexity(fn, torch.arange(1, 30) % 10, Protocol(8, 4, 29, bos=True), bos_id=9, progress=False)
-    assert set(seen) == {9} and result.tokens_scored == 28
+    assert set(seen) == {9} and result.tokens_scored == 29  # the BOS predicts the first token
+
+
+def test_disjoint_bos_windows_score_each_token_from_its_own_window_only():
+    """stride == window with BOS: every window is BOS + its own tokens, as in llm-compressor's examples."""
+    ids = torch.arange(20) % 7
+    protocol = Protocol(window=8, stride=8, tokens=20, bos=True)
+    model, _ = tiny_llama()
+    fn = hf_logits_fn(model)
+    total, count = 0.0, 0
+    for begin in range(0, 20, 8):  # the same, written out: each chunk scored from BOS alone
+        chunk = torch.cat([torch.tensor([5]), ids[begin:begin + 8]])
+        logits = fn(chunk.unsqueeze(0))[0, :-1].double()
+        total += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
+        count += chunk.numel() - 1
+    result = perplexity(fn, ids, protocol, bos_id=5, progress=False)
+    assert result.tokens_scored == count == 20
+    assert math.isclose(result.nll, total / count, rel_tol=1e-6)
+    assert "disjoint windows of BOS + 8 tokens" in protocol.describe()
 
 
 def test_hf_model_agrees_with_its_own_loss():
@@ -99,7 +117,9 @@ def test_protocol_rejects_nonsense():
     with pytest.raises(ValueError, match="stride"):
         Protocol(window=8, stride=16)
     with pytest.raises(ValueError, match="stride"):
-        Protocol(window=8, stride=8)
+        Protocol(window=8, stride=8)  # without BOS the next window's first token would have no context
+    with pytest.raises(ValueError, match="stride"):
+        Protocol(window=8, stride=9, bos=True)
     assert "window 1024" in Protocol().describe()
 
 

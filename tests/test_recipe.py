@@ -64,6 +64,7 @@ def test_command_line_wins_and_round_trip(tmp_path):
          "weights.overrides[1].bitz: unknown key (did you mean 'bits'?)"),
         ({"model": "m", "weights": {"overrides": [{"bits": 8}]}}, "weights.overrides[0].match: required"),
         ({"model": "m", "calibration": {"samples": -1}}, "calibration.samples: must be at least 1"),
+        ({"model": "m", "calibration": {"bos": "yes"}}, "calibration.bos: expected true/false"),
         ({"model": "m", "dtype": "fp8"}, "dtype: must be one of"),
         ({"model": "m", "weights": {"overrides": [{"match": "re:["}]}}, "weights.overrides[0].match: invalid regular"),
         ({"model": "m", "weights": {"overrides": [{"match": "x", "skip": "maybe"}]}},
