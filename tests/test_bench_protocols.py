@@ -33,7 +33,7 @@ def test_texts_option_names_the_known_texts():
 
 def test_method_settings_land_where_the_recipe_reads_them():
     recipe = parse_recipe(recipe_dict("gptq:dampening=0.01,dtype=float32,calibration.bos=false", 3, "/tmp/x"))
-    assert (recipe.weights.gptq.dampening, recipe.dtype, recipe.calibration.bos, recipe.weights.bits) == (
+    assert (recipe.weights.settings["gptq"].dampening, recipe.dtype, recipe.calibration.bos, recipe.weights.bits) == (
         0.01, "float32", False, 3)
     plain = parse_recipe(recipe_dict("awq+gptq", 4, "/tmp/x"))
     assert plain.weights.method == "awq+gptq" and plain.calibration.bos is None
