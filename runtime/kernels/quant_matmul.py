@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from runtime.kernels.gemv import default_split, launch_gemv
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
@@ -286,6 +287,9 @@ def quant_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = 
 
 def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor,
             config: MatmulConfig) -> None:
+    if not config.use_dot:  # one row: runtime/kernels/gemv.py
+        launch_gemv(x2, kw, bias, out, config.block_n, config.num_warps, config.split_k, interpreting())
+        return
     M, K = x2.shape
     N = kw.out_features
     num_tiles = triton.cdiv(K, kw.tile_k)
@@ -328,9 +332,12 @@ def m_bucket(M: int) -> int:
 def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
     """What the autotuner times for M rows; the first is the untimed default."""
     num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
-    if M == 1:
-        configs = [MatmulConfig(1, bn, s, use_dot=False, group_m=1) for bn in (64, 32, 128) for s in (8, 4, 16, 2, 1)]
-        configs += [MatmulConfig(16, 64, s, group_m=1) for s in (4, 8)]
+    if M == 1:  # the GEMV: 4 or 2 columns a thread, K split to fill the GPU (gemv.default_split)
+        configs = []
+        for bn, w in ((128, 4), (128, 8), (64, 4), (64, 8)):
+            split = default_split(kw.out_features, num_tiles, bn, w)
+            configs += [MatmulConfig(1, bn, s, use_dot=False, group_m=1, num_warps=w)
+                        for s in dict.fromkeys((split, max(1, split // 2), 2 * split))]
     elif M <= DECODE_MAX_M:
         configs = [MatmulConfig(16, bn, s, group_m=1) for bn in (64, 128, 32) for s in (4, 8, 2, 1, 16)]
         configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8) for s in (1, 2)]

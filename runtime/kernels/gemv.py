@@ -1,0 +1,322 @@
+"""The M=1 weight GEMV (decode): ``y = x @ W.T + b`` for one row, on CUDA cores.
+
+Layout: ``weight_layout.KernelWeight`` (words ``[K/pack, N]``, 16 word rows per K tile, field
+``i`` of row ``r`` is input ``16 i + r`` of the tile). Each thread owns ``BLOCK_N / 32`` whole
+output columns and sums K inside itself: a main-loop iteration gives each warp of the CTA its
+own K tile (warp ``w`` takes tiles ``w, w + warps, ...``) and the tile's 16 word rows are loaded
+as plain vectors (adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
+through shared memory. The warps' sums meet once, after the loop.
+
+Arithmetic (``PAIR`` = fp16, or bf16 for 4 bits and fewer): one ``LOP3`` turns a word into two
+16-bit floats ``magic + u`` (fields ``i`` and ``i + pack/2`` sit 16 bits apart), one packed add
+subtracts ``magic + 2**(bits-1) + zero`` exactly (integers), and one packed ``fma`` accumulates
+``x * (q - zero)`` for the two fields: three instructions per two weights. (fp16 4-bit: the odd
+fields are taken in place as ``1024 + 16 u`` and scaled by 1/16 in the subtracting fma, so a
+word needs one shift.) Each field's 16 products are summed in that 16-bit type, then converted
+to fp32, scaled once per group and added to an fp32 accumulator. Error: with ``u`` the unit
+roundoff of PAIR (fp16 2**-11, bf16 2**-8), each 16-term chain is off by at most
+``γ16 = 16u/(1-16u)`` times the sum of its ``|x (q - zero)|``, so the output is within
+``γ16 · Σ_k |x_k| |q_k - z| s + (fp32 terms) + the final rounding`` of the exact product
+(tests/test_kernels_gemv.py asserts this against float64). A chain overflows fp16 only if 16
+consecutive inputs sum past 65504 in ``|x| · |q - zero|`` (at 4 bits, ``|x| > 273`` on all 16
+with the largest codes). 8-bit bf16 (``128 + u`` is not exact in bf16) runs in fp32, one
+weight per instruction.
+
+The activations of a field pair come as two 64-bit loads (4 rows each) and four ``PRMT``s per
+4 rows, shared by a thread's columns. The interpreter cannot run inline assembly: there
+(``ASM=False``) the same chains are computed field by field in fp32, rounded to PAIR after
+every step like the packed fma, which is what the tests exercise.
+
+When the columns alone cannot fill the GPU, K is split across programs (grid dim 1): each
+writes fp32 partial sums, and the last one to finish a column block (an atomic counter, reset
+by that program) adds them in split order, with the bias: one launch, deterministic results.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUBTILE = tl.constexpr(16)  # word rows per K tile (weight_layout.SUBTILE_K)
+
+
+@triton.jit
+def _x_pairs(x64_ptr, k_a, k_b, K, EVEN_K: tl.constexpr):
+    """Activations of inputs ``k_a .. k_a + 3`` and ``k_b .. k_b + 3`` (4 word rows of two fields)
+    as 4 packed pairs ``(x[k_a + i], x[k_b + i])``: two 64-bit loads and 4 byte permutes. Past K
+    they read 0 (K is a multiple of 4: the launcher pads x otherwise)."""
+    if EVEN_K:
+        a = tl.load(x64_ptr + k_a // 4)
+        b = tl.load(x64_ptr + k_b // 4)
+    else:
+        a = tl.load(x64_ptr + k_a // 4, mask=k_a < K, other=0)
+        b = tl.load(x64_ptr + k_b // 4, mask=k_b < K, other=0)
+    return tl.inline_asm_elementwise(
+        "{.reg .b32 a0, a1, b0, b1; mov.b64 {a0, a1}, $4; mov.b64 {b0, b1}, $5;"
+        " prmt.b32 $0, a0, b0, 0x5410; prmt.b32 $1, a0, b0, 0x7632;"
+        " prmt.b32 $2, a1, b1, 0x5410; prmt.b32 $3, a1, b1, 0x7632;}",
+        "=r,=r,=r,=r,l,l", [a, b], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, SIXTEENTH: tl.constexpr):
+    """``acc + x * (v + nofs)`` on packed 16-bit pairs (``v * 1/16 + nofs`` when SIXTEENTH)."""
+    if PAIR == tl.float16:
+        if SIXTEENTH:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 d, c; mov.b32 c, 0x2C002C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+                "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 d; add.rn.f16x2 d, $2, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+                "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x3F803F80; fma.rn.bf16x2 d, $2, c, $3; fma.rn.bf16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _halves_to_f32(acc, PAIR: tl.constexpr):
+    """The two 16-bit sums of a packed accumulator, in fp32 (exact)."""
+    if PAIR == tl.float16:
+        lo, hi = tl.inline_asm_elementwise(
+            "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
+            "=f,=f,r", [acc], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;}",
+            "=r,=r,r", [acc], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _neg_offset_pair(z_lo, z_hi, bias: tl.constexpr, PAIR: tl.constexpr):
+    """``-(bias + zero)`` for the two halves of a pair, as the int32 bits of a packed PAIR."""
+    lo = (-(bias + z_lo)).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = (-(bias + z_hi)).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _field_params(s_ptr, z_ptr, k_field, cols, N, K, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr):
+    """Scale (fp32) and zero point (fp32, 0 when symmetric) of the group holding input ``k_field``
+    (group 0 for padding past K, which multiplies zero activations)."""
+    g = tl.where(k_field < K, k_field // GROUP, 0)
+    s = tl.load(s_ptr + g * N + cols).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g * N + cols).to(tl.float32)
+    else:
+        z = tl.zeros_like(s)
+    return s, z
+
+
+@triton.jit
+def _tile_packed(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K, masks,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """fp32 ``[warps, BLOCK_N]``: each warp's tile ``t`` times x, two weights per instruction."""
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = _SUBTILE * PACK
+    SLOTS: tl.constexpr = PACK // 2
+    MAGIC: tl.constexpr = 0x64006400 if PAIR == tl.float16 else 0x43004300
+    MAGIC_F: tl.constexpr = 1024.0 if PAIR == tl.float16 else 128.0
+    # fp16 4-bit: odd slots are read in place as 1024 + 16 u (Marlin's trick): one shift per word
+    IN_PLACE: tl.constexpr = PAIR == tl.float16 and BITS == 4
+    ONE_GROUP: tl.constexpr = GROUP % TILE_K == 0  # the whole tile shares one scale and zero
+    k0 = t * TILE_K  # [warps, 1]
+    x64_ptr = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    half: tl.constexpr = 1 << (BITS - 1)
+    if ONE_GROUP:
+        s, z = _field_params(s_ptr, z_ptr, k0, cols, N, K, HAS_ZERO, GROUP)
+    nofs = ()
+    for j in tl.static_range(SLOTS):
+        if not ONE_GROUP:
+            _s, z_lo = _field_params(s_ptr, z_ptr, k0 + 16 * j, cols, N, K, HAS_ZERO, GROUP)
+            _s, z_hi = _field_params(s_ptr, z_ptr, k0 + 16 * (j + SLOTS), cols, N, K, HAS_ZERO, GROUP)
+        else:
+            z_lo = z
+            z_hi = z
+        if IN_PLACE and j % 2 == 1:
+            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, 64.0 + half, PAIR),)
+        else:
+            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, MAGIC_F + half, PAIR),)
+    accs = (tl.zeros(cols.shape, tl.int32) + tl.zeros(k0.shape, tl.int32),) * SLOTS
+    for q in tl.static_range(4):  # 4 word rows at a time: one 64-bit activation load per field
+        xps = ()
+        for j in tl.static_range(SLOTS):
+            k_a = k0 + 16 * j + 4 * q
+            xps = xps + (_x_pairs(x64_ptr, k_a, k_a + 16 * SLOTS, K, EVEN_K),)
+        for i in tl.static_range(4):
+            w = tl.load(qw_ptr + (t * _SUBTILE + 4 * q + i) * N + cols)
+            new = ()
+            for j in tl.static_range(SLOTS):
+                if IN_PLACE:  # slots 0, 1 from the word, 2, 3 from the word >> 8
+                    v = ((w >> (8 * (j // 2))) & masks[j % 2]) | MAGIC
+                else:
+                    v = ((w >> (BITS * j)) & masks[0]) | MAGIC
+                new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][i], PAIR, IN_PLACE and j % 2 == 1),)
+            accs = new
+    total = tl.zeros(accs[0].shape, tl.float32)
+    for j in tl.static_range(SLOTS):
+        lo, hi = _halves_to_f32(accs[j], PAIR)
+        if ONE_GROUP:
+            total += lo + hi
+        else:
+            s_lo, _z = _field_params(s_ptr, z_ptr, k0 + 16 * j, cols, N, K, False, GROUP)
+            s_hi, _z = _field_params(s_ptr, z_ptr, k0 + 16 * (j + SLOTS), cols, N, K, False, GROUP)
+            total += lo * s_lo + hi * s_hi
+    if ONE_GROUP:
+        total = total * s
+    return total
+
+
+@triton.jit
+def _tile_fields(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr):
+    """The same sum field by field in fp32, each 16-term chain rounded to PAIR after every step
+    as the packed fma rounds it (PAIR = fp32: no rounding). The interpreter's path, and 8-bit
+    bf16's on the GPU. Stored values become floats with the 2**23 trick (no conversion)."""
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = _SUBTILE * PACK
+    k0 = t * TILE_K
+    total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
+    for i in tl.static_range(PACK):
+        s, z = _field_params(s_ptr, z_ptr, k0 + 16 * i, cols, N, K, HAS_ZERO, GROUP)
+        offset = 8388608.0 + (1 << (BITS - 1)) + z
+        chain = tl.zeros_like(total)
+        for r in tl.static_range(16):
+            w = tl.load(qw_ptr + (t * _SUBTILE + r) * N + cols)
+            v = (((w >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+            k = k0 + 16 * i + r
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            chain = _round_to(chain + x * (v - offset), PAIR)
+        total += chain * s
+    return total
+
+
+@triton.jit
+def _round_to(v, PAIR: tl.constexpr):
+    """fp32 ``v`` rounded to nearest-even in PAIR, back in fp32 (bf16 by hand: the interpreter's
+    bf16 cast truncates)."""
+    if PAIR == tl.float16:
+        v = v.to(tl.float16).to(tl.float32)
+    elif PAIR == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        v = bits.to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    N, K, tiles_per_split,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, PAIR: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = _SUBTILE * PACK
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # out-of-range columns read column N - 1 (valid memory, no predicated loads); never stored
+    if EVEN_N:
+        cols = offs_n[None, :]
+    else:
+        cols = tl.minimum(offs_n, N - 1)[None, :]
+    warp_tile = tl.arange(0, WARPS)[:, None]
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, TILE_K))
+    # The field masks of the packed path, (1 << BITS) - 1 in both halves (and shifted by 4), held
+    # in registers: as literals, ptxas re-materializes them in the loop, one MOV per use (LOP3
+    # takes one immediate, the 16-bit float magic). ``K >> 31`` is 0 but opaque to the compiler.
+    mask = (((1 << BITS) - 1) * 0x10001) ^ (K >> 31)
+    masks = (mask, mask << 4)
+    acc = tl.zeros((WARPS, BLOCK_N), dtype=tl.float32)
+    for t0 in range(t_begin, t_end, WARPS):
+        t = t0 + warp_tile
+        t_read = tl.minimum(t, t_end - 1)  # a warp past the end re-reads the last tile, counted as 0
+        if ASM and PAIR != tl.float32:
+            part = _tile_packed(x_ptr, qw_ptr, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
+                                EVEN_K)
+        else:
+            part = _tile_fields(x_ptr, qw_ptr, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO, PAIR)
+        acc += tl.where(t < t_end, part, 0.0)
+    total = tl.sum(acc, axis=0)  # the warps' K tiles meet once, in a fixed order
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + offs_n, total, mask=n_mask)
+        tl.debug_barrier()  # every thread's partial sums are written before the count says so
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:  # the last split of this column block adds them all
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, tl.num_programs(1)):
+                total += tl.load(part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            _store(total, bias_ptr, out_ptr, offs_n, n_mask, HAS_BIAS)
+            tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        _store(total, bias_ptr, out_ptr, offs_n, n_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store(total, bias_ptr, out_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# -- launch -----------------------------------------------------------------------------------------
+
+_COUNTERS: dict[str, torch.Tensor] = {}  # per device: one arrival counter per column block, kept at 0
+
+
+def pair_type(bits: int, dtype: torch.dtype):
+    """The 16-bit type pairs of weights are multiplied in, or fp32 where ``magic + u`` is not
+    exact in the activation type (8 bits in bf16)."""
+    if dtype == torch.float16:
+        return tl.float16
+    return tl.bfloat16 if bits <= 4 else tl.float32
+
+
+def default_split(out_features: int, num_tiles: int, block_n: int, warps: int, sms: int = 132) -> int:
+    """K splits that give about two programs per SM (an H100's 132 unless told), while each warp
+    keeps at least two tiles to loop over."""
+    blocks = triton.cdiv(out_features, block_n)
+    return max(1, min(triton.cdiv(2 * sms, blocks), num_tiles // (2 * warps)))
+
+
+def _counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """Zeroed counters, allocated (one memset) only when a larger layer first needs them. Each
+    launch leaves them at zero; launches on one stream never overlap, so they can share them."""
+    key = str(device)
+    if key not in _COUNTERS or _COUNTERS[key].numel() < blocks:
+        _COUNTERS[key] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def launch_gemv(x: torch.Tensor, kw, bias: torch.Tensor | None, out: torch.Tensor, block_n: int, warps: int,
+                split_k: int, interpreted: bool) -> None:
+    """``out[0] = x[0] @ W.T + bias`` for one row ``x [1, K]`` (contiguous) into ``out [1, N]``."""
+    K, N = kw.in_features, kw.out_features
+    num_tiles = triton.cdiv(K, kw.tile_k)
+    per_split = triton.cdiv(triton.cdiv(num_tiles, split_k), warps) * warps  # whole CTA iterations
+    splits = triton.cdiv(num_tiles, per_split)
+    if not interpreted and (K % 4 or x.data_ptr() % 8):  # activations are read 4 at a time
+        padded = torch.zeros(1, triton.cdiv(K, 4) * 4, dtype=x.dtype, device=x.device)
+        padded[:, :K] = x
+        x = padded
+    blocks = triton.cdiv(N, block_n)
+    partials = torch.empty(splits, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters = _counters(x.device, blocks) if splits > 1 else out
+    _gemv_kernel[(blocks, splits)](
+        x, kw.qweight, kw.scales, kw.zeros if kw.zeros is not None else kw.scales,
+        bias if bias is not None else kw.scales, out, partials, counters,
+        N, K, per_split,
+        BITS=kw.bits, GROUP=kw.group_len if kw.num_groups > 1 else num_tiles * kw.tile_k,
+        HAS_ZERO=kw.zeros is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        PAIR=pair_type(kw.bits, x.dtype), ASM=not interpreted, EVEN_K=K % kw.tile_k == 0, EVEN_N=N % block_n == 0,
+        BLOCK_N=block_n, WARPS=warps, num_warps=warps, num_stages=1,
+    )

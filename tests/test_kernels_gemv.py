@@ -1,0 +1,117 @@
+"""The M=1 GEMV (runtime/kernels/gemv.py) against float64, in the Triton interpreter on CPU.
+
+The interpreter runs the kernel's pure-Triton branch: the same 16-term chains per field, each
+step rounded to the 16-bit pair type as the GPU's packed fma rounds it. The bound asserted is
+the one the module docstring derives, per output ``n``:
+
+    |y - y64| <= (γ16(u) + (K/16 + 4) * 2**-24) * Σ_k |x_k| |q_k - z| s_k  +  u_out |y64|
+
+with ``u`` the pair type's unit roundoff (fp16 2**-11, bf16 2**-8), γ16 = 16u / (1 - 16u), and
+``u_out`` the output type's (doubled for bf16: the interpreter's casts to bf16 truncate), plus
+the bias' rounding. On random data the error is far inside it (the worst ratio is printed with
+``-s``); a kernel that pairs a weight with the wrong activation is far outside
+(``test_the_bound_catches_a_wrong_kernel``).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from runtime.kernels import quant_matmul as qm  # noqa: E402
+
+DEVICE = torch.device("cpu" if qm.interpreting() else "cuda")
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from quant.affine import QuantScheme  # noqa: E402
+from runtime.kernels.weight_layout import kernel_weight_values, make_kernel_weight  # noqa: E402
+from test_kernels_linear import checkpoint_tensors  # noqa: E402
+
+Config = qm.MatmulConfig
+
+
+def exact_terms(x: torch.Tensor, kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y64 without bias, Σ|x||q - z|s) in float64, from the kernel layout (inputs in kernel order)."""
+    q = kernel_weight_values(kw).double()  # [N, K]
+    group = kw.group_len
+    scale = kw.scales.t().double().repeat_interleave(group, dim=1)[:, : kw.in_features]
+    zero = 0.0 if kw.zeros is None else kw.zeros.t().double().repeat_interleave(group, dim=1)[:, : kw.in_features]
+    if kw.perm is not None:
+        x = x.index_select(-1, kw.perm)
+    w = (q - zero) * scale
+    x64 = x.double()
+    return x64 @ w.t(), x64.abs() @ w.abs().t()
+
+
+def assert_within_bound(out, x, kw, bias, dtype):
+    y64, magnitude = exact_terms(x, kw)
+    if bias is not None:
+        y64 = y64 + bias.double()
+    u = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    if kw.bits == 8 and dtype == torch.bfloat16:
+        u = 0.0  # fp32 chains
+    gamma = 16 * u / (1 - 16 * u)
+    u_out = 2.0**-11 if dtype == torch.float16 else 2.0**-7
+    bound = (gamma + (kw.in_features / 16 + 4) * 2.0**-24) * magnitude + u_out * (y64.abs() + 1e-30)
+    if bias is not None:
+        bound = bound + u_out * bias.double().abs()
+    err = (out.double() - y64).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3f} x the bound"
+    return worst
+
+
+# bits, group, symmetric, act-order, dtype, N, K, bias, (block_n, warps, split)
+CASES = [
+    (4, 128, False, False, torch.float16, 200, 1024, True, (128, 4, 1)),  # N not a multiple of the tile
+    (4, 32, False, False, torch.bfloat16, 96, 1120, False, (64, 4, 2)),  # K not a multiple of 128, split
+    (4, 64, True, False, torch.float16, 64, 576, True, (64, 8, 3)),  # group 64 < tile, 8 warps, split
+    (4, -1, False, False, torch.bfloat16, 72, 200, True, (64, 4, 1)),  # per channel, ragged K
+    (4, 32, False, True, torch.float16, 64, 512, False, (128, 4, 2)),  # act-order
+    (8, 128, False, False, torch.float16, 80, 640, True, (64, 4, 2)),
+    (8, 64, True, True, torch.bfloat16, 48, 384, True, (64, 4, 1)),  # 8-bit bf16: fp32 chains
+    (8, -1, False, False, torch.bfloat16, 40, 100, False, (64, 4, 1)),
+    (2, 32, False, False, torch.float16, 40, 512, True, (64, 4, 1)),
+    (4, 128, False, False, torch.float16, 64, 2048, True, (64, 4, 4)),  # 4 splits of 4 tiles
+]
+
+
+@pytest.mark.parametrize("bits,group,sym,act_order,dtype,N,K,with_bias,launch", CASES)
+def test_gemv_is_within_its_error_bound(bits, group, sym, act_order, dtype, N, K, with_bias, launch):
+    seed = hash((bits, group, sym, act_order, N, K)) % 10_000
+    scheme = QuantScheme(bits, group, sym, actorder="group" if act_order else None)
+    tensors = checkpoint_tensors(N, K, scheme, seed, act_order)
+    kw = make_kernel_weight(*tensors[:3], (N, K), scheme, tensors[3])
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(1, K, generator=g) * 3).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=g).to(DEVICE, dtype) if with_bias else None
+    block_n, warps, split = launch
+    out = qm.quant_matmul(x, kw, bias, Config(1, block_n, split, use_dot=False, group_m=1, num_warps=warps))
+    assert out.dtype == dtype and out.shape == (1, N)
+    print(f"error / bound: {assert_within_bound(out, x, kw, bias, dtype):.3f}")
+    # deterministic: the split sums meet in a fixed order
+    again = qm.quant_matmul(x, kw, bias, Config(1, block_n, split, use_dot=False, group_m=1, num_warps=warps))
+    assert torch.equal(out, again)
+
+
+def test_the_bound_catches_a_wrong_kernel():
+    """The bound is tight enough that a misplaced field or a lost zero point fails it."""
+    scheme = QuantScheme(4, 128, False)
+    tensors = checkpoint_tensors(64, 512, scheme, seed=7)
+    kw = make_kernel_weight(*tensors[:3], (64, 512), scheme)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
+    out = qm.quant_matmul(x, kw, None, Config(1, 64, 1, use_dot=False, group_m=1))
+    assert_within_bound(out, x, kw, None, torch.float16)
+    shifted = torch.roll(x, 1, dims=1)  # every weight meets its neighbour's activation
+    with pytest.raises(AssertionError, match="the bound"):
+        assert_within_bound(qm.quant_matmul(shifted, kw, None, Config(1, 64, 1, use_dot=False, group_m=1)),
+                            x, kw, None, torch.float16)
+
+
+def test_m1_launches_the_gemv_by_default():
+    scheme = QuantScheme(4, 128, False)
+    kw = make_kernel_weight(*checkpoint_tensors(64, 4096, scheme, seed=1)[:3], (64, 4096), scheme)
+    configs = qm.candidate_configs(1, kw)
+    assert configs and all(not c.use_dot and c.block_m == 1 for c in configs)
+    assert configs[0].split_k > 1  # 64 columns alone cannot fill a GPU
