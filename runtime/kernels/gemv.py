@@ -79,6 +79,19 @@ def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, SIXTEENTH: tl.constexpr):
 
 
 @triton.jit
+def _byte_pair(w, magic, J: tl.constexpr):
+    """fp16 pair ``(1024 + byte J, 1024 + byte J + 2)`` of ``w``: one byte permute, no shift
+    (``magic`` holds 0x64 in every byte)."""
+    if J == 0:
+        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4240;", "=r,r,r", [w, magic], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4341;", "=r,r,r", [w, magic], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
 def _halves_to_f32(acc, PAIR: tl.constexpr):
     """The two 16-bit sums of a packed accumulator, in fp32 (exact)."""
     if PAIR == tl.float16:
@@ -114,7 +127,16 @@ def _field_params(s_ptr, z_ptr, k_field, cols, N, K, HAS_ZERO: tl.constexpr, GRO
 
 
 @triton.jit
-def _tile_packed(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K, masks,
+def _load_words(qw_ptr, t, cols, N):
+    """The 16 word rows of each warp's tile ``t``, one ``[warps, BLOCK_N]`` tensor per row."""
+    rows = ()
+    for r in tl.static_range(16):
+        rows = rows + (tl.load(qw_ptr + (t * _SUBTILE + r) * N + cols),)
+    return rows
+
+
+@triton.jit
+def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr,
                  EVEN_K: tl.constexpr):
     """fp32 ``[warps, BLOCK_N]``: each warp's tile ``t`` times x, two weights per instruction."""
@@ -150,11 +172,13 @@ def _tile_packed(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K, masks,
             k_a = k0 + 16 * j + 4 * q
             xps = xps + (_x_pairs(x64_ptr, k_a, k_a + 16 * SLOTS, K, EVEN_K),)
         for i in tl.static_range(4):
-            w = tl.load(qw_ptr + (t * _SUBTILE + 4 * q + i) * N + cols)
+            w = words[4 * q + i]
             new = ()
             for j in tl.static_range(SLOTS):
                 if IN_PLACE:  # slots 0, 1 from the word, 2, 3 from the word >> 8
                     v = ((w >> (8 * (j // 2))) & masks[j % 2]) | MAGIC
+                elif BITS == 8 and PAIR == tl.float16:  # bytes j and j + 2 under two 0x64 bytes
+                    v = _byte_pair(w, masks[2], j)
                 else:
                     v = ((w >> (BITS * j)) & masks[0]) | MAGIC
                 new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][i], PAIR, IN_PLACE and j % 2 == 1),)
@@ -174,7 +198,7 @@ def _tile_packed(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K, masks,
 
 
 @triton.jit
-def _tile_fields(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K,
+def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr):
     """The same sum field by field in fp32, each 16-term chain rounded to PAIR after every step
     as the packed fma rounds it (PAIR = fp32: no rounding). The interpreter's path, and 8-bit
@@ -188,7 +212,7 @@ def _tile_fields(x_ptr, qw_ptr, s_ptr, z_ptr, t, cols, N, K,
         offset = 8388608.0 + (1 << (BITS - 1)) + z
         chain = tl.zeros_like(total)
         for r in tl.static_range(16):
-            w = tl.load(qw_ptr + (t * _SUBTILE + r) * N + cols)
+            w = words[r]
             v = (((w >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
             k = k0 + 16 * i + r
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
@@ -213,10 +237,9 @@ def _round_to(v, PAIR: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    N, K, tiles_per_split,
+    K, tiles_per_split, N: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, PAIR: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+    SPLIT: tl.constexpr, PAIR: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
@@ -224,28 +247,34 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # out-of-range columns read column N - 1 (valid memory, no predicated loads); never stored
-    if EVEN_N:
+    if N % BLOCK_N == 0:
         cols = offs_n[None, :]
     else:
         cols = tl.minimum(offs_n, N - 1)[None, :]
     warp_tile = tl.arange(0, WARPS)[:, None]
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, TILE_K))
-    # The field masks of the packed path, (1 << BITS) - 1 in both halves (and shifted by 4), held
-    # in registers: as literals, ptxas re-materializes them in the loop, one MOV per use (LOP3
-    # takes one immediate, the 16-bit float magic). ``K >> 31`` is 0 but opaque to the compiler.
+    # The field masks of the packed path, (1 << BITS) - 1 in both halves (and shifted by 4), and
+    # 8-bit fp16's magic bytes, held in registers: as literals, ptxas re-materializes them in the
+    # loop, one MOV per use (LOP3 takes one immediate, the 16-bit float magic). ``K >> 31`` is 0
+    # but opaque to the compiler.
     mask = (((1 << BITS) - 1) * 0x10001) ^ (K >> 31)
-    masks = (mask, mask << 4)
+    masks = (mask, mask << 4, 0x64646464 ^ (K >> 31))
     acc = tl.zeros((WARPS, BLOCK_N), dtype=tl.float32)
+    # Software pipelined: the words of a warp's next tile are loaded (into registers) before the
+    # math on this one. A warp past the end re-reads the last tile, counted as 0.
+    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N)
     for t0 in range(t_begin, t_end, WARPS):
         t = t0 + warp_tile
-        t_read = tl.minimum(t, t_end - 1)  # a warp past the end re-reads the last tile, counted as 0
+        t_read = tl.minimum(t, t_end - 1)
+        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N)
         if ASM and PAIR != tl.float32:
-            part = _tile_packed(x_ptr, qw_ptr, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
+            part = _tile_packed(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
                                 EVEN_K)
         else:
-            part = _tile_fields(x_ptr, qw_ptr, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO, PAIR)
+            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO, PAIR)
         acc += tl.where(t < t_end, part, 0.0)
+        words = next_words
     total = tl.sum(acc, axis=0)  # the warps' K tiles meet once, in a fixed order
     if SPLIT:
         tl.store(part_ptr + pid_k * N + offs_n, total, mask=n_mask)
@@ -314,9 +343,9 @@ def launch_gemv(x: torch.Tensor, kw, bias: torch.Tensor | None, out: torch.Tenso
     _gemv_kernel[(blocks, splits)](
         x, kw.qweight, kw.scales, kw.zeros if kw.zeros is not None else kw.scales,
         bias if bias is not None else kw.scales, out, partials, counters,
-        N, K, per_split,
+        K, per_split, N=N,
         BITS=kw.bits, GROUP=kw.group_len if kw.num_groups > 1 else num_tiles * kw.tile_k,
         HAS_ZERO=kw.zeros is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        PAIR=pair_type(kw.bits, x.dtype), ASM=not interpreted, EVEN_K=K % kw.tile_k == 0, EVEN_N=N % block_n == 0,
+        PAIR=pair_type(kw.bits, x.dtype), ASM=not interpreted, EVEN_K=K % kw.tile_k == 0,
         BLOCK_N=block_n, WARPS=warps, num_warps=warps, num_stages=1,
     )
