@@ -13,14 +13,13 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   on each wgmma; transposed, it keeps W in registers and overlaps the next tile's
   dequantization with the running wgmma (read off the sm_90 PTX; not timed). Small M also
   maps better: the rows become wgmma's narrow N dimension (down to 8) instead of a 64-row M.
-* GEMV (M == 1): multiply-adds on CUDA cores. The ``pack`` fields of each word are summed
-  in-thread and scaled once per tile (when the tile lies in one group) into a ``[16, BLOCK_N]``
-  fp32 accumulator that is reduced across threads once, after the loop (a cross-thread
-  reduction per tile would go through shared memory every step).
+* GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
+  (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
+  inside the one launch). The ``USE_DOT=False`` branch below is no longer launched.
 
-Both split K across programs when the output alone has too few tiles to fill the GPU: each
-split writes fp32 partial sums and a small kernel adds them (with the bias) in a fixed order,
-so results are deterministic. The configuration (tile sizes, split, path) is autotuned per
+The dot path splits K across programs when the output alone has too few tiles to fill the
+GPU: each split writes fp32 partial sums and a small kernel adds them (with the bias) in a
+fixed order, so results are deterministic. The configuration (tile sizes, split, path) is autotuned per
 (M bucket, N, K, bits, group, dtype) on first use and cached for the process.
 
 Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` signed. Stored
