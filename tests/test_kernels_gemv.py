@@ -4,9 +4,12 @@ The interpreter runs the kernel's pure-Triton branch: the same 16-term chains pe
 step rounded to the 16-bit pair type as the GPU's packed fma rounds it. The bound asserted is
 the one the module docstring derives, per output ``n``:
 
-    |y - y64| <= (γ16(u) + (K/16 + 4) * 2**-24) * Σ_k |x_k| |q_k - z| s_k  +  u_out |y64|
+    |y - y64| <= (γ16(u) + (K/16 + 4) * 2**-24) * Σ_k |x_k| |q_k - z| s_k
+                 + K * 2**(bits - 25) * max s  +  u_out |y64|
 
-with ``u`` the pair type's unit roundoff (fp16 2**-11, bf16 2**-8), γ16 = 16u / (1 - 16u), and
+with ``u`` the pair type's unit roundoff (fp16 2**-11, bf16 2**-8), γ16 = 16u / (1 - 16u), the
+middle term for fp16 chains (they hold ``x (q - z) 2**-bits``: a rounding among fp16's
+subnormals is off by up to 2**-25 absolute, not relative; 0 for bf16), and
 ``u_out`` the output type's (doubled for bf16: the interpreter's casts to bf16 truncate), plus
 the bias' rounding. On random data the error is far inside it (the worst ratio is printed with
 ``-s``); a kernel that pairs a weight with the wrong activation is far outside
@@ -53,7 +56,8 @@ def assert_within_bound(out, x, kw, bias, dtype):
         u = 0.0  # fp32 chains
     gamma = 16 * u / (1 - 16 * u)
     u_out = 2.0**-11 if dtype == torch.float16 else 2.0**-7
-    bound = (gamma + (kw.in_features / 16 + 4) * 2.0**-24) * magnitude + u_out * (y64.abs() + 1e-30)
+    subnormal = kw.in_features * 2.0 ** (kw.bits - 25) * kw.scales.double().abs().max() if dtype == torch.float16 else 0
+    bound = (gamma + (kw.in_features / 16 + 4) * 2.0**-24) * magnitude + subnormal + u_out * (y64.abs() + 1e-30)
     if bias is not None:
         bound = bound + u_out * bias.double().abs()
     err = (out.double() - y64).abs()
@@ -93,6 +97,23 @@ def test_gemv_is_within_its_error_bound(bits, group, sym, act_order, dtype, N, K
     # deterministic: the split sums meet in a fixed order
     again = qm.quant_matmul(x, kw, bias, Config(1, block_n, split, use_dot=False, group_m=1, num_warps=warps))
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_large_activations_do_not_overflow_the_fp16_chains(bits):
+    """Sixteen inputs of 2000 against the largest codes: a chain of 16 * 2000 * (q - z) (up to 15 at
+    4 bits, 255 at 8) is far past fp16's 65504; the chains hold x (q - z) 2**-bits and stay finite.
+    The 16-input fields alternate in sign, so the exact output is 0 (an overflowed chain gives
+    inf - inf = nan)."""
+    N, K = 64, 256
+    scheme = QuantScheme(bits, 128, False)
+    kw = make_kernel_weight(*checkpoint_tensors(N, K, scheme, seed=bits)[:3], (N, K), scheme)
+    kw.qweight.fill_(-1)  # every stored value the largest code
+    sign = 1 - 2 * (torch.arange(K) // 16 % 2)
+    x = (2000.0 * sign).to(DEVICE, torch.float16)[None, :]
+    out = qm.quant_matmul(x, kw, None, Config(1, 64, 1, use_dot=False, group_m=1))
+    assert torch.isfinite(out).all()
+    assert_within_bound(out, x, kw, None, torch.float16)
 
 
 def test_the_bound_catches_a_wrong_kernel():

@@ -5,22 +5,30 @@ Layout: ``weight_layout.KernelWeight`` (words ``[K/pack, N]``, 16 word rows per 
 output columns and sums K inside itself: a main-loop iteration gives each warp of the CTA its
 own K tile (warp ``w`` takes tiles ``w, w + warps, ...``) and the tile's 16 word rows are loaded
 as plain vectors (adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
-through shared memory. The warps' sums meet once, after the loop.
+through shared memory, one loop iteration ahead of their use (software pipelining in
+registers). The warps' sums meet once, after the loop.
 
 Arithmetic (``PAIR`` = fp16, or bf16 for 4 bits and fewer): one ``LOP3`` turns a word into two
-16-bit floats ``magic + u`` (fields ``i`` and ``i + pack/2`` sit 16 bits apart), one packed add
-subtracts ``magic + 2**(bits-1) + zero`` exactly (integers), and one packed ``fma`` accumulates
-``x * (q - zero)`` for the two fields: three instructions per two weights. (fp16 4-bit: the odd
-fields are taken in place as ``1024 + 16 u`` and scaled by 1/16 in the subtracting fma, so a
-word needs one shift.) Each field's 16 products are summed in that 16-bit type, then converted
-to fp32, scaled once per group and added to an fp32 accumulator. Error: with ``u`` the unit
-roundoff of PAIR (fp16 2**-11, bf16 2**-8), each 16-term chain is off by at most
-``γ16 = 16u/(1-16u)`` times the sum of its ``|x (q - zero)|``, so the output is within
-``γ16 · Σ_k |x_k| |q_k - z| s + (fp32 terms) + the final rounding`` of the exact product
-(tests/test_kernels_gemv.py asserts this against float64). A chain overflows fp16 only if 16
-consecutive inputs sum past 65504 in ``|x| · |q - zero|`` (at 4 bits, ``|x| > 273`` on all 16
-with the largest codes). 8-bit bf16 (``128 + u`` is not exact in bf16) runs in fp32, one
-weight per instruction.
+16-bit floats ``magic + u`` (fields ``i`` and ``i + pack/2`` sit 16 bits apart), one packed fma
+makes ``(v - magic - 2**(bits-1) - zero) * step`` exactly (small integers times a power of two),
+and one packed ``fma`` accumulates ``x * that`` for the two fields: three instructions per two
+weights. (fp16 4-bit: the odd fields are taken in place as ``1024 + 16 u`` with a 16 times
+smaller step, so a word needs one shift; fp16 8-bit: one ``PRMT`` puts two bytes under 0x64.)
+Each field's 16 products are summed in that 16-bit type, then converted to fp32, scaled once
+per group (by ``scale / step``) and added to an fp32 accumulator.
+
+Overflow: in fp16, ``step = 2**-bits``, so a chain holds at most ``16 * |x|`` (``|q - zero| <
+2**bits``) and stays finite for any ``|x| <= 4000``; without it, 16 inputs of 273 would overflow
+at 4 bits, of 17 at 8 bits. bf16 has fp32's range: ``step = 1``.
+
+Error: with ``u`` the unit roundoff of PAIR (fp16 2**-11, bf16 2**-8), each 16-term chain is
+off by at most ``γ16 = 16u/(1-16u)`` times the sum of its ``|x (q - zero)|`` (plus 2**-25 per
+step, in chain units, where fp16 values are subnormal), so the output is within
+``γ16 · Σ_k |x_k| |q_k - z| s + (subnormal and fp32 terms) + the final rounding`` of the exact
+product (tests/test_kernels_gemv.py asserts this against float64). On random data that is
+about 3 times the deviation of the reference itself (weights rounded to the activation type,
+fp32 sums) from exact arithmetic. 8-bit bf16 (``128 + u`` is not exact in bf16) runs in fp32,
+one weight per instruction.
 
 The activations of a field pair come as two 64-bit loads (4 rows each) and four ``PRMT``s per
 4 rows, shared by a thread's columns. The interpreter cannot run inline assembly: there
@@ -60,20 +68,25 @@ def _x_pairs(x64_ptr, k_a, k_b, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, SIXTEENTH: tl.constexpr):
-    """``acc + x * (v + nofs)`` on packed 16-bit pairs (``v * 1/16 + nofs`` when SIXTEENTH)."""
-    if PAIR == tl.float16:
-        if SIXTEENTH:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 d, c; mov.b32 c, 0x2C002C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
-                "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 d; add.rn.f16x2 d, $2, $3; fma.rn.f16x2 $0, $4, d, $1;}",
-                "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
-    else:
+def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr):
+    """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits)
+    is exact on the small integers ``v`` holds."""
+    if PAIR == tl.bfloat16:
         out = tl.inline_asm_elementwise(
             "{.reg .b32 d, c; mov.b32 c, 0x3F803F80; fma.rn.bf16x2 d, $2, c, $3; fma.rn.bf16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    elif STEP == 0x2C00:  # 1/16
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x2C002C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    elif STEP == 0x1C00:  # 1/256
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x1C001C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        tl.static_assert(STEP == 0x3400, "fp16 steps: 1/4, 1/16, 1/256")
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x34003400; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
             "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
     return out
 
@@ -106,10 +119,11 @@ def _halves_to_f32(acc, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _neg_offset_pair(z_lo, z_hi, bias: tl.constexpr, PAIR: tl.constexpr):
-    """``-(bias + zero)`` for the two halves of a pair, as the int32 bits of a packed PAIR."""
-    lo = (-(bias + z_lo)).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = (-(bias + z_hi)).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32)
+def _neg_offset_pair(z_lo, z_hi, bias: tl.constexpr, step: tl.constexpr, PAIR: tl.constexpr):
+    """``-(bias + zero) * step`` for the two halves of a pair (exact: an integer below 2048 times
+    a power of two), as the int32 bits of a packed PAIR."""
+    lo = (-(bias + z_lo) * step).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = (-(bias + z_hi) * step).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32)
     return lo | (hi << 16)
 
 
@@ -147,6 +161,10 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
     MAGIC_F: tl.constexpr = 1024.0 if PAIR == tl.float16 else 128.0
     # fp16 4-bit: odd slots are read in place as 1024 + 16 u (Marlin's trick): one shift per word
     IN_PLACE: tl.constexpr = PAIR == tl.float16 and BITS == 4
+    # fp16 chains hold (q - zero) * 2**-BITS (see the module docstring: overflow); the subtracting
+    # fma applies it, as fp16 bits STEP (odd in-place slots: another 1/16)
+    LOG: tl.constexpr = BITS if PAIR == tl.float16 else 0
+    STEP: tl.constexpr = 0x2C00 if BITS == 4 else (0x1C00 if BITS == 8 else 0x3400)
     ONE_GROUP: tl.constexpr = GROUP % TILE_K == 0  # the whole tile shares one scale and zero
     k0 = t * TILE_K  # [warps, 1]
     x64_ptr = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
@@ -162,9 +180,9 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
             z_lo = z
             z_hi = z
         if IN_PLACE and j % 2 == 1:
-            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, 64.0 + half, PAIR),)
+            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, 64.0 + half, 1.0 / (1 << LOG), PAIR),)
         else:
-            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, MAGIC_F + half, PAIR),)
+            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, MAGIC_F + half, 1.0 / (1 << LOG), PAIR),)
     accs = (tl.zeros(cols.shape, tl.int32) + tl.zeros(k0.shape, tl.int32),) * SLOTS
     for q in tl.static_range(4):  # 4 word rows at a time: one 64-bit activation load per field
         xps = ()
@@ -181,7 +199,8 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                     v = _byte_pair(w, masks[2], j)
                 else:
                     v = ((w >> (BITS * j)) & masks[0]) | MAGIC
-                new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][i], PAIR, IN_PLACE and j % 2 == 1),)
+                new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][i], PAIR,
+                                       0x1C00 if IN_PLACE and j % 2 == 1 else STEP),)
             accs = new
     total = tl.zeros(accs[0].shape, tl.float32)
     for j in tl.static_range(SLOTS):
@@ -194,7 +213,7 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
             total += lo * s_lo + hi * s_hi
     if ONE_GROUP:
         total = total * s
-    return total
+    return total * (1 << LOG)
 
 
 @triton.jit
@@ -205,6 +224,7 @@ def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
     bf16's on the GPU. Stored values become floats with the 2**23 trick (no conversion)."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
+    LOG: tl.constexpr = BITS if PAIR == tl.float16 else 0  # as _tile_packed's chains
     k0 = t * TILE_K
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
     for i in tl.static_range(PACK):
@@ -216,9 +236,9 @@ def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
             v = (((w >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
             k = k0 + 16 * i + r
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            chain = _round_to(chain + x * (v - offset), PAIR)
+            chain = _round_to(chain + x * ((v - offset) * (1.0 / (1 << LOG))), PAIR)
         total += chain * s
-    return total
+    return total * (1 << LOG)
 
 
 @triton.jit
