@@ -32,8 +32,9 @@ one weight per instruction.
 
 The activations of a field pair come as two 64-bit loads (4 rows each) and four ``PRMT``s per
 4 rows, shared by a thread's columns. The interpreter cannot run inline assembly: there
-(``ASM=False``) the same chains are computed field by field in fp32, rounded to PAIR after
-every step like the packed fma, which is what the tests exercise.
+(``ASM=False``) each instruction is emulated on the same packed bits (a pair's halves in fp32,
+rounded to PAIR as the packed fma rounds), so the tests run the GPU's data flow: which field
+meets which activation, offsets, steps, scales.
 
 When the columns alone cannot fill the GPU, K is split across programs (grid dim 1): each
 writes fp32 partial sums, and the last one to finish a column block (an atomic counter, reset
@@ -50,28 +51,44 @@ _SUBTILE = tl.constexpr(16)  # word rows per K tile (weight_layout.SUBTILE_K)
 
 
 @triton.jit
-def _x_pairs(x64_ptr, k_a, k_b, K, EVEN_K: tl.constexpr):
+def _x_pairs(x_ptr, k_a, k_b, K, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """Activations of inputs ``k_a .. k_a + 3`` and ``k_b .. k_b + 3`` (4 word rows of two fields)
     as 4 packed pairs ``(x[k_a + i], x[k_b + i])``: two 64-bit loads and 4 byte permutes. Past K
     they read 0 (K is a multiple of 4: the launcher pads x otherwise)."""
-    if EVEN_K:
-        a = tl.load(x64_ptr + k_a // 4)
-        b = tl.load(x64_ptr + k_b // 4)
-    else:
-        a = tl.load(x64_ptr + k_a // 4, mask=k_a < K, other=0)
-        b = tl.load(x64_ptr + k_b // 4, mask=k_b < K, other=0)
-    return tl.inline_asm_elementwise(
-        "{.reg .b32 a0, a1, b0, b1; mov.b64 {a0, a1}, $4; mov.b64 {b0, b1}, $5;"
-        " prmt.b32 $0, a0, b0, 0x5410; prmt.b32 $1, a0, b0, 0x7632;"
-        " prmt.b32 $2, a1, b1, 0x5410; prmt.b32 $3, a1, b1, 0x7632;}",
-        "=r,=r,=r,=r,l,l", [a, b], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    if ASM:
+        x64_ptr = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        if EVEN_K:
+            a = tl.load(x64_ptr + k_a // 4)
+            b = tl.load(x64_ptr + k_b // 4)
+        else:
+            a = tl.load(x64_ptr + k_a // 4, mask=k_a < K, other=0)
+            b = tl.load(x64_ptr + k_b // 4, mask=k_b < K, other=0)
+        pairs = tl.inline_asm_elementwise(
+            "{.reg .b32 a0, a1, b0, b1; mov.b64 {a0, a1}, $4; mov.b64 {b0, b1}, $5;"
+            " prmt.b32 $0, a0, b0, 0x5410; prmt.b32 $1, a0, b0, 0x7632;"
+            " prmt.b32 $2, a1, b1, 0x5410; prmt.b32 $3, a1, b1, 0x7632;}",
+            "=r,=r,=r,=r,l,l", [a, b], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:  # the interpreter: the same pairs from 16-bit loads
+        x16_ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        pairs = ()
+        for i in tl.static_range(4):
+            a = tl.load(x16_ptr + k_a + i, mask=k_a + i < K, other=0).to(tl.int32) & 0xFFFF
+            b = tl.load(x16_ptr + k_b + i, mask=k_b + i < K, other=0).to(tl.int32)
+            pairs = pairs + (a | (b << 16),)
+    return pairs
 
 
 @triton.jit
-def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr):
+def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
     """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits)
     is exact on the small integers ``v`` holds."""
-    if PAIR == tl.bfloat16:
+    if not ASM:  # the interpreter: each half in fp32, rounded to PAIR as the packed fma rounds
+        step: tl.constexpr = 1.0 if PAIR == tl.bfloat16 else (
+            0.0625 if STEP == 0x2C00 else (0.00390625 if STEP == 0x1C00 else 0.25))
+        lo = _half(acc, 0, PAIR) + _half(xp, 0, PAIR) * (_half(v, 0, PAIR) * step + _half(nofs, 0, PAIR))
+        hi = _half(acc, 1, PAIR) + _half(xp, 1, PAIR) * (_half(v, 1, PAIR) * step + _half(nofs, 1, PAIR))
+        out = _rounded_bits(lo, PAIR) | (_rounded_bits(hi, PAIR) << 16)
+    elif PAIR == tl.bfloat16:
         out = tl.inline_asm_elementwise(
             "{.reg .b32 d, c; mov.b32 c, 0x3F803F80; fma.rn.bf16x2 d, $2, c, $3; fma.rn.bf16x2 $0, $4, d, $1;}",
             "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
@@ -92,10 +109,35 @@ def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _byte_pair(w, magic, J: tl.constexpr):
+def _half(bits, HI: tl.constexpr, PAIR: tl.constexpr):
+    """Half ``HI`` (0: low) of a packed pair, as fp32 (exact)."""
+    h = (bits >> 16) & 0xFFFF if HI else bits & 0xFFFF
+    if PAIR == tl.float16:
+        f = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        f = (h << 16).to(tl.float32, bitcast=True)
+    return f
+
+
+@triton.jit
+def _rounded_bits(v, PAIR: tl.constexpr):
+    """fp32 ``v`` rounded to nearest-even in PAIR, as its 16 bits in an int32 (bf16 by hand: the
+    interpreter's bf16 cast truncates)."""
+    if PAIR == tl.float16:
+        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return out
+
+
+@triton.jit
+def _byte_pair(w, magic, J: tl.constexpr, ASM: tl.constexpr):
     """fp16 pair ``(1024 + byte J, 1024 + byte J + 2)`` of ``w``: one byte permute, no shift
     (``magic`` holds 0x64 in every byte)."""
-    if J == 0:
+    if not ASM:
+        out = ((w >> (8 * J)) & 0x00FF00FF) | 0x64006400
+    elif J == 0:
         out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4240;", "=r,r,r", [w, magic], dtype=tl.int32,
                                         is_pure=True, pack=1)
     else:
@@ -105,9 +147,12 @@ def _byte_pair(w, magic, J: tl.constexpr):
 
 
 @triton.jit
-def _halves_to_f32(acc, PAIR: tl.constexpr):
+def _halves_to_f32(acc, PAIR: tl.constexpr, ASM: tl.constexpr):
     """The two 16-bit sums of a packed accumulator, in fp32 (exact)."""
-    if PAIR == tl.float16:
+    if not ASM:
+        lo = _half(acc, 0, PAIR)
+        hi = _half(acc, 1, PAIR)
+    elif PAIR == tl.float16:
         lo, hi = tl.inline_asm_elementwise(
             "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
             "=f,=f,r", [acc], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
@@ -122,9 +167,19 @@ def _halves_to_f32(acc, PAIR: tl.constexpr):
 def _neg_offset_pair(z_lo, z_hi, bias: tl.constexpr, step: tl.constexpr, PAIR: tl.constexpr):
     """``-(bias + zero) * step`` for the two halves of a pair (exact: an integer below 2048 times
     a power of two), as the int32 bits of a packed PAIR."""
-    lo = (-(bias + z_lo) * step).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = (-(bias + z_hi) * step).to(PAIR).to(tl.int16, bitcast=True).to(tl.int32)
+    lo = _exact_bits(-(bias + z_lo) * step, PAIR)
+    hi = _exact_bits(-(bias + z_hi) * step, PAIR)
     return lo | (hi << 16)
+
+
+@triton.jit
+def _exact_bits(v, PAIR: tl.constexpr):
+    """The 16 bits of fp32 ``v``, which PAIR holds exactly, in an int32."""
+    if PAIR == tl.float16:
+        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        out = (v.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    return out
 
 
 @triton.jit
@@ -152,8 +207,9 @@ def _load_words(qw_ptr, t, cols, N):
 @triton.jit
 def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr,
-                 EVEN_K: tl.constexpr):
-    """fp32 ``[warps, BLOCK_N]``: each warp's tile ``t`` times x, two weights per instruction."""
+                 EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """fp32 ``[warps, BLOCK_N]``: each warp's tile ``t`` times x, two weights per instruction
+    (``ASM=False``: the interpreter's emulation of the same instructions)."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
     SLOTS: tl.constexpr = PACK // 2
@@ -165,9 +221,8 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
     # fma applies it, as fp16 bits STEP (odd in-place slots: another 1/16)
     LOG: tl.constexpr = BITS if PAIR == tl.float16 else 0
     STEP: tl.constexpr = 0x2C00 if BITS == 4 else (0x1C00 if BITS == 8 else 0x3400)
-    ONE_GROUP: tl.constexpr = GROUP % TILE_K == 0  # the whole tile shares one scale and zero
+    ONE_GROUP: tl.constexpr = GROUP % (16 * PACK) == 0  # the whole tile shares one scale and zero
     k0 = t * TILE_K  # [warps, 1]
-    x64_ptr = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     half: tl.constexpr = 1 << (BITS - 1)
     if ONE_GROUP:
         s, z = _field_params(s_ptr, z_ptr, k0, cols, N, K, HAS_ZERO, GROUP)
@@ -188,7 +243,7 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
         xps = ()
         for j in tl.static_range(SLOTS):
             k_a = k0 + 16 * j + 4 * q
-            xps = xps + (_x_pairs(x64_ptr, k_a, k_a + 16 * SLOTS, K, EVEN_K),)
+            xps = xps + (_x_pairs(x_ptr, k_a, k_a + 16 * SLOTS, K, EVEN_K, ASM),)
         for i in tl.static_range(4):
             w = words[4 * q + i]
             new = ()
@@ -196,15 +251,15 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                 if IN_PLACE:  # slots 0, 1 from the word, 2, 3 from the word >> 8
                     v = ((w >> (8 * (j // 2))) & masks[j % 2]) | MAGIC
                 elif BITS == 8 and PAIR == tl.float16:  # bytes j and j + 2 under two 0x64 bytes
-                    v = _byte_pair(w, masks[2], j)
+                    v = _byte_pair(w, masks[2], j, ASM)
                 else:
                     v = ((w >> (BITS * j)) & masks[0]) | MAGIC
                 new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][i], PAIR,
-                                       0x1C00 if IN_PLACE and j % 2 == 1 else STEP),)
+                                       0x1C00 if IN_PLACE and j % 2 == 1 else STEP, ASM),)
             accs = new
     total = tl.zeros(accs[0].shape, tl.float32)
     for j in tl.static_range(SLOTS):
-        lo, hi = _halves_to_f32(accs[j], PAIR)
+        lo, hi = _halves_to_f32(accs[j], PAIR, ASM)
         if ONE_GROUP:
             total += lo + hi
         else:
@@ -218,13 +273,11 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
 
 @triton.jit
 def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr):
-    """The same sum field by field in fp32, each 16-term chain rounded to PAIR after every step
-    as the packed fma rounds it (PAIR = fp32: no rounding). The interpreter's path, and 8-bit
-    bf16's on the GPU. Stored values become floats with the 2**23 trick (no conversion)."""
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """The same sum field by field in fp32, one weight per instruction: 8-bit bf16. Stored values
+    become floats with the 2**23 trick (no conversion instruction)."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
-    LOG: tl.constexpr = BITS if PAIR == tl.float16 else 0  # as _tile_packed's chains
     k0 = t * TILE_K
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
     for i in tl.static_range(PACK):
@@ -236,22 +289,9 @@ def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
             v = (((w >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
             k = k0 + 16 * i + r
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            chain = _round_to(chain + x * ((v - offset) * (1.0 / (1 << LOG))), PAIR)
+            chain += x * (v - offset)
         total += chain * s
-    return total * (1 << LOG)
-
-
-@triton.jit
-def _round_to(v, PAIR: tl.constexpr):
-    """fp32 ``v`` rounded to nearest-even in PAIR, back in fp32 (bf16 by hand: the interpreter's
-    bf16 cast truncates)."""
-    if PAIR == tl.float16:
-        v = v.to(tl.float16).to(tl.float32)
-    elif PAIR == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        v = bits.to(tl.float32, bitcast=True)
-    return v
+    return total
 
 
 @triton.jit
@@ -288,11 +328,11 @@ def _gemv_kernel(
         t = t0 + warp_tile
         t_read = tl.minimum(t, t_end - 1)
         next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N)
-        if ASM and PAIR != tl.float32:
+        if PAIR != tl.float32:
             part = _tile_packed(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
-                                EVEN_K)
+                                EVEN_K, ASM)
         else:
-            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO, PAIR)
+            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO)
         acc += tl.where(t < t_end, part, 0.0)
         words = next_words
     total = tl.sum(acc, axis=0)  # the warps' K tiles meet once, in a fixed order
@@ -331,10 +371,11 @@ def pair_type(bits: int, dtype: torch.dtype):
 
 
 def default_split(out_features: int, num_tiles: int, block_n: int, warps: int, sms: int = 132) -> int:
-    """K splits that give about two programs per SM (an H100's 132 unless told), while each warp
-    keeps at least two tiles to loop over."""
+    """K splits that give every SM (an H100's 132 unless told) a program: none where the column
+    blocks alone do (N >= 16896 at 128 columns), and never so many that a warp has fewer than
+    two tiles to loop over. The autotuner also times half and twice this."""
     blocks = triton.cdiv(out_features, block_n)
-    return max(1, min(triton.cdiv(2 * sms, blocks), num_tiles // (2 * warps)))
+    return max(1, min(triton.cdiv(sms, blocks), num_tiles // (2 * warps)))
 
 
 def _counters(device: torch.device, blocks: int) -> torch.Tensor:
