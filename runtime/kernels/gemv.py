@@ -299,7 +299,8 @@ def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     K, tiles_per_split, N: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, PAIR: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+    SPLIT: tl.constexpr, PAIR: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
