@@ -353,12 +353,14 @@ def weight_cases() -> list[KernelCase]:
                               HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
                               DEQUANT=dequant_type(config.use_dot, bits, TORCH_DTYPES[dtype], False),
                               DEQUANT_ASM=True,
-                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m)
+                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+                              STEP_TILES=config.step_tiles)
+            steps = f" {config.step_tiles}tiles" if config.step_tiles > 1 else ""  # K tiles per main-loop iteration
             cases.append(KernelCase(
-                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}",
+                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}{steps}",
                 kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
                 num_warps=config.num_warps, num_stages=config.num_stages,
-                units_per_iteration=config.block_n * kw.tile_k,
+                units_per_iteration=config.block_n * kw.tile_k * config.step_tiles,
                 # aligned tensors, and sizes and row strides divisible by 16, as real layers have
                 divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
                 notes=f"default candidate for M={M} (candidate_configs(M)[0])",

@@ -24,6 +24,7 @@ import torch
 
 from kvquant import KVScheme, bytes_per_token, parse_kv
 from kvquant.memory import max_tokens, sequence_bytes
+from quant import architectures
 from runtime.units import parse_bytes
 
 DEFAULT_SCHEMES = ("fp16", "int8", "int4", "int2", "fp8")
@@ -65,15 +66,11 @@ def text_config(config: dict) -> dict:
 
 
 def attention_shape(config: dict) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) from an HF config."""
+    """(layers, KV heads, head_dim) from an HF config, read as the runtime reads it."""
     try:
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    except KeyError as e:
-        raise PlanError(f"the config has no {e.args[0]!r}: cannot size its attention (is it a decoder LM?)") from None
-    return layers, kv_heads, head_dim
+        return architectures.attention_shape(config)
+    except architectures.MissingConfigKey as e:
+        raise PlanError(str(e)) from None
 
 
 def safetensors_weight_bytes(directory: Path) -> int | None:

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvquant.quantize import QuantizedKV, dequantize_blocks, quantize_blocks
 from kvquant.scheme import KVScheme
+from quant.architectures import attention_shape
 
 
 def _cat_blocks(a: QuantizedKV | None, b: QuantizedKV) -> QuantizedKV:
@@ -129,12 +130,9 @@ class QuantizedKVLayer(DynamicLayer):
 
 
 def _attention_shape(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) of a transformers config."""
+    """(layers, KV heads, head_dim) of a transformers config (its text part, for multimodal ones)."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return attention_shape(config)
 
 
 class QuantizedKVCache(Cache):

@@ -100,7 +100,8 @@ def inspect_text(ckpt, layers: bool = False) -> str:
     if manifest.get("producer") == "lowbit" and "recipe" in manifest:
         v = manifest.get("versions", {})
         src = manifest.get("source_model", {}).get("spec")
-        method = manifest.get("recipe", {}).get("weights", {}).get("method")
+        weights = manifest.get("recipe", {}).get("weights", {})
+        method = "+".join(weights["methods"]) if "methods" in weights else weights.get("method")  # older manifests
         lines.append(f"produced by: lowbit {v.get('lowbit')} ({method}) from {src} on {manifest.get('created')}")
     lines.append(
         f"size: {_mb(size.bytes_on_disk(path))} on disk; {stats.quantized_params / 1e6:.1f}M quantized weights at "

@@ -44,7 +44,8 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     output = Path(recipe.output)
     checkpoint.check_output(output, overwrite)  # fail before the slow work, and again at the final move
     source = models.resolve(recipe.model)
-    calibrated = w.method != "rtn"
+    chain = w.chain
+    calibrated = any(m.needs_data for m in chain)
     # a calibrated run also keeps its finished layers in a work directory beside the output until the save
     need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
     checkpoint.check_output(output, overwrite, need_bytes=need)
@@ -57,8 +58,8 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     # model is never in memory whole (a format transformers converts on load is read whole)
     loaded = models.load_lazily(source) if calibrated else None
     model, tokenizer, lazy = loaded or (*models.load_float_model(source), None)
-    actorder = None if w.gptq.actorder == "none" or not w.method.endswith("gptq") else w.gptq.actorder
-    default = QuantScheme(w.bits, w.group_size, w.symmetric, actorder)
+    rounding = chain[-1]  # its act-order (GPTQ's) is each layer's scheme.actorder
+    default = QuantScheme(w.bits, w.group_size, w.symmetric, rounding.actorder(w.settings[rounding.name]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_layers(model, default, w.ignore, w.overrides)
@@ -79,7 +80,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
             shutil.rmtree(work_dir)
     store_dtype = DTYPES[recipe.dtype]
     quantized, layer_stats = quantize_model(
-        model, plan, w.method, samples=samples, gptq=w.gptq, awq=w.awq,
+        model, plan, w.methods, samples=samples, **w.settings,
         scale_dtype=store_dtype or next(model.parameters()).dtype, device=device or default_device(),
         work_dir=work_dir, resume=resume, run_id=json.dumps(recipe.to_dict(), sort_keys=True), progress=progress,
         lazy=lazy,

@@ -14,13 +14,11 @@ from pathlib import Path
 import yaml
 
 from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
+from quant import methods as registry
 from quant.affine import SUPPORTED_BITS
-from quant.awq import AWQConfig
-from quant.gptq import GPTQConfig
 # A recipe's overrides and patterns are the plan's: one definition of each, re-exported here.
 from quant.plan import Override, matches  # noqa: F401
 
-KNOWN_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
@@ -38,14 +36,27 @@ class Calibration:
 
 @dataclass
 class Weights:
-    method: str = "rtn"
+    methods: list[str] = field(default_factory=lambda: ["rtn"])  # in order: quant.methods
     bits: int = 4
     group_size: int = 64
     symmetric: bool = False
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     overrides: list[Override] = field(default_factory=list)
-    gptq: GPTQConfig = field(default_factory=GPTQConfig)  # used by gptq and awq+gptq
-    awq: AWQConfig = field(default_factory=AWQConfig)  # used by awq and awq+gptq
+    # each method's settings by its name (``weights.gptq:`` in YAML), defaults filled in
+    settings: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.settings = registry.check_settings(self.chain, self.settings)
+
+    @property
+    def chain(self) -> list:
+        """The methods in the order they run (RTN rounds when none listed does)."""
+        return registry.chain(self.methods)
+
+    @property
+    def method(self) -> str:
+        """The methods as one label, e.g. ``awq+gptq`` (the older ``weights.method`` form)."""
+        return "+".join(self.methods)
 
 
 @dataclass
@@ -58,7 +69,11 @@ class Recipe:
     kv_cache: KVScheme = field(default_factory=KVScheme)  # used by the runtime, saved in the manifest
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The recipe as YAML would write it (each method's settings under its own name)."""
+        data = asdict(self)
+        weights = data["weights"]
+        weights.update({name: values for name, values in weights.pop("settings").items() if values})
+        return data
 
 
 def default_output(recipe: Recipe) -> str:
@@ -163,10 +178,9 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
     if "seed" in cal:
         recipe.calibration.seed = c.integer(cal["seed"], "calibration.seed")
 
-    w = c.mapping(top.get("weights") or {}, "weights", _names(Weights))
+    known = [n for n in _names(Weights) if n != "settings"] + ["method"] + sorted(registry.REGISTRY)
+    w = c.mapping(top.get("weights") or {}, "weights", known)
     weights = recipe.weights
-    if "method" in w:
-        weights.method = c.choice(w["method"], "weights.method", KNOWN_METHODS)
     if "bits" in w:
         weights.bits = c.bits(w["bits"], "weights.bits")
     if "group_size" in w:
@@ -179,12 +193,40 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
     if not isinstance(overrides, list):
         c.fail("weights.overrides", "expected a list of {match: ..., bits: ...} entries")
     weights.overrides = [_override(c, o, f"weights.overrides[{i}]") for i, o in enumerate(overrides)]
-    weights.gptq = _settings(c, w.get("gptq"), "weights.gptq", GPTQConfig, {"actorder": ("weight", "group", "none")})
-    weights.awq = _settings(c, w.get("awq"), "weights.awq", AWQConfig, {})
+    weights.methods, weights.settings = _methods(c, w)
 
     recipe.kv_cache = _kv_cache(c, top.get("kv_cache"))
     recipe.output = c.string(top["output"], "output") if top.get("output") is not None else default_output(recipe)
     return recipe
+
+
+def _methods(c: _Checker, w: dict) -> tuple[list[str], dict]:
+    """``weights.methods`` (or the older ``weights.method: awq+gptq``) and each listed method's
+    settings section, checked before any work: known names in an order that works, no
+    settings for a method the list lacks."""
+    if "method" in w and "methods" in w:
+        c.fail("weights.method", "give either weights.methods (a list) or the older weights.method, not both")
+    key = "method" if "method" in w else "methods"
+    spec = w.get(key, ["rtn"])
+    if key == "methods" and not isinstance(spec, list):
+        c.fail("weights.methods", f"expected a list of method names such as [awq, gptq], got {spec!r}")
+    if key == "method" and not isinstance(spec, str):
+        c.fail("weights.method", f"expected a method name such as awq+gptq, got {spec!r}")
+    try:
+        names = registry.parse_names(spec)
+        chain = registry.chain(names)
+    except registry.MethodError as e:
+        c.fail(f"weights.{key}", str(e))
+    used = [m.name for m in chain]
+    settings = {}
+    for name, method in sorted(registry.REGISTRY.items()):
+        if name not in w:
+            continue
+        if name not in used:
+            c.fail(f"weights.{name}", f"settings for {name}, which weights.{key} ({', '.join(names)}) does not "
+                                      f"use; add {name} to weights.methods or remove this section")
+        settings[name] = _settings(c, w[name], f"weights.{name}", method.settings, method.choices)
+    return names, registry.check_settings(chain, settings)
 
 
 def _kv_cache(c: _Checker, value, path: str = "kv_cache") -> KVScheme:

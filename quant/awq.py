@@ -1,9 +1,10 @@
 """AWQ: activation-aware scaling, then clipping (Lin et al., 2023).
 
-For each pair "op -> Linears that read its output" (a norm feeding q/k/v, v
-feeding o, a norm feeding gate/up, up feeding down), search a per-channel
-scale ``s`` from input and weight magnitudes that minimizes the error of the
-block's output when the Linears are quantized as ``W·s`` on inputs ``x/s``;
+For each pair "op -> Linears that read its output" (the family's ``scale_pairs`` in
+``quant.architectures``; in the Llama layout a norm feeding q/k/v, v feeding o, a
+norm feeding gate/up, up feeding down), search a per-channel scale ``s`` from
+input and weight magnitudes that minimizes the error of the block's output when
+the Linears are quantized as ``W·s`` on inputs ``x/s``;
 fold ``1/s`` into the op and ``s`` into the Linears (exact in floating point).
 Then search, per group, how far to shrink each Linear's range, and clamp its
 weights there, so whatever rounds them next (RTN or GPTQ) sees the clipped
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from quant.affine import QuantScheme, choose_qparams, dequantize, fake_quantize, quantize
+from quant.architectures import Architecture
 from quant.sequential import LayerInputs, run_layer
 
 
@@ -39,20 +41,18 @@ class Mapping:
     inspect: str  # local name of the module whose output the scale search compares
 
 
-def llama_mappings(layer: nn.Module) -> list[Mapping]:
-    """The scalable pairs of a Llama-family decoder layer, derived from its modules."""
-    try:
-        attn, mlp = layer.self_attn, layer.mlp
-        maps = [Mapping(layer.input_layernorm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn")]
-        if attn.v_proj.out_features == attn.o_proj.in_features:  # not with grouped-query attention
-            maps.append(Mapping(attn.v_proj, ["self_attn.o_proj"], "self_attn.o_proj"))
-        maps.append(Mapping(layer.post_attention_layernorm, ["mlp.gate_proj", "mlp.up_proj"], "mlp"))
-        maps.append(Mapping(mlp.up_proj, ["mlp.down_proj"], "mlp.down_proj"))
-    except AttributeError as e:
-        raise ValueError(
-            f"AWQ needs the Llama-family layer structure (input_layernorm, self_attn.q/k/v/o_proj, "
-            f"post_attention_layernorm, mlp.gate/up/down_proj); {type(layer).__name__} lacks it ({e})"
-        ) from None
+def scale_mappings(layer: nn.Module, arch: Architecture) -> list[Mapping]:
+    """The scalable pairs of a decoder layer, from its family's entry in ``quant.architectures``."""
+    arch.check_layer(layer)
+    maps = []
+    for pair in arch.scale_pairs:
+        prev = layer.get_submodule(pair.prev)
+        # a Linear feeding Linears (v -> o) scales only when its outputs are theirs channel for
+        # channel: not with grouped-query attention, where v has fewer outputs than o has inputs
+        if isinstance(prev, nn.Linear) and any(
+                prev.out_features != layer.get_submodule(n).in_features for n in pair.linears):
+            continue
+        maps.append(Mapping(prev, list(pair.linears), pair.inspect))
     return maps
 
 
@@ -155,16 +155,10 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, conf
     return torch.maximum(torch.minimum(wg, hi.unsqueeze(-1)), lo.unsqueeze(-1)).view(out, cols).to(weight.dtype)
 
 
-# Query and key projections feed a softmax through a dot product: per-channel output
-# error says little about attention error there, so (as in the AWQ reference) they
-# are not clipped.
-NO_CLIP = ("q_proj", "k_proj")
-
-
-def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConfig = AWQConfig()) -> dict:
+def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConfig, arch: Architecture) -> dict:
     """Fold searched scales into the layer and clip its Linears; return each Linear's
     input-channel scale (for transforming its Hessian)."""
-    mappings = [m for m in llama_mappings(layer) if all(n in plan for n in m.linears)]
+    mappings = [m for m in scale_mappings(layer, arch) if all(n in plan for n in m.linears)]
     per_batch = inputs.hidden[0].shape[0]
     keep = max(1, -(-config.search_samples // per_batch))
     subset = LayerInputs(inputs.hidden[:keep], inputs.kwargs[:keep])
@@ -179,7 +173,7 @@ def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConf
     if config.clip:
         generator = torch.Generator().manual_seed(0)
         for n, scheme in plan.items():
-            if n.endswith(NO_CLIP) or n not in xs:
+            if n in arch.no_clip or n not in xs:
                 continue
             x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs[n]])
             x = x[torch.randperm(x.shape[0], generator=generator)[: config.clip_tokens]]

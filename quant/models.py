@@ -163,7 +163,7 @@ def load_lazily(path: Path, dtype: torch.dtype = torch.float32):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from quant.sequential import decoder_layers
+    from quant.architectures import decoder_layers
 
     files = safetensors_index(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -176,8 +176,7 @@ def load_lazily(path: Path, dtype: torch.dtype = torch.float32):
     if not needed <= set(files):
         return None
     lazy = LazyLayers(files, dtype)
-    layers = decoder_layers(model)
-    layers_prefix = next(n for n, m in model.named_modules() if m is layers) + "."
+    layers_prefix = decoder_layers(model)[0] + "."
     lazy.fill(model, skip=(layers_prefix, "lm_head.weight") if tied else (layers_prefix,))
     model.tie_weights()  # the head shares the embedding again
     if (path / "generation_config.json").exists():

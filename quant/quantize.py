@@ -1,8 +1,11 @@
-"""Quantize every planned Linear of a model with one method.
+"""Quantize every planned Linear of a model with a list of methods (``quant.methods``).
 
-RTN needs no data and rounds each weight on its own. GPTQ, AWQ and AWQ+GPTQ
-run the layer-by-layer calibration pipeline (``quant.sequential``); Linears
-outside the decoder layers (a quantized ``lm_head``) are rounded with RTN.
+Without a method that needs data, each Linear is rounded on its own. Otherwise the
+layer-by-layer calibration pipeline (``quant.sequential``) runs: each decoder layer's
+pre-rounding steps (AWQ's scales), then one lockstep pass that rounds each Linear from
+the statistics its rounding method asks for. Linears outside the decoder layers (a
+quantized ``lm_head``) see no calibration statistics: the rounding method rounds them
+when it needs none, else RTN does.
 """
 
 from __future__ import annotations
@@ -12,15 +15,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quant import rtn
+from quant import methods as registry
 from quant.affine import QuantScheme
-from quant.awq import AWQConfig, apply_awq
+from quant.architectures import Architecture, architecture_of, decoder_layers
 from quant.format import QuantizedWeight
-from quant.gptq import GPTQConfig, gptq_quantize, output_error
+from quant.gptq import output_error
+from quant.methods import Method
 from quant.models import LazyLayers
-from quant.sequential import decoder_layers, lockstep_pass, quantize_sequential
-
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+from quant.sequential import lockstep_pass, quantize_sequential
 
 
 def relative_error(weight: torch.Tensor, approx: torch.Tensor) -> float:
@@ -34,54 +36,55 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
         raise ValueError(f"{name}.weight contains NaN or Inf; the source model is corrupt")
 
 
-def rtn_all(model, plan: dict[str, QuantScheme], scale_dtype=None, progress: bool = True):
+def round_each(model, plan: dict[str, QuantScheme], method: Method, settings, scale_dtype=None, progress: bool = True):
+    """Each planned Linear rounded on its own, by a method that reads no statistics."""
     quantized, stats = {}, {}
-    for name in tqdm(list(plan), desc="quantizing (rtn)", unit="layer", disable=not progress):
+    for name in tqdm(list(plan), desc=f"quantizing ({method.name})", unit="layer", disable=not progress):
         weight = model.get_submodule(name).weight.detach()
         check_finite(name, weight)
-        qw = rtn.quantize_weight(weight, plan[name], scale_dtype)
+        qw = method.round_linear(weight, plan[name], settings, scale_dtype, None, name)
         quantized[name] = qw
         stats[name] = {"scheme": plan[name].describe(),
                        "weight_rel_error": relative_error(weight, qw.dequantize(torch.float32))}
     return quantized, stats
 
 
-def layer_method(method: str, gptq: GPTQConfig, awq: AWQConfig, scale_dtype):
-    """The per-layer step of the sequential pipeline for a calibrated method: AWQ's scales
-    and clipping first (``awq``, ``awq+gptq``), then one lockstep pass that rounds each
-    Linear (GPTQ, or RTN for plain AWQ) given the inputs that reach it."""
+def layer_step(chain: list[Method], settings: dict, arch: Architecture, scale_dtype):
+    """The per-layer step of the sequential pipeline: the chain's layer steps rewrite the layer's
+    float weights, then one lockstep pass rounds each Linear given the inputs that reach it."""
+    prepare, rounding = chain[:-1], chain[-1]
+    rtn = registry.get("rtn")
+    hessian = rounding.statistics == "hessian"
 
     def run(layer, inputs, plan, where: str = ""):
         for n in plan:
             check_finite(where + n, layer.get_submodule(n).weight)
-        awq_first = method.startswith("awq")
-        # AWQ rewrites the weights before they are rounded: keep the originals for the RTN baseline
-        originals = {n: layer.get_submodule(n).weight.detach().clone() for n in plan} if awq_first else {}
-        col_scales = apply_awq(layer, inputs, plan, awq) if awq_first else {}
+        # a layer step rewrites the weights before they are rounded: keep the originals for the RTN baseline
+        originals = {n: layer.get_submodule(n).weight.detach().clone() for n in plan} if prepare and hessian else {}
+        col_scales = {}
+        for m in prepare:
+            col_scales.update(m.prepare_layer(layer, inputs, plan, settings[m.name], arch))
 
-        def quantize_linear(n: str, H: torch.Tensor):
+        def quantize_linear(n: str, H: torch.Tensor | None):
             weight = layer.get_submodule(n).weight.detach()
-            if method.endswith("gptq"):
-                qw = gptq_quantize(weight, H, plan[n], gptq, scale_dtype, where + n)
-            else:
-                qw = rtn.quantize_weight(weight, plan[n], scale_dtype)
+            qw = rounding.round_linear(weight, plan[n], settings[rounding.name], scale_dtype, H, where + n)
+            approx = qw.dequantize(torch.float32)
+            stats = {"scheme": plan[n].describe(), "weight_rel_error": relative_error(weight, approx)}
+            if H is None:
+                return qw, stats
             original = originals.pop(n, weight)
-            H_original = H  # AWQ divided the inputs by s: undivided, their Hessian is H ∘ (s sᵀ)
+            H_original = H  # a step that divided the inputs by s: undivided, their Hessian is H ∘ (s sᵀ)
             if n in col_scales:
                 s = col_scales[n].float()
                 H_original = H * torch.outer(s, s)
-            plain = rtn.quantize_weight(original, plan[n], scale_dtype).dequantize(torch.float32)
-            approx = qw.dequantize(torch.float32)
-            return qw, {
-                "scheme": plan[n].describe(),
-                "weight_rel_error": relative_error(weight, approx),
-                # relative output error on the calibration inputs that reach the Linear: plain
-                # rounding of the original weight, then this method's result
-                "output_rel_error_rtn": output_error(original, plain, H_original),
-                "output_rel_error": output_error(weight, approx, H),
-            }
+            plain = rtn.round_linear(original, plan[n], None, scale_dtype, None, n).dequantize(torch.float32)
+            # relative output error on the calibration inputs that reach the Linear: plain
+            # rounding of the original weight, then this chain's result
+            stats["output_rel_error_rtn"] = output_error(original, plain, H_original)
+            stats["output_rel_error"] = output_error(weight, approx, H)
+            return qw, stats
 
-        return lockstep_pass(layer, inputs, plan, quantize_linear, where)
+        return lockstep_pass(layer, inputs, plan, quantize_linear, where, hessian=hessian)
 
     return run
 
@@ -89,11 +92,9 @@ def layer_method(method: str, gptq: GPTQConfig, awq: AWQConfig, scale_dtype):
 def quantize_model(
     model: torch.nn.Module,
     plan: dict[str, QuantScheme],
-    method: str = "rtn",
+    methods: str | list[str] = "rtn",
     *,
     samples: torch.Tensor | None = None,
-    gptq: GPTQConfig = GPTQConfig(),
-    awq: AWQConfig = AWQConfig(),
     scale_dtype: torch.dtype | None = None,
     device: str = "cpu",
     work_dir: Path | None = None,
@@ -101,27 +102,33 @@ def quantize_model(
     run_id: str = "",
     progress: bool = True,
     lazy: LazyLayers | None = None,
+    **settings,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, dict]]:
-    """Quantized weights per layer, and per-layer stats for the manifest. ``lazy``: the
+    """Quantized weights per layer, and per-layer stats for the manifest.
+
+    ``methods``: names in order (``["awq", "gptq"]``, or ``"awq+gptq"``); ``settings``: each
+    method's settings by its name (``gptq=GPTQConfig(...)``), defaults for the rest. Settings
+    for a method the list lacks are ignored here; the recipe refuses them. ``lazy``: the
     decoder layers are still on disk (:func:`quant.models.load_lazily`)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
-    if method == "rtn":
+    chain = registry.chain(methods)
+    used = {n: s for n, s in settings.items() if n in {m.name for m in chain}}
+    settings = registry.check_settings(chain, used)
+    rounding = chain[-1]
+    if not any(m.needs_data for m in chain):
         if lazy is not None:
-            raise ValueError("rtn rounds every weight of a model loaded whole; load it with load_float_model")
-        return rtn_all(model, plan, scale_dtype, progress)
+            raise ValueError(f"{rounding.name} rounds every weight of a model loaded whole; load it with load_float_model")
+        return round_each(model, plan, rounding, settings[rounding.name], scale_dtype, progress)
     if samples is None:
-        raise ValueError(f"{method} needs calibration samples")
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers) + "."
+        raise ValueError(f"{'+'.join(m.name for m in chain)} needs calibration samples")
+    prefix = decoder_layers(model)[0] + "."
     layer_plan = {n: s for n, s in plan.items() if n.startswith(prefix)}
     outside = {n: s for n, s in plan.items() if not n.startswith(prefix)}
-    quantized, stats = quantize_sequential(
-        model, layer_plan, samples, layer_method(method, gptq, awq, scale_dtype), device,
-        work_dir=work_dir, resume=resume, run_id=run_id, progress=progress, lazy=lazy,
-    )
+    step = layer_step(chain, settings, architecture_of(model), scale_dtype)
+    quantized, stats = quantize_sequential(model, layer_plan, samples, step, device, work_dir=work_dir,
+                                           resume=resume, run_id=run_id, progress=progress, lazy=lazy)
     if outside:
-        q, st = rtn_all(model, outside, scale_dtype, progress=False)
+        plain = rounding if rounding.statistics is None else registry.get("rtn")
+        q, st = round_each(model, outside, plain, settings.get(plain.name, plain.settings()), scale_dtype, progress=False)
         quantized.update(q)
         stats.update(st)
     return quantized, stats

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from quant.affine import QuantScheme
+from quant.architectures import decoder_layers
 from quant.format import QuantizedWeight
 from quant.models import LazyLayers
 
@@ -38,18 +39,6 @@ def _greenlet():
 
 class StopForward(Exception):
     """Raised by the hook that captures layer 0's inputs: nothing past it needs to run."""
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The stack of decoder layers: ``model.model.layers`` in the Llama family, else the
-    longest ModuleList of identical blocks (the pipeline is generic over decoder layers)."""
-    inner = getattr(model, "model", None)
-    if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
-        return inner.layers
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
-    if not lists:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-    return max(lists, key=len)
 
 
 @dataclass
@@ -124,12 +113,12 @@ class _Batch:
 
 
 # quantize_linear(name, H) -> (quantized weight, stats): quantize Linear ``name`` of the layer
-# given ``H = 2/n Σ xᵀx`` of the inputs it is about to receive.
-QuantizeLinear = Callable[[str, torch.Tensor], tuple[QuantizedWeight, dict]]
+# given ``H = 2/n Σ xᵀx`` of the inputs it is about to receive (None when the pass gathers none).
+QuantizeLinear = Callable[[str, torch.Tensor | None], tuple[QuantizedWeight, dict]]
 
 
 def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quantize_linear: QuantizeLinear,
-                  where: str = "") -> tuple[dict, dict, list[torch.Tensor]]:
+                  where: str = "", hessian: bool = True) -> tuple[dict, dict, list[torch.Tensor]]:
     """Quantize the planned Linears of ``layer`` in one forward over every calibration batch.
 
     The batches run in lockstep: a hook on each planned Linear adds the batch's input to the
@@ -140,7 +129,8 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     layer's inputs, come out of the same forward: one pass per layer, not one to gather
     statistics and another to propagate. The pauses follow the layer's own forward, so any
     decoder layer works. Returns the quantized weights, their stats and the layer's outputs.
-    ``where`` (the layer's module path and a dot) prefixes the Linear names in errors.
+    ``where`` (the layer's module path and a dot) prefixes the Linear names in errors. Without
+    ``hessian`` (the rounding method reads no statistics) the pass only pauses at each Linear.
     """
     gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx of each distinct input, under the first Linear to read it
     rows: dict[str, int] = {}
@@ -154,6 +144,13 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
                 return
             batch = batch_of[_greenlet().getcurrent()]  # hooks run inside a batch's forward
             x_in = args[0]
+            if not hessian:  # no xᵀx whose diagonal would show NaN or Inf in the inputs: look at them
+                if x_in is not batch.last_input and not torch.isfinite(x_in).all():
+                    raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf "
+                                     "(the model overflows before it)")
+                batch.last_input = x_in
+                batch.pause(name)
+                return
             if x_in is not batch.last_input:
                 x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
                 if name not in gram_sum:
@@ -167,12 +164,18 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
         return fn
 
     def quantize(name: str) -> None:
+        if not hessian:
+            finish(name, None)
+            return
         if len(reads[name]) > 1:
             raise RuntimeError(f"{where}{name}: calibration batches fed it different tensors ({sorted(reads[name])})")
         key = reads[name].pop()
         H = mirror_upper(gram_sum[key]) * (2.0 / rows[key])
         if not torch.isfinite(H.diagonal()).all():  # diag(xᵀx) = Σ x²: NaN or Inf anywhere in x shows there
             raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
+        finish(name, H)
+
+    def finish(name: str, H: torch.Tensor | None) -> None:
         qw, stats[name] = quantize_linear(name, H)
         quantized[name] = qw
         linear = layer.get_submodule(name)
@@ -259,8 +262,7 @@ def quantize_sequential(
     :func:`quant.models.load_lazily`), each layer is read from disk when its turn comes
     and its quantized Linears' float weights are dropped after it.
     """
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
+    prefix, layers = decoder_layers(model)
     device = torch.device(device)
     home = torch.device("cpu") if lazy else next(layers[0].parameters()).device
     for name, module in model.named_children():  # embeddings and friends join the first step

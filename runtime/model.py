@@ -7,6 +7,7 @@ swapped in by name without the model code knowing about formats.
 The families differ only in a few switches, all read from config.json once into
 :class:`DecoderConfig`: which projections carry a bias, Qwen3's per-head q/k
 norms, the RoPE frequencies, and (Mistral, some Qwen) a sliding attention window.
+Each family's rules for them live in ``quant/architectures.py``.
 """
 
 from __future__ import annotations
@@ -20,16 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
+from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
+from quant.architectures import unsupported as _unsupported
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture (or one of its features) has no implementation here."""
-
-
-def _unsupported(model_type, feature: str, supported: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"{model_type} checkpoint: {feature} is not supported; lowbit runs {supported}")
 
 
 @dataclass(frozen=True)
@@ -56,22 +52,13 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; lowbit runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        arch = architecture(model_type)
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise _unsupported(model_type, f"hidden_act {act!r}", "silu MLPs")
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise _unsupported(model_type, "partial_rotary_factor != 1", "RoPE over the whole head")
-        heads = config["num_attention_heads"]
-        layers = config["num_hidden_layers"]
-        # Bias layout per family, as in transformers' modeling files: Qwen2 always has q/k/v
-        # biases and never an o_proj bias; Llama and Qwen3 put `attention_bias` on all four.
-        attention_bias = bool(config.get("attention_bias") or False)
-        qkv_bias = {"qwen2": True, "mistral": False}.get(model_type, attention_bias)
-        o_bias = {"qwen2": False, "mistral": False}.get(model_type, attention_bias)
+        layers, kv_heads, head_dim = attention_shape(config)
         theta, rope = rope_settings(config)
         return cls(
             model_type=model_type,
@@ -79,19 +66,19 @@ class DecoderConfig:
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
             num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope=rope,
             max_positions=config.get("max_position_embeddings", 4096),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias")),
-            qk_norm=model_type == "qwen3",
-            sliding_windows=sliding_windows(config, model_type, layers),
+            qkv_bias=arch.qkv_bias(config),
+            o_bias=arch.o_bias(config),
+            mlp_bias=arch.mlp_bias(config),
+            qk_norm=arch.qk_norm,
+            sliding_windows=arch.sliding_windows(config, layers),
         )
 
 
@@ -109,26 +96,6 @@ def rope_settings(config: dict) -> tuple[float, dict]:
         if need:
             raise UnsupportedModelError(f"rope_type 'llama3' needs {', '.join(need)} in the rope parameters")
     return float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope
-
-
-def sliding_windows(config: dict, model_type: str, layers: int) -> tuple:
-    """Each layer's attention window, following transformers: Mistral slides every layer
-    when ``sliding_window`` is set; Qwen2/3 name each layer in ``layer_types`` (or, in
-    older configs, slide layers from ``max_window_layers`` on when ``use_sliding_window``)."""
-    window = config.get("sliding_window")
-    if model_type == "mistral":
-        return (window,) * layers
-    if model_type in ("qwen2", "qwen3"):
-        types = config.get("layer_types")
-        if types is None:
-            slide = bool(config.get("use_sliding_window")) and window is not None
-            first = config.get("max_window_layers", layers)
-            types = ["sliding_attention" if slide and i >= first else "full_attention" for i in range(layers)]
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise _unsupported(model_type, f"layer_types {unknown}", "full_attention and sliding_attention layers")
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return (None,) * layers
 
 
 def check_supported(config: dict) -> DecoderConfig:

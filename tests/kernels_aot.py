@@ -31,7 +31,8 @@ def compile_case(case: dict):
                      USE_DOT=case["block_m"] > 1, SPLIT=split, DOT_IN_FP32=False,
                      DEQUANT=qm.dequant_type(case["block_m"] > 1, case["bits"], qm.TORCH_DTYPES[dtype], False),
                      DEQUANT_ASM=True,
-                     BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8)
+                     BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8,
+                     STEP_TILES=case.get("step_tiles", 1))
     signature.update({name: "constexpr" for name in constants})
     # what Triton specializes at launch for aligned tensors and sizes divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9)}

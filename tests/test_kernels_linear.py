@@ -104,6 +104,12 @@ CASES = [
     (8, 64, False, True, torch.float16, 3, 48, 256, False, Config(16, 32)),
     # several row and column tiles with the grouped program order (GROUP_M=2 of 3 row tiles)
     (4, 32, False, False, torch.float16, 70, 160, 256, True, Config(32, 64, group_m=2)),
+    # two K tiles per loop iteration: 3 full tiles (a pair and one more); split-K whose last split
+    # ends in a partial tile; 8 bits with groups smaller than a tile
+    (4, 64, False, False, torch.float16, 5, 80, 384, True, Config(16, 32, step_tiles=2)),
+    (4, 64, False, False, torch.bfloat16, 9, 48, 704, False, Config(16, 64, split_k=2, step_tiles=2)),
+    (8, 32, True, False, torch.float16, 16, 40, 320, True, Config(16, 32, num_stages=2, step_tiles=2)),
+    (4, 32, False, True, torch.float16, 12, 40, 640, False, Config(16, 32, step_tiles=4)),  # 5 tiles: 4 + 1
     # 2 bits rides along (same kernel, 16 values a word)
     (2, 32, False, False, torch.float16, 3, 40, 256, True, Config(16, 32)),
 ]
@@ -307,6 +313,11 @@ def test_kernels_compile_for_nvidia_gpus_without_one():
         dict(arch=90, dtype="fp16", bits=8, group=32, zero=False, split=True, block_m=16, block_n=64, num_warps=4),
         dict(arch=90, dtype="fp16", bits=4, group=64, zero=True, split=True, block_m=1, block_n=64, num_warps=4),
         dict(arch=80, dtype="bf16", bits=4, group=128, zero=False, split=False, block_m=64, block_n=128, num_warps=4),
+        dict(arch=90, dtype="fp16", bits=2, group=64, zero=True, split=False, block_m=128, block_n=64, num_warps=4),
+        dict(arch=80, dtype="fp16", bits=8, group=128, zero=True, split=False, block_m=16, block_n=64, num_warps=4,
+             step_tiles=2),
+        dict(arch=90, dtype="bf16", bits=4, group=64, zero=True, split=True, block_m=16, block_n=64, num_warps=4,
+             step_tiles=2),
     ]
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

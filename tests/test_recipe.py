@@ -44,7 +44,21 @@ def test_command_line_wins_and_round_trip(tmp_path):
         ({"model": "m", "weights": {"bits": True}}, "weights.bits: expected an integer"),
         ({"model": "m", "weights": {"symmetric": "maybe"}}, "weights.symmetric: expected true/false"),
         ({"model": "m", "weights": {"group_size": 0}}, "weights.group_size"),
-        ({"model": "m", "weights": {"method": "gtpq"}}, "weights.method: must be one of"),
+        ({"model": "m", "weights": {"method": "gtpq"}},
+         "weights.method: unknown method 'gtpq' (did you mean 'gptq'?); known methods: awq, gptq, rtn"),
+        ({"model": "m", "weights": {"methods": ["awq", "magic"]}},
+         "weights.methods: unknown method 'magic'; known methods: awq, gptq, rtn"),
+        ({"model": "m", "weights": {"methods": ["gptq", "rtn"]}}, "weights.methods: rtn cannot follow gptq: gptq rounds"),
+        ({"model": "m", "weights": {"methods": ["gptq", "awq"]}}, "weights.methods: awq cannot follow gptq"),
+        ({"model": "m", "weights": {"method": "awq+gptq+rtn"}}, "weights.method: rtn cannot follow gptq"),
+        ({"model": "m", "weights": {"methods": ["awq", "awq"]}}, "weights.methods: method awq is listed twice"),
+        ({"model": "m", "weights": {"methods": []}}, "weights.methods: expected a non-empty list of method names"),
+        ({"model": "m", "weights": {"methods": "gptq"}}, "weights.methods: expected a list of method names"),
+        ({"model": "m", "weights": {"method": "gptq", "methods": ["gptq"]}}, "weights.method: give either"),
+        ({"model": "m", "weights": {"methods": ["awq"], "gptq": {"dampening": 0.01}}},
+         "weights.gptq: settings for gptq, which weights.methods (awq) does not use"),
+        ({"model": "m", "weights": {"gptq": {"dampening": 0.01}}},
+         "weights.gptq: settings for gptq, which weights.methods (rtn) does not use"),
         ({"model": "m", "weights": {"ignore": ["re:("]}}, "weights.ignore[0]: invalid regular expression"),
         ({"model": "m", "weights": {"overrides": [{"match": "x"}, {"match": "y", "bitz": 8}]}},
          "weights.overrides[1].bitz: unknown key (did you mean 'bits'?)"),
@@ -54,8 +68,10 @@ def test_command_line_wins_and_round_trip(tmp_path):
         ({"model": "m", "weights": {"overrides": [{"match": "re:["}]}}, "weights.overrides[0].match: invalid regular"),
         ({"model": "m", "weights": {"overrides": [{"match": "x", "skip": "maybe"}]}},
          "weights.overrides[0].skip: expected true/false"),
-        ({"model": "m", "weights": {"gptq": {"actorder": "random"}}}, "weights.gptq.actorder: must be one of"),
-        ({"model": "m", "weights": {"awq": {"gird": 10}}}, "weights.awq.gird: unknown key (did you mean 'grid'?)"),
+        ({"model": "m", "weights": {"methods": ["gptq"], "gptq": {"actorder": "random"}}},
+         "weights.gptq.actorder: must be one of"),
+        ({"model": "m", "weights": {"methods": ["awq"], "awq": {"gird": 10}}},
+         "weights.awq.gird: unknown key (did you mean 'grid'?)"),
     ],
 )
 def test_errors_name_the_key_path(data, message):
@@ -73,7 +89,26 @@ def test_per_channel_default_output_and_method_settings_round_trip():
     r = parse_recipe({"model": "models/tiny/", "weights": {"method": "awq+gptq", "bits": 8, "group_size": -1,
                                                              "gptq": {"actorder": "group", "dampening": 1}}})
     assert r.output == "out/tiny-awq-gptq-w8pc"
-    assert r.weights.gptq.dampening == 1.0 and r.weights.gptq.actorder == "group"
+    assert r.weights.settings["gptq"].dampening == 1.0 and r.weights.settings["gptq"].actorder == "group"
+    assert parse_recipe(r.to_dict()) == r
+
+
+@pytest.mark.parametrize("old, new", [("rtn", ["rtn"]), ("gptq", ["gptq"]), ("awq", ["awq"]),
+                                      ("awq+gptq", ["awq", "gptq"])])
+def test_the_older_method_string_reads_as_the_method_list(old, new):
+    """Recipes written before weights.methods keep working, and mean the same run."""
+    before = parse_recipe({"model": "m", "weights": {"method": old}})
+    after = parse_recipe({"model": "m", "weights": {"methods": new}})
+    assert before == after and after.weights.methods == new and after.weights.method == old
+    assert before.output == f"out/m-{old.replace('+', '-')}-w4g64"  # default output names unchanged
+    assert [m.name for m in after.weights.chain] == (new if new[-1] != "awq" else new + ["rtn"])
+
+
+def test_method_list_settings_are_filled_and_written_under_each_method():
+    r = parse_recipe({"model": "m", "weights": {"methods": ["awq", "gptq"], "awq": {"grid": 10}}})
+    assert r.weights.settings["awq"].grid == 10 and r.weights.settings["gptq"].actorder == "weight"
+    data = r.to_dict()["weights"]
+    assert data["methods"] == ["awq", "gptq"] and data["awq"]["grid"] == 10 and "settings" not in data
     assert parse_recipe(r.to_dict()) == r
 
 
@@ -122,9 +157,13 @@ def test_readme_shows_the_defaults():
     import re
 
     readme = (Path(__file__).parent.parent / "recipes" / "README.md").read_text()
-    data = yaml.safe_load(re.search(r"```yaml\n(.*?)```", readme, re.S).group(1))
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", readme, re.S)]
+    data = blocks[0]
     del data["output"]  # a placeholder there, derived in the code
     assert parse_recipe(data) == parse_recipe({"model": "smollm2-135m"})
+    settings = {"methods": ["awq", "gptq"], **blocks[1]["weights"]}  # each method's settings
+    assert parse_recipe({"model": "m", "weights": settings}) == parse_recipe({"model": "m", "weights": settings | {
+        "gptq": {}, "awq": {}}})
 
 
 def test_a_bundled_recipe_is_found_by_name_and_a_wrong_name_lists_them():

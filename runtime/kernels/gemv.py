@@ -1,21 +1,24 @@
 """The M=1 weight GEMV (decode): ``y = x @ W.T + b`` for one row, on CUDA cores.
 
-Layout: ``weight_layout.KernelWeight`` (words ``[K/pack, N]``, 16 word rows per K tile, field
-``i`` of row ``r`` is input ``16 i + r`` of the tile). Each thread owns ``BLOCK_N / 32`` whole
-output columns and sums K inside itself: a main-loop iteration gives each warp of the CTA its
+Layout: ``weight_layout.KernelWeight`` (words ``[K/pack, N]``, 16 word rows per K tile; field
+``p Q + q`` of row ``4 a + b`` is input ``8 (a Q + q) + 2 b + p`` of the tile, ``Q = pack / 2``).
+Each thread owns ``BLOCK_N / 32`` whole output columns and sums K inside itself: a main-loop iteration gives each warp of the CTA its
 own K tile (warp ``w`` takes tiles ``w, w + warps, ...``) and the tile's 16 word rows are loaded
 as plain vectors (adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
 through shared memory, one loop iteration ahead of their use (software pipelining in
 registers). The warps' sums meet once, after the loop.
 
-Arithmetic (``PAIR`` = fp16, or bf16 for 4 bits and fewer): one ``LOP3`` turns a word into two
-16-bit floats ``magic + u`` (fields ``i`` and ``i + pack/2`` sit 16 bits apart), one packed fma
-makes ``(v - magic - 2**(bits-1) - zero) * step`` exactly (small integers times a power of two),
-and one packed ``fma`` accumulates ``x * that`` for the two fields: three instructions per two
-weights. (fp16 4-bit: the odd fields are taken in place as ``1024 + 16 u`` with a 16 times
-smaller step, so a word needs one shift; fp16 8-bit: one ``PRMT`` puts two bytes under 0x64.)
-Each field's 16 products are summed in that 16-bit type, then converted to fp32, scaled once
-per group (by ``scale / step``) and added to an fp32 accumulator.
+Arithmetic (``PAIR`` = fp16, or bf16 for 4 bits and fewer): a word is ``Q`` pairs of fields 16
+bits apart (fields ``q`` and ``Q + q``), and pair ``q`` of row ``4 a + b`` holds the adjacent
+inputs ``k, k + 1`` (``k = 8 (a Q + q) + 2 b``), so it meets the activations as one packed pair
+``(x[k], x[k + 1])``, a 32-bit word of x as it lies in memory. One ``LOP3`` turns the word into
+two 16-bit floats ``magic + u``, one packed fma makes ``(v - magic - 2**(bits-1) - zero) * step``
+exactly (small integers times a power of two), and one packed ``fma`` accumulates ``x * that``
+for the two inputs: three instructions per two weights. (fp16 4-bit: the odd fields are taken in
+place as ``1024 + 16 u`` with a 16 times smaller step, so a word needs one shift; fp16 8-bit: one
+``PRMT`` puts two bytes under 0x64.) Each pair's products are chained in that 16-bit type over
+the tile's 16 rows (over 4 rows when the tile holds more than one group), then converted to
+fp32, scaled once per group (by ``scale / step``) and added to an fp32 accumulator.
 
 Overflow: in fp16, ``step = 2**-bits``, so a chain holds at most ``16 * |x|`` (``|q - zero| <
 2**bits``) and stays finite for any ``|x| <= 4000``; without it, 16 inputs of 273 would overflow
@@ -30,8 +33,8 @@ about 3 times the deviation of the reference itself (weights rounded to the acti
 fp32 sums) from exact arithmetic. 8-bit bf16 (``128 + u`` is not exact in bf16) runs in fp32,
 one weight per instruction.
 
-The activations of a field pair come as two 64-bit loads (4 rows each) and four ``PRMT``s per
-4 rows, shared by a thread's columns. The interpreter cannot run inline assembly: there
+The 8 activations of 4 word rows' pair ``q`` (``8 (a Q + q) .. + 7``) come as two 64-bit loads,
+shared by a thread's columns; no byte permutes. The interpreter cannot run inline assembly: there
 (``ASM=False``) each instruction is emulated on the same packed bits (a pair's halves in fp32,
 rounded to PAIR as the packed fma rounds), so the tests run the GPU's data flow: which field
 meets which activation, offsets, steps, scales.
@@ -51,30 +54,30 @@ _SUBTILE = tl.constexpr(16)  # word rows per K tile (weight_layout.SUBTILE_K)
 
 
 @triton.jit
-def _x_pairs(x_ptr, k_a, k_b, K, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """Activations of inputs ``k_a .. k_a + 3`` and ``k_b .. k_b + 3`` (4 word rows of two fields)
-    as 4 packed pairs ``(x[k_a + i], x[k_b + i])``: two 64-bit loads and 4 byte permutes. Past K
-    they read 0 (K is a multiple of 4: the launcher pads x otherwise)."""
+def _x_pairs(x_ptr, k, K, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """Activations ``k .. k + 7`` as 4 packed pairs ``(x[k + 2 b], x[k + 2 b + 1])``, ``b = 0..3``
+    (k a multiple of 8): two 64-bit loads, each split into its two 32-bit halves (a register
+    renaming). Past K they read 0 (K is a multiple of 4: the launcher pads x otherwise)."""
     if ASM:
         x64_ptr = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
         if EVEN_K:
-            a = tl.load(x64_ptr + k_a // 4)
-            b = tl.load(x64_ptr + k_b // 4)
+            lo = tl.load(x64_ptr + k // 4)
+            hi = tl.load(x64_ptr + k // 4 + 1)
         else:
-            a = tl.load(x64_ptr + k_a // 4, mask=k_a < K, other=0)
-            b = tl.load(x64_ptr + k_b // 4, mask=k_b < K, other=0)
-        pairs = tl.inline_asm_elementwise(
-            "{.reg .b32 a0, a1, b0, b1; mov.b64 {a0, a1}, $4; mov.b64 {b0, b1}, $5;"
-            " prmt.b32 $0, a0, b0, 0x5410; prmt.b32 $1, a0, b0, 0x7632;"
-            " prmt.b32 $2, a1, b1, 0x5410; prmt.b32 $3, a1, b1, 0x7632;}",
-            "=r,=r,=r,=r,l,l", [a, b], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            lo = tl.load(x64_ptr + k // 4, mask=k < K, other=0)
+            hi = tl.load(x64_ptr + k // 4 + 1, mask=k + 4 < K, other=0)
+        p0, p1 = tl.inline_asm_elementwise("mov.b64 {$0, $1}, $2;", "=r,=r,l", [lo], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=1)
+        p2, p3 = tl.inline_asm_elementwise("mov.b64 {$0, $1}, $2;", "=r,=r,l", [hi], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=1)
+        pairs = (p0, p1, p2, p3)
     else:  # the interpreter: the same pairs from 16-bit loads
         x16_ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
         pairs = ()
-        for i in tl.static_range(4):
-            a = tl.load(x16_ptr + k_a + i, mask=k_a + i < K, other=0).to(tl.int32) & 0xFFFF
-            b = tl.load(x16_ptr + k_b + i, mask=k_b + i < K, other=0).to(tl.int32)
-            pairs = pairs + (a | (b << 16),)
+        for b in tl.static_range(4):
+            a = tl.load(x16_ptr + k + 2 * b, mask=k + 2 * b < K, other=0).to(tl.int32) & 0xFFFF
+            c = tl.load(x16_ptr + k + 2 * b + 1, mask=k + 2 * b + 1 < K, other=0).to(tl.int32)
+            pairs = pairs + (a | (c << 16),)
     return pairs
 
 
@@ -226,46 +229,44 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
     half: tl.constexpr = 1 << (BITS - 1)
     if ONE_GROUP:
         s, z = _field_params(s_ptr, z_ptr, k0, cols, N, K, HAS_ZERO, GROUP)
-    nofs = ()
-    for j in tl.static_range(SLOTS):
-        if not ONE_GROUP:
-            _s, z_lo = _field_params(s_ptr, z_ptr, k0 + 16 * j, cols, N, K, HAS_ZERO, GROUP)
-            _s, z_hi = _field_params(s_ptr, z_ptr, k0 + 16 * (j + SLOTS), cols, N, K, HAS_ZERO, GROUP)
-        else:
-            z_lo = z
-            z_hi = z
-        if IN_PLACE and j % 2 == 1:
-            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, 64.0 + half, 1.0 / (1 << LOG), PAIR),)
-        else:
-            nofs = nofs + (_neg_offset_pair(z_lo, z_hi, MAGIC_F + half, 1.0 / (1 << LOG), PAIR),)
-    accs = (tl.zeros(cols.shape, tl.int32) + tl.zeros(k0.shape, tl.int32),) * SLOTS
-    for q in tl.static_range(4):  # 4 word rows at a time: one 64-bit activation load per field
+    total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
+    accs = (tl.zeros(total.shape, tl.int32),) * SLOTS
+    for a in tl.static_range(4):  # word rows 4 a .. 4 a + 3: pair j holds inputs 8 (a SLOTS + j) + 0..7
+        nofs = ()
         xps = ()
+        scales = ()
         for j in tl.static_range(SLOTS):
-            k_a = k0 + 16 * j + 4 * q
-            xps = xps + (_x_pairs(x_ptr, k_a, k_a + 16 * SLOTS, K, EVEN_K, ASM),)
-        for i in tl.static_range(4):
-            w = words[4 * q + i]
+            k_pair = k0 + 8 * (a * SLOTS + j)
+            if not ONE_GROUP:  # groups are multiples of 16 inputs: a pair's 8 share one
+                s, z = _field_params(s_ptr, z_ptr, k_pair, cols, N, K, HAS_ZERO, GROUP)
+            scales = scales + (s,)
+            if IN_PLACE and j % 2 == 1:
+                nofs = nofs + (_neg_offset_pair(z, z, 64.0 + half, 1.0 / (1 << LOG), PAIR),)
+            else:
+                nofs = nofs + (_neg_offset_pair(z, z, MAGIC_F + half, 1.0 / (1 << LOG), PAIR),)
+            xps = xps + (_x_pairs(x_ptr, k_pair, K, EVEN_K, ASM),)
+        for b in tl.static_range(4):
+            w = words[4 * a + b]
             new = ()
             for j in tl.static_range(SLOTS):
-                if IN_PLACE:  # slots 0, 1 from the word, 2, 3 from the word >> 8
+                if IN_PLACE:  # pairs 0, 1 from the word, 2, 3 from the word >> 8
                     v = ((w >> (8 * (j // 2))) & masks[j % 2]) | MAGIC
                 elif BITS == 8 and PAIR == tl.float16:  # bytes j and j + 2 under two 0x64 bytes
                     v = _byte_pair(w, masks[2], j, ASM)
                 else:
                     v = ((w >> (BITS * j)) & masks[0]) | MAGIC
-                new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][i], PAIR,
+                new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][b], PAIR,
                                        0x1C00 if IN_PLACE and j % 2 == 1 else STEP, ASM),)
             accs = new
-    total = tl.zeros(accs[0].shape, tl.float32)
-    for j in tl.static_range(SLOTS):
-        lo, hi = _halves_to_f32(accs[j], PAIR, ASM)
-        if ONE_GROUP:
-            total += lo + hi
-        else:
-            s_lo, _z = _field_params(s_ptr, z_ptr, k0 + 16 * j, cols, N, K, False, GROUP)
-            s_hi, _z = _field_params(s_ptr, z_ptr, k0 + 16 * (j + SLOTS), cols, N, K, False, GROUP)
-            total += lo * s_lo + hi * s_hi
+        # chains of 16 rows when the tile is one group (scaled once, below), else of 4 rows
+        if a == 3 or not ONE_GROUP:
+            for j in tl.static_range(SLOTS):
+                lo, hi = _halves_to_f32(accs[j], PAIR, ASM)
+                if ONE_GROUP:
+                    total += lo + hi
+                else:
+                    total += (lo + hi) * scales[j]
+            accs = (tl.zeros(total.shape, tl.int32),) * SLOTS
     if ONE_GROUP:
         total = total * s
     return total * (1 << LOG)
@@ -278,19 +279,24 @@ def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
     become floats with the 2**23 trick (no conversion instruction)."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
+    Q: tl.constexpr = PACK // 2
     k0 = t * TILE_K
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
-    for i in tl.static_range(PACK):
-        s, z = _field_params(s_ptr, z_ptr, k0 + 16 * i, cols, N, K, HAS_ZERO, GROUP)
-        offset = 8388608.0 + (1 << (BITS - 1)) + z
-        chain = tl.zeros_like(total)
-        for r in tl.static_range(16):
-            w = words[r]
-            v = (((w >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
-            k = k0 + 16 * i + r
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            chain += x * (v - offset)
-        total += chain * s
+    for a in tl.static_range(4):
+        for q in tl.static_range(Q):  # fields q and Q + q of rows 4 a + b: inputs 8 (a Q + q) + 0..7
+            k_pair = k0 + 8 * (a * Q + q)
+            s, z = _field_params(s_ptr, z_ptr, k_pair, cols, N, K, HAS_ZERO, GROUP)
+            offset = 8388608.0 + (1 << (BITS - 1)) + z
+            chain = tl.zeros_like(total)
+            for b in tl.static_range(4):
+                w = words[4 * a + b]
+                for p in tl.static_range(2):
+                    field = (w >> (BITS * (p * Q + q))) & ((1 << BITS) - 1)
+                    v = (field | 0x4B000000).to(tl.float32, bitcast=True)
+                    k = k_pair + 2 * b + p
+                    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                    chain += x * (v - offset)
+            total += chain * s
     return total
 
 

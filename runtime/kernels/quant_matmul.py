@@ -13,6 +13,12 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   on each wgmma; transposed, it keeps W in registers and overlaps the next tile's
   dequantization with the running wgmma (read off the sm_90 PTX; not timed). Small M also
   maps better: the rows become wgmma's narrow N dimension (down to 8) instead of a 64-row M.
+  The layout puts each register pair of inputs (k, k + 1) 16 bits apart in one word
+  (``weight_tile``), so the dequantized tile is built in the operand's registers with no byte
+  permutes and no trip through shared memory. Tile pointers are made once and advanced by a
+  scalar; rows past M read row M - 1 (never stored) and only the last, partial K tile masks
+  activations, so the loop's loads carry no per-element masks. ``step_tiles`` runs several K
+  tiles per iteration (two for small M), sharing the loop's own instructions between them.
 * GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
   (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
   inside the one launch). The ``USE_DOT=False`` branch below is no longer launched.
@@ -27,8 +33,9 @@ values are ``u = q + 2**(bits-1)``; ``u - 2**(bits-1) - zero`` is formed exactly
 the ``2**23`` trick (OR the integer into the mantissa of 2**23, subtract 2**23 + offset) so no
 integer-to-float conversion instruction (a low-throughput one) runs per weight. The dot path
 instead works in the activation dtype, two weights per instruction (``_scaled_difference``):
-``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and fewer) from one OR per pair, then packed
-``fma.rn.f16x2``/``bf16x2`` for ``(v - offset) * scale``, which rounds ``(q - zero) * scale`` to
+``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and fewer) from one AND/OR per pair (in fp16
+``1024 + u * 2**r`` for a field at bit r of its byte: one shift per byte), then packed
+``fma.rn.f16x2``/``bf16x2`` for ``(v * 2**-r - offset) * scale``, which rounds ``(q - zero) * scale`` to
 the activation dtype once, exactly as ``quant.affine.dequantize(...).to(dtype)`` does (with the
 scale first converted to the activation dtype: a bf16 scale below fp16's normal range would be
 rounded twice), so both see the same weight. The GEMV path stays in fp32.
@@ -51,6 +58,7 @@ import triton.testing
 
 from runtime.kernels.gemv import default_split, launch_gemv
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
+from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups, _tile_inputs
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -59,76 +67,49 @@ _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only a
 
 
 @triton.jit
-def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N,
-                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HALF: tl.constexpr):
-    """``(v, offset)`` whose difference is ``q - zero`` (exact) for inputs ``k0 .. k0 + tile_k``
-    and outputs ``offs_n``; ``v`` is shaped ``[pack, 16, BLOCK_N]``: element ``[i, r, n]`` is input
-    ``k0 + 16 i + r`` (tile_order), ``offset`` broadcasts to it. In fp32, or in ``HALF`` (a 16-bit
-    float type), where pairs of values share an instruction."""
+def _tile_step(acc, k0, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+               MASK_K: tl.constexpr):
+    """One K tile (inputs ``k0 .. k0 + tile_k``) added into ``acc``; ``MASK_K``: the tile passes K."""
     PACK: tl.constexpr = 32 // BITS
-    rows = k0 // PACK + tl.arange(0, _SUBTILE_K)  # the tile's 16 word rows (padding is stored: no K mask)
-    words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-    shifts = tl.arange(0, PACK) * BITS
-    u = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)  # unsigned fields
-    if HALF == tl.float32:
-        # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
-        # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
-        magic_bits: tl.constexpr = 0x4B000000
-        magic: tl.constexpr = 8388608.0
-        v = (u | magic_bits).to(tl.float32, bitcast=True)
-    else:
-        # The same in 16 bits: 1024 + u is exact in fp16 (10 mantissa bits), 128 + u in bf16 for
-        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16). The compiler packs
-        # pairs of these into 32-bit words: one LOP3/HSUB2 per two weights.
-        magic_bits: tl.constexpr = 0x6400 if HALF == tl.float16 else 0x4300
-        magic: tl.constexpr = 1024.0 if HALF == tl.float16 else 128.0
-        v = (u | magic_bits).to(tl.int16).to(HALF, bitcast=True)
-    offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1), dtype=v.dtype)
-    if HAS_ZERO:  # int8 zero points, one row per group: [1 or pack, BLOCK_N]
-        zero = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        offset = offset + zero.to(v.dtype)[:, None, :]
-    return v, offset
-
-
-@triton.jit
-def _scaled_difference(v, offset, scale, ASM: tl.constexpr):
-    """``(v - offset) * scale`` in v's 16-bit float type, rounded once, two values per instruction.
-
-    The compiler widens 16-bit arithmetic to fp32 (a conversion, an op and a repack per value), so
-    the compiled path spells it as packed fused multiply-adds: ``v + offset * -1`` is exact
-    (integers below 2048 in fp16, 256 in bf16) and ``t * scale + -0`` is the correctly rounded
-    product, which is what ``quant.affine.dequantize(...).to(dtype)`` gives. The interpreter
-    cannot run inline assembly: there the same values come from fp32 (exact operands, one
-    rounding: the same result)."""
-    offset = tl.broadcast_to(offset, v.shape)
-    scale = tl.broadcast_to(scale, v.shape)
-    if ASM:
-        if v.dtype == tl.float16:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 m, z; mov.b32 m, 0xBC00BC00; mov.b32 z, 0x80008000;"
-                " fma.rn.f16x2 $0, $2, m, $1; fma.rn.f16x2 $0, $0, $3, z;}",
-                "=r,r,r,r", [v, offset, scale], dtype=tl.float16, is_pure=True, pack=2)
+    TILE_K: tl.constexpr = _SUBTILE_K * PACK
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
+    scale = _group_rows(s_ptr, g, offs_n, n_mask, N, USE_DOT).to(DEQUANT)
+    v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT,
+                                    DEQUANT_ASM, USE_DOT)
+    if USE_DOT:
+        if MASK_K:
+            x = tl.load(x_tile + k0, mask=(k0 + tl.arange(0, TILE_K) < K)[None, :], other=0.0)
         else:
-            out = tl.inline_asm_elementwise(
-                "{.reg .b32 m, z; mov.b32 m, 0xBF80BF80; mov.b32 z, 0x80008000;"
-                " fma.rn.bf16x2 $0, $2, m, $1; fma.rn.bf16x2 $0, $0, $3, z;}",
-                "=r,r,r,r", [v, offset, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
-    else:
-        out = ((v.to(tl.float32) - offset.to(tl.float32)) * scale.to(tl.float32)).to(v.dtype)
-    return out
-
-
-@triton.jit
-def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
-    """Group row of each scale the tile needs: one when the tile lies in one group, else one per
-    16-input field (groups of 16 j inputs). Fields past K (padding) read group 0."""
-    PACK: tl.constexpr = 32 // BITS
-    if SCALE_PER_TILE:
-        g = k0 // GROUP + tl.zeros((1,), dtype=tl.int32)
-    else:
-        k_field = k0 + tl.arange(0, PACK) * _SUBTILE_K
-        g = tl.where(k_field < K, k_field // GROUP, 0)
-    return g
+            x = tl.load(x_tile + k0)
+        # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
+        if DEQUANT == tl.float32:
+            wq = (v - offset) * scale
+        else:
+            wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
+        # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
+        # are only renamed, the values already sit where the tensor-core operand wants them
+        w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+        if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
+            acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
+    else:  # v is [p, q, a, b, n]: as [field (p q), word row (a b), n], fields summed in-thread
+        offs_k = k0 + tl.reshape(_tile_inputs(BITS), (PACK, _SUBTILE_K))
+        if MASK_K:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs_k).to(tl.float32)
+        wq = v - offset
+        if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
+            wq = tl.reshape(wq, (PACK, _SUBTILE_K, BLOCK_N))
+            acc += tl.sum(x[:, :, None] * wq, axis=0) * tl.reshape(scale, (1, BLOCK_N))
+        else:
+            wq = tl.reshape(wq * scale, (PACK, _SUBTILE_K, BLOCK_N))
+            acc += tl.sum(x[:, :, None] * wq, axis=0)
+    return acc
 
 
 @triton.jit
@@ -138,8 +119,10 @@ def _quant_matmul_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    STEP_TILES: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
+    Q: tl.constexpr = PACK // 2
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
     # Programs that share weight columns run close together (GROUP_M rows of tiles at a time),
     # so a weight tile read for one block of rows is still in L2 for the next.
@@ -159,35 +142,27 @@ def _quant_matmul_kernel(
 
     if USE_DOT:  # transposed, out.T = W @ x.T: see the module docstring
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:  # GEMV, one row: per-(k, n) partial sums, reduced over k once after the loop
+    else:  # GEMV, one row: per-(word row, n) partial sums, reduced over them once after the loop
         acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
-    for t in range(t_start, t_end):
-        k0 = t * TILE_K
-        g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)
-        scale = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(DEQUANT)
-        v, offset = _integer_tile(qw_ptr, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT)
-        if USE_DOT:
-            offs_k = k0 + tl.arange(0, TILE_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-            # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
-            if DEQUANT == tl.float32:
-                wq = (v - offset) * scale[:, None, :]
-            else:
-                wq = _scaled_difference(v, offset, scale[:, None, :], DEQUANT_ASM)
-            w = tl.reshape(wq, (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
-            if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
-                acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
-            else:
-                acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-        else:
-            offs_k = k0 + tl.arange(0, PACK)[:, None] * _SUBTILE_K + tl.arange(0, _SUBTILE_K)[None, :]
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [PACK, 16] like v
-            wq = v - offset
-            if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
-                acc += tl.sum(x[:, :, None] * wq, axis=0) * scale
-            else:
-                acc += tl.sum(x[:, :, None] * (wq * scale[:, None, :]), axis=0)
+    # Tile pointers made once, advanced by a scalar per tile. Rows past M read row M - 1 (real
+    # memory, no mask per load); their results are never stored.
+    w_rows = qw_ptr + tl.arange(0, _SUBTILE_K)[:, None] * N + offs_n[None, :]
+    x_tile = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, TILE_K)[None, :]
+    # Only the last tile of K can be partial: the loop reads activations without a K mask, and
+    # the partial tile, if any, runs once after it with one.
+    t_full = tl.maximum(tl.minimum(t_end, K // TILE_K), t_start)
+    t_steps = t_start + (t_full - t_start) // STEP_TILES * STEP_TILES
+    for t in range(t_start, t_steps, STEP_TILES):  # tiles of one iteration share the loop's own work
+        for i in tl.static_range(STEP_TILES):
+            acc = _tile_step(acc, (t + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+    for i in tl.static_range(STEP_TILES - 1):  # the full tiles left over, if any
+        if t_steps + i < t_full:
+            acc = _tile_step(acc, (t_steps + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+    if t_full < t_end:
+        acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
     if USE_DOT:
         acc = tl.trans(acc)
     else:
@@ -229,6 +204,7 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    step_tiles: int = 1  # K tiles per loop iteration (more: fewer loop instructions per weight)
 
     def __post_init__(self):
         if any(b & (b - 1) for b in (self.block_m, self.block_n)):
@@ -307,7 +283,7 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         HAS_BIAS=bias is not None and splits == 1, USE_DOT=config.use_dot, SPLIT=splits > 1,
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
         DEQUANT=dequant_type(config.use_dot, kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STEP_TILES=config.step_tiles,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -337,16 +313,22 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
             split = default_split(kw.out_features, num_tiles, bn, w)
             configs += [MatmulConfig(1, bn, s, use_dot=False, group_m=1, num_warps=w)
                         for s in dict.fromkeys((split, max(1, split // 2), 2 * split))]
-    elif M <= DECODE_MAX_M:
-        configs = [MatmulConfig(16, bn, s, group_m=1) for bn in (64, 128, 32) for s in (4, 8, 2, 1, 16)]
-        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8) for s in (1, 2)]
+    elif M <= DECODE_MAX_M:  # two K tiles per iteration, two stages (the same two tiles ahead as
+        # three stages of one): 3.13 SASS instructions per weight against 3.81 (W4 16x64, sm_90a)
+        # (W8: four tiles, 4.22 against 4.31, for twice the shared memory: not taken)
+        configs = [MatmulConfig(16, bn, s, group_m=1, num_stages=2, step_tiles=2) for bn in (64, 128, 32)
+                   for s in (4, 8, 2, 1, 16)]
+        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8, num_stages=2, step_tiles=2) for s in (1, 2)]
     elif M <= 64:
         configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
-    else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it
+    else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it. First (the
+        # untimed default): 128x64 on 4 warps, which fits 2 CTAs per SM on sm_90a by registers and
+        # shared memory (128x128 on 8 warps holds 1; bench/README.md, sass.py); the GPU's timing
+        # decides among them
         configs = [MatmulConfig(bm, bn, 1, num_warps=w, num_stages=st)
-                   for bm, bn, w in ((128, 128, 8), (64, 128, 4), (128, 64, 4), (128, 256, 8), (256, 128, 8),
+                   for bm, bn, w in ((128, 64, 4), (128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8),
                                      (64, 256, 8))
-                   for st in (3, 4)]
+                   for st in (3, 4, 2)]
     kept = [c for c in configs if c.split_k <= num_tiles]
     return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
 

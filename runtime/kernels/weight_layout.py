@@ -6,11 +6,17 @@ packed along inputs). At load, each quantized Linear is re-laid once into :class
 * ``qweight`` int32 ``[K_pad // pack, N]``: words packed along the input dimension K with
   outputs N contiguous, so a tile of words for ``BLOCK_N`` outputs is one coalesced load.
   K is cut into tiles of ``tile_k = 16 * pack`` inputs (128 at 4 bits) padded at the end with
-  zeros; inside a tile, word row ``r`` holds inputs ``r, r + 16, ..., r + 16 * (pack - 1)``
-  of the tile in its ``pack`` bit fields. Field ``i`` of the 16 word rows is then the 16
-  consecutive inputs ``16 i ... 16 i + 15``: one shift per field turns a tile of words into a
-  ``[pack, 16, BLOCK_N]`` block whose reshape to ``[tile_k, BLOCK_N]`` is in input order, so
-  activations are read as plain contiguous tiles.
+  zeros. Inside a tile the 16 word rows and ``pack`` bit fields are ordered for the tensor
+  cores (:func:`tile_position`): field ``j`` of word row ``r`` holds input
+  ``k = 8 (a Q + q) + 2 b + p`` of the tile, with ``r = 4 a + b``, ``j = p Q + q`` and
+  ``Q = pack / 2``. So the two inputs ``k, k + 1`` that a tensor-core register holds as a
+  16-bit pair sit in one word exactly 16 bits apart (``p`` = 0, 1): one AND/OR with
+  ``0x000f000f``-style masks after one shift makes the pair, no byte permutes. A thread of
+  mma/wgmma's register operand holds inputs ``16 s + 8 h + 2 c + p`` (lane ``c``): the word
+  rows ``4 a + c`` for its ``c``, every field of them. The 16 inputs ``16 f .. 16 f + 15``
+  (the smallest group) are the fields with ``a Q + q`` = ``2 f`` or ``2 f + 1``. A GEMV reading
+  a word as ``Q`` 16-bit pairs multiplies pair ``q`` by the adjacent activations
+  ``x[k], x[k + 1]`` (one 32-bit fp16x2 load).
 * ``scales`` ``[groups, N]`` (the stored dtype: no rounding is added), ``zeros`` int8
   ``[groups, N]`` or None (symmetric): one row per group, outputs contiguous.
 * ``perm`` (act-order checkpoints with ``weight_g_idx``): input columns are sorted by group at
@@ -88,20 +94,26 @@ def act_order_permutation(g_idx: torch.Tensor, group: int) -> torch.Tensor | Non
     return perm
 
 
+def tile_position(bits: int) -> torch.Tensor:
+    """``index[r, j]``: the input of a tile (0 .. tile_k - 1) held by field ``j`` of word row ``r``
+    (the layout in the module docstring; the kernels compute the same formula)."""
+    per_word = 32 // bits
+    half = per_word // 2
+    r = torch.arange(SUBTILE_K).unsqueeze(1)
+    j = torch.arange(per_word).unsqueeze(0)
+    a, b, p, q = r // 4, r % 4, j // half, j % half
+    return 8 * (a * half + q) + 2 * b + p
+
+
 def tile_order(in_features: int, bits: int, device=None) -> torch.Tensor:
     """Input index stored at each packed position: ``order[j]`` is the input column that goes
     to position ``j`` of the padded run packed along K (``-1``: padding)."""
     per_word = 32 // bits
     tile_k = SUBTILE_K * per_word
     padded = -(-in_features // tile_k) * tile_k
-    # position (tile t, word row r, field i) holds input t * tile_k + i * 16 + r
-    t, r, i = torch.meshgrid(
-        torch.arange(padded // tile_k, device=device),
-        torch.arange(SUBTILE_K, device=device),
-        torch.arange(per_word, device=device),
-        indexing="ij",
-    )
-    order = (t * tile_k + i * SUBTILE_K + r).flatten()
+    # position (tile t, word row r, field j) holds input t * tile_k + tile_position[r, j]
+    within = tile_position(bits).flatten().to(device)
+    order = (torch.arange(padded // tile_k, device=device).unsqueeze(1) * tile_k + within).flatten()
     return torch.where(order < in_features, order, -1)
 
 

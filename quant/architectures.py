@@ -1,0 +1,161 @@
+"""What lowbit knows about each decoder family, in one place.
+
+One :class:`Architecture` per supported ``model_type`` (config.json) says where
+the decoder layers are, how a layer's modules are named, which norm or Linear
+feeds which Linears (AWQ's scale pairs), which projections carry a bias, and
+which layers attend through a sliding window. The runtime's decoder, AWQ, the
+calibration pipeline, the KV cache for transformers and the memory planner all
+read it here; supporting a new family starts with one entry in ``ARCHITECTURES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture (or one of its features) has no implementation here."""
+
+
+def unsupported(model_type, feature: str, supported: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{model_type} checkpoint: {feature} is not supported; lowbit runs {supported}")
+
+
+@dataclass(frozen=True)
+class ScalePair:
+    """An op whose output only the ``linears`` read, so a per-channel scale folds out of it
+    exactly (AWQ): ``prev`` is a norm or a Linear; ``inspect`` is the module whose output
+    the scale search compares. Names are local to a decoder layer."""
+
+    prev: str
+    linears: tuple[str, ...]
+    inspect: str
+
+
+# The Llama layout, shared by every family supported today (names as in transformers).
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LLAMA_SCALE_PAIRS = (
+    ScalePair("input_layernorm", ATTENTION[:3], "self_attn"),
+    # v feeds o only where each head has its own v (checked on the layer: not with grouped-query attention)
+    ScalePair("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    ScalePair("post_attention_layernorm", MLP[:2], "mlp"),
+    ScalePair("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+
+def no_window(config: dict, layers: int) -> tuple:
+    return (None,) * layers
+
+
+def every_layer_slides(config: dict, layers: int) -> tuple:
+    """Mistral: every layer attends within ``sliding_window`` when it is set."""
+    return (config.get("sliding_window"),) * layers
+
+
+def layers_by_type(config: dict, layers: int) -> tuple:
+    """Qwen2/3: ``layer_types`` names each layer; older configs slide the layers from
+    ``max_window_layers`` on when ``use_sliding_window`` is set (as transformers reads them)."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if types is None:
+        slide = bool(config.get("use_sliding_window")) and window is not None
+        first = config.get("max_window_layers", layers)
+        types = ["sliding_attention" if slide and i >= first else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise unsupported(config.get("model_type"), f"layer_types {unknown}", "full_attention and sliding_attention layers")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def attention_bias_flag(config: dict) -> bool:
+    return bool(config.get("attention_bias") or False)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    # each: config dict -> bool; as in transformers' modeling files
+    qkv_bias: Callable[[dict], bool]
+    o_bias: Callable[[dict], bool]
+    mlp_bias: Callable[[dict], bool] = lambda config: False
+    qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3)
+    sliding_windows: Callable[[dict, int], tuple] = no_window  # (config, layers) -> per layer None or window
+    layers: str = "model.layers"  # module path of the decoder layers
+    linears: tuple[str, ...] = ATTENTION + MLP  # the Linears of a decoder layer, in forward order
+    scale_pairs: tuple[ScalePair, ...] = LLAMA_SCALE_PAIRS
+    # query and key projections feed a softmax through a dot product: per-channel output error says
+    # little about attention error there, so AWQ does not clip them (as in the AWQ reference)
+    no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+
+    def check_layer(self, layer: nn.Module, where: str = "") -> None:
+        """Raise naming every module this family's layout expects and ``layer`` lacks."""
+        names = dict(layer.named_modules())
+        expected = set(self.linears) | {p.prev for p in self.scale_pairs} | {p.inspect for p in self.scale_pairs}
+        missing = sorted(expected - set(names))
+        if missing:
+            raise UnsupportedModelError(
+                f"{where or type(layer).__name__}: a {self.model_type} decoder layer needs the modules "
+                f"{', '.join(missing)}, which {type(layer).__name__} lacks")
+
+
+ARCHITECTURES = {a.model_type: a for a in (
+    Architecture("llama", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag,
+                 mlp_bias=lambda config: bool(config.get("mlp_bias"))),
+    Architecture("mistral", qkv_bias=lambda config: False, o_bias=lambda config: False,
+                 sliding_windows=every_layer_slides),
+    # Qwen2 always has q/k/v biases and never an o_proj bias
+    Architecture("qwen2", qkv_bias=lambda config: True, o_bias=lambda config: False, sliding_windows=layers_by_type),
+    Architecture("qwen3", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag, qk_norm=True,
+                 sliding_windows=layers_by_type),
+)}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+
+
+def architecture(model_type) -> Architecture:
+    """The entry for ``model_type``, or one error naming it and the families lowbit supports."""
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; lowbit runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"(quant/architectures.py holds each family's layout)")
+    return ARCHITECTURES[model_type]
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    """The entry for a transformers model, from its ``config.model_type``."""
+    return architecture(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(module path, stack of decoder layers)`` of a transformers model of a supported family."""
+    arch = architecture_of(model)
+    try:
+        layers = model.get_submodule(arch.layers)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedModelError(f"{type(model).__name__}: a {arch.model_type} model keeps its decoder layers "
+                                    f"in {arch.layers}, which it lacks")
+    return arch.layers, layers
+
+
+class MissingConfigKey(ValueError):
+    """A config lacks a key the attention shape needs."""
+
+
+def attention_shape(config) -> tuple[int, int, int]:
+    """``(layers, KV heads, head_dim)`` of a Hugging Face config (a dict or a config object): the
+    one reading of these keys that the runtime, the KV cache for transformers and the planner share."""
+    def get(key: str, required: bool = True):
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if value is None and required:
+            raise MissingConfigKey(f"the config has no {key!r}: cannot size its attention (is it a decoder LM?)")
+        return value
+
+    layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads", required=False) or heads)
+    head_dim = int(get("head_dim", required=False) or int(get("hidden_size")) // heads)
+    return layers, kv_heads, head_dim
