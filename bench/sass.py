@@ -15,7 +15,9 @@ From the SASS it reads what decides whether a kernel can keep up with memory:
   fewer than ``MIN_LOOP`` instructions are wait loops and ignored; ranges that hold an EXIT are
   out-of-line stubs, not loops), its instructions (``loop_sass``), their count, a breakdown by
   opcode, whether it issues asynchronous copies (LDGSTS = cp.async, UTMALDG = TMA,
-  UBLKCP = cp.async.bulk) and how many plain global loads (LDG) and barriers (BAR) it has;
+  UBLKCP = cp.async.bulk) and how many plain global loads (LDG) and barriers (BAR) it has,
+  and how many of those loads are software-pipelined (``prefetched_loads``: LDGs whose
+  registers no later instruction of the iteration reads, so they are consumed by the next one);
 * ``loop_instructions_per_unit``: thread-instructions of one main-loop iteration over the units
   (weights, elements) the whole CTA covers in that iteration, i.e.
   ``loop_instructions * 32 * num_warps / units_per_iteration``. This is the number an issue
@@ -186,6 +188,52 @@ def main_loop(loops: list[Loop]) -> Loop | None:
     return max(innermost, key=lambda lp: len(lp.instructions), default=None)
 
 
+def _load_registers(ins: Instruction) -> set:
+    """Registers an LDG writes: ``LDG.E.128 R20`` is R20..R23."""
+    first = re.match(r"R(\d+)", ins.operands)
+    if not first:
+        return set()
+    width = next((int(m) for m in re.findall(r"\.(64|128)\b", ins.opcode)), 32) // 32
+    return {int(first.group(1)) + i for i in range(width)}
+
+
+def _reads(ins: Instruction) -> set:
+    """Registers an instruction reads (its operands after the destination; ``R4.64`` is R4, R5)."""
+    sources = ins.operands.split(",", 1)[1] if "," in ins.operands else ins.operands
+    regs = set()
+    for number, wide in re.findall(r"\bR(\d+)(\.64)?", sources):
+        regs |= {int(number), int(number) + 1} if wide else {int(number)}
+    return regs
+
+
+def prefetched_loads(body: list) -> int:
+    """LDGs of a loop body whose results the rest of the iteration never computes with (a MOV or
+    IMAD.MOV that carries them to another register for the next iteration does not count): loads issued
+    for the next iteration, i.e. software pipelining in registers."""
+    count = 0
+    for i, ins in enumerate(body):
+        if ins.base != "LDG":
+            continue
+        live, used = _load_registers(ins), False
+        for later in body[i + 1 :]:
+            dest = re.match(r"R(\d+)", later.operands)
+            written = set()
+            if dest and later.base not in ("STG", "STS", "ST", "RED", "BRA"):
+                written = _load_registers(later) if later.base == "LDG" else {int(dest.group(1))}
+            read = live & _reads(later)
+            if read and (later.base == "MOV" or later.opcode.startswith("IMAD.MOV")):  # a copy: follow it
+                live = (live - written) | written
+                continue
+            if read:
+                used = True
+                break
+            live -= written
+            if not live:
+                break
+        count += not used
+    return count
+
+
 def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int, capability: int) -> int:
     """CTAs one SM holds: registers are allocated per warp in units of 256, shared memory per
     CTA plus 1 KiB reserved."""
@@ -229,7 +277,8 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
         "instructions": count,
         "opcodes": dict(opcodes.most_common()),
         "async_copies": sorted(op for op in ASYNC_COPY_OPCODES if opcodes[op]),
-        "global_loads": opcodes["LDG"], "barriers": opcodes["BAR"], "shared_stores": opcodes["STS"],
+        "global_loads": opcodes["LDG"], "prefetched_loads": prefetched_loads(loop.instructions),
+        "barriers": opcodes["BAR"], "shared_stores": opcodes["STS"],
         "units_per_iteration": units_per_iteration,
         "loop_instructions_per_unit": (None if not units_per_iteration
                                        else round(count * 32 * num_warps / units_per_iteration, 3)),
@@ -246,6 +295,7 @@ BUDGET_CHECKS = {
     "max_loop_barriers": lambda r, v: (r["main_loop"] or {}).get("barriers", 1e9) <= v,
     "max_loop_shared_stores": lambda r, v: (r["main_loop"] or {}).get("shared_stores", 1e9) <= v,
     "async_copies_in_loop": lambda r, v: bool((r["main_loop"] or {}).get("async_copies")) == v,
+    "min_prefetched_loads": lambda r, v: (r["main_loop"] or {}).get("prefetched_loads", 0) >= v,
 }
 
 
@@ -271,8 +321,10 @@ def report_case(case: KernelCase, arch: str) -> dict:
 
 # Issue 15's static budgets on sm_90a (thread-instructions of the main loop per weight, etc.);
 # the JSON records which ones each configuration meets.
+# The GEMV's "asynchronous or software-pipelined loads" is read as: all 16 word rows of a tile
+# are loaded one iteration ahead, into registers (cp.async would go through shared memory).
 SASS_BUDGETS = {
-    "gemv": {"max_loop_instructions_per_unit": 2.5, "async_copies_in_loop": True, "max_loop_shared_stores": 0,
+    "gemv": {"max_loop_instructions_per_unit": 2.5, "min_prefetched_loads": 16, "max_loop_shared_stores": 0,
              "max_loop_barriers": 0},
     "small-m": {"max_loop_instructions_per_unit": 3.5},
     "prefill": {"max_loop_instructions_per_unit": 3.0, "max_spill_instructions": 0, "min_ctas_per_sm": 2},
@@ -290,7 +342,8 @@ def weight_cases() -> list[KernelCase]:
     cases = []
     for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
         kw.bits = bits
-        for label, M in (("gemv", 1), ("small-m", 16), ("prefill", 4096)):
+        cases.append(gemv_case(kw, dtype))
+        for label, M in (("small-m", 16), ("prefill", 4096)):
             config = candidate_configs(M, kw)[0]
             split = config.split_k > 1
             signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
@@ -313,6 +366,29 @@ def weight_cases() -> list[KernelCase]:
                 notes=f"default candidate for M={M} (candidate_configs(M)[0])",
                 budgets={"sm_90a": SASS_BUDGETS[label]}))
     return cases
+
+
+def gemv_case(kw, dtype: str) -> KernelCase:
+    """runtime/kernels/gemv.py at M=1's default candidate for an 8192 x 8192 layer."""
+    from runtime.kernels.gemv import _gemv_kernel, pair_type
+    from runtime.kernels.quant_matmul import TORCH_DTYPES, candidate_configs
+
+    config = candidate_configs(1, kw)[0]
+    split = config.split_k > 1
+    signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                 "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32", "count_ptr": "*i32",
+                 "K": "i32", "tiles_per_split": "i32"}
+    constexprs = dict(N=kw.out_features, BITS=kw.bits, GROUP=kw.group_len, HAS_ZERO=True, HAS_BIAS=False,
+                      SPLIT=split, PAIR=pair_type(kw.bits, TORCH_DTYPES[dtype]), ASM=True, EVEN_K=True,
+                      BLOCK_N=config.block_n, WARPS=config.num_warps)
+    return KernelCase(
+        name=f"w{kw.bits}g{kw.group_len} {dtype} gemv 1x{config.block_n} w{config.num_warps} split{config.split_k}",
+        kernel_fn=_gemv_kernel, signature=signature, constexprs=constexprs,
+        num_warps=config.num_warps, num_stages=1,
+        # a main-loop iteration: one K tile per warp, BLOCK_N columns
+        units_per_iteration=config.num_warps * config.block_n * kw.tile_k,
+        divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "K"),
+        notes="default candidate for M=1 (candidate_configs(1)[0])", budgets={"sm_90a": SASS_BUDGETS["gemv"]})
 
 
 def attention_cases() -> list[KernelCase]:

@@ -19,14 +19,13 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   scalar; rows past M read row M - 1 (never stored) and only the last, partial K tile masks
   activations, so the loop's loads carry no per-element masks. ``step_tiles`` runs several K
   tiles per iteration (two for small M), sharing the loop's own instructions between them.
-* GEMV (M == 1): multiply-adds on CUDA cores. The ``pack`` fields of each word are summed
-  in-thread and scaled once per tile (when the tile lies in one group) into a ``[16, BLOCK_N]``
-  fp32 accumulator that is reduced across threads once, after the loop (a cross-thread
-  reduction per tile would go through shared memory every step).
+* GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
+  (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
+  inside the one launch). The ``USE_DOT=False`` branch below is no longer launched.
 
-Both split K across programs when the output alone has too few tiles to fill the GPU: each
-split writes fp32 partial sums and a small kernel adds them (with the bias) in a fixed order,
-so results are deterministic. The configuration (tile sizes, split, path) is autotuned per
+The dot path splits K across programs when the output alone has too few tiles to fill the
+GPU: each split writes fp32 partial sums and a small kernel adds them (with the bias) in a
+fixed order, so results are deterministic. The configuration (tile sizes, split, path) is autotuned per
 (M bucket, N, K, bits, group, dtype) on first use and cached for the process.
 
 Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` signed. Stored
@@ -57,6 +56,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from runtime.kernels.gemv import default_split, launch_gemv
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
 from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups, _tile_inputs
 
@@ -262,6 +262,9 @@ def quant_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = 
 
 def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor,
             config: MatmulConfig) -> None:
+    if not config.use_dot:  # one row: runtime/kernels/gemv.py
+        launch_gemv(x2, kw, bias, out, config.block_n, config.num_warps, config.split_k, interpreting())
+        return
     M, K = x2.shape
     N = kw.out_features
     num_tiles = triton.cdiv(K, kw.tile_k)
@@ -304,9 +307,12 @@ def m_bucket(M: int) -> int:
 def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
     """What the autotuner times for M rows; the first is the untimed default."""
     num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
-    if M == 1:
-        configs = [MatmulConfig(1, bn, s, use_dot=False, group_m=1) for bn in (64, 32, 128) for s in (8, 4, 16, 2, 1)]
-        configs += [MatmulConfig(16, 64, s, group_m=1) for s in (4, 8)]
+    if M == 1:  # the GEMV: 4 or 2 columns a thread, K split to fill the GPU (gemv.default_split)
+        configs = []
+        for bn, w in ((128, 4), (128, 8), (64, 4), (64, 8)):
+            split = default_split(kw.out_features, num_tiles, bn, w)
+            configs += [MatmulConfig(1, bn, s, use_dot=False, group_m=1, num_warps=w)
+                        for s in dict.fromkeys((split, max(1, split // 2), 2 * split))]
     elif M <= DECODE_MAX_M:  # two K tiles per iteration, two stages (the same two tiles ahead as
         # three stages of one): 3.13 SASS instructions per weight against 3.81 (W4 16x64, sm_90a)
         # (W8: four tiles, 4.22 against 4.31, for twice the shared memory: not taken)
