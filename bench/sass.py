@@ -32,7 +32,7 @@ types of its non-constexpr arguments (``"*fp16"``, ``"*i32"``, ``"i32"``, ``"fp3
 constexprs, ``num_warps``/``num_stages``, ``units_per_iteration`` (None when a per-unit count
 makes no sense), and optionally ``budgets`` per arch (``{"sm_90a":
 {"max_loop_instructions_per_unit": 2.5}}``, names in ``BUDGET_CHECKS``): the JSON then says
-which are met. ``weight_cases`` is an example. The library entry point is
+which are met. ``bench/sass_weights.py`` is an example. The library entry point is
 :func:`static_report` (``compile_kernel``, ``disassemble``, ``find_loops``, ``main_loop`` are
 its parts); it must run in a process where ``TRITON_INTERPRET`` was not set when triton was
 imported (this module unsets it before importing triton).
@@ -319,76 +319,11 @@ def report_case(case: KernelCase, arch: str) -> dict:
 # -- the runtime's kernels --------------------------------------------------------------------------
 
 
-# Issue 15's static budgets on sm_90a (thread-instructions of the main loop per weight, etc.);
-# the JSON records which ones each configuration meets.
-# The GEMV's "asynchronous or software-pipelined loads" is read as: all 16 word rows of a tile
-# are loaded one iteration ahead, into registers (cp.async would go through shared memory).
-SASS_BUDGETS = {
-    "gemv": {"max_loop_instructions_per_unit": 2.5, "min_prefetched_loads": 16, "max_loop_shared_stores": 0,
-             "max_loop_barriers": 0},
-    "small-m": {"max_loop_instructions_per_unit": 3.5},
-    "prefill": {"max_loop_instructions_per_unit": 3.0, "max_spill_instructions": 0, "min_ctas_per_sm": 2},
-}
-
-
 def weight_cases() -> list[KernelCase]:
-    """runtime/kernels/quant_matmul.py at the configurations it launches by default: the first
-    candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128 asymmetric
-    (the budgets' case) in fp16 and bf16, and 8-bit group 128 asymmetric in fp16."""
-    from runtime.kernels.quant_matmul import (TORCH_DTYPES, KernelWeight, _quant_matmul_kernel, candidate_configs,
-                                              dequant_type)
+    """runtime/kernels/quant_matmul.py and gemv.py (cases in bench/sass_weights.py)."""
+    from bench.sass_weights import weight_cases as cases
 
-    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
-    cases = []
-    for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
-        kw.bits = bits
-        cases.append(gemv_case(kw, dtype))
-        for label, M in (("small-m", 16), ("prefill", 4096)):
-            config = candidate_configs(M, kw)[0]
-            split = config.split_k > 1
-            signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
-                         "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
-                         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
-            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
-                              HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
-                              DEQUANT=dequant_type(config.use_dot, bits, TORCH_DTYPES[dtype], False),
-                              DEQUANT_ASM=True,
-                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
-                              STEP_TILES=config.step_tiles)
-            steps = f" {config.step_tiles}tiles" if config.step_tiles > 1 else ""  # K tiles per main-loop iteration
-            cases.append(KernelCase(
-                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}{steps}",
-                kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-                units_per_iteration=config.block_n * kw.tile_k * config.step_tiles,
-                # aligned tensors, and sizes and row strides divisible by 16, as real layers have
-                divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
-                notes=f"default candidate for M={M} (candidate_configs(M)[0])",
-                budgets={"sm_90a": SASS_BUDGETS[label]}))
-    return cases
-
-
-def gemv_case(kw, dtype: str) -> KernelCase:
-    """runtime/kernels/gemv.py at M=1's default candidate for an 8192 x 8192 layer."""
-    from runtime.kernels.gemv import _gemv_kernel, pair_type
-    from runtime.kernels.quant_matmul import TORCH_DTYPES, candidate_configs
-
-    config = candidate_configs(1, kw)[0]
-    split = config.split_k > 1
-    signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
-                 "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32", "count_ptr": "*i32",
-                 "K": "i32", "tiles_per_split": "i32"}
-    constexprs = dict(N=kw.out_features, BITS=kw.bits, GROUP=kw.group_len, HAS_ZERO=True, HAS_BIAS=False,
-                      SPLIT=split, PAIR=pair_type(kw.bits, TORCH_DTYPES[dtype]), ASM=True, EVEN_K=True,
-                      BLOCK_N=config.block_n, WARPS=config.num_warps)
-    return KernelCase(
-        name=f"w{kw.bits}g{kw.group_len} {dtype} gemv 1x{config.block_n} w{config.num_warps} split{config.split_k}",
-        kernel_fn=_gemv_kernel, signature=signature, constexprs=constexprs,
-        num_warps=config.num_warps, num_stages=1,
-        # a main-loop iteration: one K tile per warp, BLOCK_N columns
-        units_per_iteration=config.num_warps * config.block_n * kw.tile_k,
-        divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "K"),
-        notes="default candidate for M=1 (candidate_configs(1)[0])", budgets={"sm_90a": SASS_BUDGETS["gemv"]})
+    return cases()
 
 
 def attention_cases() -> list[KernelCase]:

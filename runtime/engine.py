@@ -34,17 +34,11 @@ did the first time, so a quantized cache gives the same values; its sampler stat
 so its output is the same. The cache never grows after start-up, so a full cache makes requests wait; it does
 not run out of memory.
 
-Attention (``runtime/attention.py``, the backend chosen once at start-up, by default the
-model's): on CUDA the Triton kernels read and write the cache in place (decode over
-sequences of different lengths in one launch); on CPU, or for a scheme the kernels do not
-take, each sequence runs the reference path (store, read back dequantized, SDPA). Either way
-a request gets the plain runtime's computation (``model.generate`` with the same
-``prefill_chunk``; a prompt within one chunk: the one-forward ``generate``), so its greedy
-output is the plain runtime's; the tests check it on CPU, and through the kernels in the
-Triton interpreter. The requests live in ``runtime/request.py``, the batches a forward
-attends through in ``runtime/attention.py``, step inputs and CUDA graphs in
-``runtime/execution.py``. On CUDA the decode step is captured in a CUDA graph
-per batch-size bucket (not run on a GPU yet).
+Attention goes through ``runtime/attention.py`` (backend chosen once at start-up, by default
+the model's), so a request gets the plain runtime's computation and its greedy output is
+``model.generate``'s with the same ``prefill_chunk`` (tested on CPU and through the kernels in
+the Triton interpreter). Requests live in ``runtime/request.py``; step inputs and the CUDA
+graphs per batch-size bucket (not run on a GPU yet) in ``runtime/execution.py``.
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ from kvquant import KVScheme, parse_kv
 from runtime.cache import KVCache, cache_size
 from runtime.attention import PackedBatch, SequenceBatch, kernels_for
 from runtime.execution import DecodeGraphs, sample_tokens, step_inputs, warm_matmul_tuning
-from runtime.generate import Token, check_prompt, prefill_chunks
+from runtime.generate import check_prompt, prefill_chunks
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams
 
@@ -398,29 +392,11 @@ class Engine:
 
     def _emit(self, r: Request, token: int) -> None:
         """Record a sampled token: stream it, or finish the request."""
-        now = time.perf_counter()
-        m = r.metrics
-        if m.ttft_s is None:
-            m.ttft_s = now - r.arrival
-        else:
-            m.itl_s.append(now - r._last_token_at)
-        r._last_token_at = now
-        eos = () if r.params.ignore_eos else self.model.eos_token_ids
-        if token in eos or token in r.params.stop_token_ids:
-            return self._finish(r, "stop", now)
-        r.output_ids.append(token)
-        m.output_tokens += 1
-        self._counters["output_tokens"] += 1
-        # as runtime.generate: the cache may fill up to ``total`` positions; the last token is not stored
-        done = len(r.output_ids) >= r.params.max_tokens or r.computed >= r.total
-        piece = r.stream.push(r.output_ids, done)
-        r._pending.append(Token(token, piece, now - r.arrival))
-        if r.on_token is not None:
-            r.on_token(r._pending[-1])
-        if r.stream.stopped:
-            self._finish(r, "stop", now)
-        elif done:
-            self._finish(r, "length", now)
+        now, before = time.perf_counter(), len(r.output_ids)
+        reason = r.record(token, self.model.eos_token_ids, now)
+        self._counters["output_tokens"] += len(r.output_ids) - before
+        if reason is not None:
+            self._finish(r, reason, now)
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self._last_finish = now

@@ -92,6 +92,29 @@ class Request:
                 return
             self.engine.step()
 
+    def record(self, token: int, eos_ids, now: float) -> str | None:
+        """Take one sampled token (the engine's thread): time it, stream it, and return the
+        finish reason it causes, if any. EOS and stop ids end the request without being output."""
+        m = self.metrics
+        if m.ttft_s is None:
+            m.ttft_s = now - self.arrival
+        else:
+            m.itl_s.append(now - self._last_token_at)
+        self._last_token_at = now
+        if (token in eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
+            return "stop"
+        self.output_ids.append(token)
+        m.output_tokens += 1
+        # as runtime.generate: the cache may fill up to ``total`` positions; the last token is not stored
+        done = len(self.output_ids) >= self.params.max_tokens or self.computed >= self.total
+        piece = self.stream.push(self.output_ids, done)
+        self._pending.append(Token(token, piece, now - self.arrival))
+        if self.on_token is not None:
+            self.on_token(self._pending[-1])
+        if self.stream.stopped:
+            return "stop"
+        return "length" if done else None
+
     def end(self, reason: str, now: float) -> None:
         """Close the stream (the engine's thread calls it): the reason, the end-to-end time, and
         ``on_token(None)``."""

@@ -1,0 +1,114 @@
+"""Packed 16-bit pair arithmetic for the CUDA-core kernels (the M=1 GEMV): each helper is one or
+two PTX instructions on a 32-bit register holding two fp16/bf16 values, and, where ``ASM`` is
+false (the Triton interpreter cannot run inline assembly), the same instruction emulated on the
+same bits (each half in fp32, rounded to the pair's type as the packed instruction rounds), so
+CPU tests run the GPU's data flow."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
+    """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits)
+    is exact on the small integers ``v`` holds."""
+    if not ASM:  # the interpreter: each half in fp32, rounded to PAIR as the packed fma rounds
+        step: tl.constexpr = 1.0 if PAIR == tl.bfloat16 else (
+            0.0625 if STEP == 0x2C00 else (0.00390625 if STEP == 0x1C00 else 0.25))
+        lo = _half(acc, 0, PAIR) + _half(xp, 0, PAIR) * (_half(v, 0, PAIR) * step + _half(nofs, 0, PAIR))
+        hi = _half(acc, 1, PAIR) + _half(xp, 1, PAIR) * (_half(v, 1, PAIR) * step + _half(nofs, 1, PAIR))
+        out = _rounded_bits(lo, PAIR) | (_rounded_bits(hi, PAIR) << 16)
+    elif PAIR == tl.bfloat16:
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x3F803F80; fma.rn.bf16x2 d, $2, c, $3; fma.rn.bf16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    elif STEP == 0x2C00:  # 1/16
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x2C002C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    elif STEP == 0x1C00:  # 1/256
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x1C001C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        tl.static_assert(STEP == 0x3400, "fp16 steps: 1/4, 1/16, 1/256")
+        out = tl.inline_asm_elementwise(
+            "{.reg .b32 d, c; mov.b32 c, 0x34003400; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
+            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _half(bits, HI: tl.constexpr, PAIR: tl.constexpr):
+    """Half ``HI`` (0: low) of a packed pair, as fp32 (exact)."""
+    h = (bits >> 16) & 0xFFFF if HI else bits & 0xFFFF
+    if PAIR == tl.float16:
+        f = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        f = (h << 16).to(tl.float32, bitcast=True)
+    return f
+
+
+@triton.jit
+def _rounded_bits(v, PAIR: tl.constexpr):
+    """fp32 ``v`` rounded to nearest-even in PAIR, as its 16 bits in an int32 (bf16 by hand: the
+    interpreter's bf16 cast truncates)."""
+    if PAIR == tl.float16:
+        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return out
+
+
+@triton.jit
+def _byte_pair(w, magic, J: tl.constexpr, ASM: tl.constexpr):
+    """fp16 pair ``(1024 + byte J, 1024 + byte J + 2)`` of ``w``: one byte permute, no shift
+    (``magic`` holds 0x64 in every byte)."""
+    if not ASM:
+        out = ((w >> (8 * J)) & 0x00FF00FF) | 0x64006400
+    elif J == 0:
+        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4240;", "=r,r,r", [w, magic], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4341;", "=r,r,r", [w, magic], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _halves_to_f32(acc, PAIR: tl.constexpr, ASM: tl.constexpr):
+    """The two 16-bit sums of a packed accumulator, in fp32 (exact)."""
+    if not ASM:
+        lo = _half(acc, 0, PAIR)
+        hi = _half(acc, 1, PAIR)
+    elif PAIR == tl.float16:
+        lo, hi = tl.inline_asm_elementwise(
+            "{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
+            "=f,=f,r", [acc], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;}",
+            "=r,=r,r", [acc], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _neg_offset_pair(z_lo, z_hi, bias: tl.constexpr, step: tl.constexpr, PAIR: tl.constexpr):
+    """``-(bias + zero) * step`` for the two halves of a pair (exact: an integer below 2048 times
+    a power of two), as the int32 bits of a packed PAIR."""
+    lo = _exact_bits(-(bias + z_lo) * step, PAIR)
+    hi = _exact_bits(-(bias + z_hi) * step, PAIR)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _exact_bits(v, PAIR: tl.constexpr):
+    """The 16 bits of fp32 ``v``, which PAIR holds exactly, in an int32."""
+    if PAIR == tl.float16:
+        out = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        out = (v.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    return out
