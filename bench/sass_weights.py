@@ -38,8 +38,8 @@ def weight_cases() -> list[KernelCase]:
                          "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
                          "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
             constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
-                              HAS_BIAS=False, USE_DOT=config.use_dot, SPLIT=split, DOT_IN_FP32=False,
-                              DEQUANT=dequant_type(config.use_dot, bits, TORCH_DTYPES[dtype], False),
+                              HAS_BIAS=False, SPLIT=split, DOT_IN_FP32=False,
+                              DEQUANT=dequant_type(bits, TORCH_DTYPES[dtype], False),
                               DEQUANT_ASM=True,
                               BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
                               STEP_TILES=config.step_tiles)

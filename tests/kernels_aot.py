@@ -28,8 +28,8 @@ def compile_case(case: dict):
                  "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
     constants = dict(BITS=case["bits"], GROUP=case["group"], HAS_ZERO=case["zero"],
                      SCALE_PER_TILE=case["group"] % (16 * 32 // case["bits"]) == 0, HAS_BIAS=not split,
-                     USE_DOT=case["block_m"] > 1, SPLIT=split, DOT_IN_FP32=False,
-                     DEQUANT=qm.dequant_type(case["block_m"] > 1, case["bits"], qm.TORCH_DTYPES[dtype], False),
+                     SPLIT=split, DOT_IN_FP32=False,
+                     DEQUANT=qm.dequant_type(case["bits"], qm.TORCH_DTYPES[dtype], False),
                      DEQUANT_ASM=True,
                      BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8,
                      STEP_TILES=case.get("step_tiles", 1))

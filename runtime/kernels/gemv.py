@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.packed_pairs import _byte_pair, _fma_pair, _halves_to_f32, _neg_offset_pair
+from runtime.kernels.packed_pairs import _byte_pair, _fma_pair, _halves_to_f32, _magic, _magic_pairs, _neg_offset_pair
 
 _SUBTILE = tl.constexpr(16)  # word rows per K tile (weight_layout.SUBTILE_K)
 
@@ -114,8 +114,6 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
     SLOTS: tl.constexpr = PACK // 2
-    MAGIC: tl.constexpr = 0x64006400 if PAIR == tl.float16 else 0x43004300
-    MAGIC_F: tl.constexpr = 1024.0 if PAIR == tl.float16 else 128.0
     # fp16 4-bit: odd slots are read in place as 1024 + 16 u (Marlin's trick): one shift per word
     IN_PLACE: tl.constexpr = PAIR == tl.float16 and BITS == 4
     # fp16 chains hold (q - zero) * 2**-BITS (see the module docstring: overflow); the subtracting
@@ -125,6 +123,7 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
     ONE_GROUP: tl.constexpr = GROUP % (16 * PACK) == 0  # the whole tile shares one scale and zero
     k0 = t * TILE_K  # [warps, 1]
     half: tl.constexpr = 1 << (BITS - 1)
+    magic = _magic(PAIR)
     if ONE_GROUP:
         s, z = _field_params(s_ptr, z_ptr, k0, cols, N, K, HAS_ZERO, GROUP)
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
@@ -139,20 +138,20 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                 s, z = _field_params(s_ptr, z_ptr, k_pair, cols, N, K, HAS_ZERO, GROUP)
             scales = scales + (s,)
             if IN_PLACE and j % 2 == 1:
-                nofs = nofs + (_neg_offset_pair(z, z, 64.0 + half, 1.0 / (1 << LOG), PAIR),)
+                nofs = nofs + (_neg_offset_pair(z, z, magic / 16 + half, 1.0 / (1 << LOG), PAIR),)
             else:
-                nofs = nofs + (_neg_offset_pair(z, z, MAGIC_F + half, 1.0 / (1 << LOG), PAIR),)
+                nofs = nofs + (_neg_offset_pair(z, z, magic + half, 1.0 / (1 << LOG), PAIR),)
             xps = xps + (_x_pairs(x_ptr, k_pair, K, EVEN_K, ASM),)
         for b in tl.static_range(4):
             w = words[4 * a + b]
             new = ()
             for j in tl.static_range(SLOTS):
                 if IN_PLACE:  # pairs 0, 1 from the word, 2, 3 from the word >> 8
-                    v = ((w >> (8 * (j // 2))) & masks[j % 2]) | MAGIC
+                    v = _magic_pairs(w >> (8 * (j // 2)), masks[j % 2], PAIR, ASM)
                 elif BITS == 8 and PAIR == tl.float16:  # bytes j and j + 2 under two 0x64 bytes
                     v = _byte_pair(w, masks[2], j, ASM)
                 else:
-                    v = ((w >> (BITS * j)) & masks[0]) | MAGIC
+                    v = _magic_pairs(w >> (BITS * j), masks[0], PAIR, ASM)
                 new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][b], PAIR,
                                        0x1C00 if IN_PLACE and j % 2 == 1 else STEP, ASM),)
             accs = new

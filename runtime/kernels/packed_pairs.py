@@ -11,32 +11,49 @@ import triton.language as tl
 
 
 @triton.jit
+def _magic(PAIR: tl.constexpr):
+    """``magic`` of the ``magic + u`` trick in PAIR, as an fp32 scalar: 1024 in fp16 (10 mantissa
+    bits: 1024 + u is exact for u < 1024), 128 in bf16 (7 bits: u < 128)."""
+    return tl.full((), 1024.0 if PAIR == tl.float16 else 128.0, tl.float32)
+
+
+@triton.jit
+def _magic_pairs(fields, masks, PAIR: tl.constexpr, ASM: tl.constexpr):
+    """``(fields & masks) | magic's exponent bits`` in both 16-bit halves: integers ``u`` sitting
+    in the low mantissa bits of each half become the PAIR values ``magic + u`` exactly (see
+    _magic), with no integer-to-float conversion. One LOP3 with the exponent bits as its immediate
+    (left to itself, the compiler picks the masks as immediates and re-materializes the
+    exponent bits in a register)."""
+    if not ASM:
+        out = (fields & masks) | (0x64006400 if PAIR == tl.float16 else 0x43004300)
+    elif PAIR == tl.float16:
+        out = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x64006400, 0xea;", "=r,r,r", [fields, masks],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x43004300, 0xea;", "=r,r,r", [fields, masks],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
 def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
-    """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits)
-    is exact on the small integers ``v`` holds."""
+    """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits;
+    1 in bf16) is exact on the small integers ``v`` holds."""
     if not ASM:  # the interpreter: each half in fp32, rounded to PAIR as the packed fma rounds
         step: tl.constexpr = 1.0 if PAIR == tl.bfloat16 else (
             0.0625 if STEP == 0x2C00 else (0.00390625 if STEP == 0x1C00 else 0.25))
         lo = _half(acc, 0, PAIR) + _half(xp, 0, PAIR) * (_half(v, 0, PAIR) * step + _half(nofs, 0, PAIR))
         hi = _half(acc, 1, PAIR) + _half(xp, 1, PAIR) * (_half(v, 1, PAIR) * step + _half(nofs, 1, PAIR))
         out = _rounded_bits(lo, PAIR) | (_rounded_bits(hi, PAIR) << 16)
-    elif PAIR == tl.bfloat16:
-        out = tl.inline_asm_elementwise(
-            "{.reg .b32 d, c; mov.b32 c, 0x3F803F80; fma.rn.bf16x2 d, $2, c, $3; fma.rn.bf16x2 $0, $4, d, $1;}",
-            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
-    elif STEP == 0x2C00:  # 1/16
-        out = tl.inline_asm_elementwise(
-            "{.reg .b32 d, c; mov.b32 c, 0x2C002C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
-            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
-    elif STEP == 0x1C00:  # 1/256
-        out = tl.inline_asm_elementwise(
-            "{.reg .b32 d, c; mov.b32 c, 0x1C001C00; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
-            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        tl.static_assert(STEP == 0x3400, "fp16 steps: 1/4, 1/16, 1/256")
+        tl.static_assert(PAIR == tl.bfloat16 or STEP == 0x2C00 or STEP == 0x1C00 or STEP == 0x3400,
+                         "fp16 steps: 1/4, 1/16, 1/256")
+        FMA: tl.constexpr = "fma.rn.f16x2" if PAIR == tl.float16 else "fma.rn.bf16x2"
+        STEPS: tl.constexpr = STEP * 0x10001 if PAIR == tl.float16 else 0x3F803F80  # both halves
+        steps = tl.full(acc.shape, STEPS, tl.int32)  # a constant: ptxas takes it as an immediate
         out = tl.inline_asm_elementwise(
-            "{.reg .b32 d, c; mov.b32 c, 0x34003400; fma.rn.f16x2 d, $2, c, $3; fma.rn.f16x2 $0, $4, d, $1;}",
-            "=r,r,r,r,r", [acc, v, nofs, xp], dtype=tl.int32, is_pure=True, pack=1)
+            "{.reg .b32 d; " + FMA + " d, $2, $5, $3; " + FMA + " $0, $4, d, $1;}",
+            "=r,r,r,r,r,r", [acc, v, nofs, xp, steps], dtype=tl.int32, is_pure=True, pack=1)
     return out
 
 
@@ -96,7 +113,7 @@ def _halves_to_f32(acc, PAIR: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _neg_offset_pair(z_lo, z_hi, bias: tl.constexpr, step: tl.constexpr, PAIR: tl.constexpr):
+def _neg_offset_pair(z_lo, z_hi, bias, step: tl.constexpr, PAIR: tl.constexpr):
     """``-(bias + zero) * step`` for the two halves of a pair (exact: an integer below 2048 times
     a power of two), as the int32 bits of a packed PAIR."""
     lo = _exact_bits(-(bias + z_lo) * step, PAIR)

@@ -21,7 +21,7 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   tiles per iteration (two for small M), sharing the loop's own instructions between them.
 * GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
   (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
-  inside the one launch). The ``USE_DOT=False`` branch below is no longer launched.
+  inside the one launch).
 
 The dot path splits K across programs when the output alone has too few tiles to fill the
 GPU: each split writes fp32 partial sums and a small kernel adds them (with the bias) in a
@@ -29,16 +29,17 @@ fixed order, so results are deterministic. The configuration (tile sizes, split,
 (M bucket, N, K, bits, group, dtype) on first use and cached for the process.
 
 Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` signed. Stored
-values are ``u = q + 2**(bits-1)``; ``u - 2**(bits-1) - zero`` is formed exactly in fp32 with
-the ``2**23`` trick (OR the integer into the mantissa of 2**23, subtract 2**23 + offset) so no
-integer-to-float conversion instruction (a low-throughput one) runs per weight. The dot path
-instead works in the activation dtype, two weights per instruction (``_scaled_difference``):
-``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and fewer) from one AND/OR per pair (in fp16
+values are ``u = q + 2**(bits-1)``. No integer-to-float conversion instruction (a
+low-throughput one) runs per weight: the kernel works in the activation dtype, two weights per
+instruction (``_scaled_difference``): ``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and
+fewer; ``packed_pairs._magic_pairs``) from one LOP3 per pair (in fp16
 ``1024 + u * 2**r`` for a field at bit r of its byte: one shift per byte), then packed
 ``fma.rn.f16x2``/``bf16x2`` for ``(v * 2**-r - offset) * scale``, which rounds ``(q - zero) * scale`` to
 the activation dtype once, exactly as ``quant.affine.dequantize(...).to(dtype)`` does (with the
 scale first converted to the activation dtype: a bf16 scale below fp16's normal range would be
-rounded twice), so both see the same weight. The GEMV path stays in fp32.
+rounded twice), so both see the same weight. 8-bit bf16 (and bf16 in the interpreter) works in
+fp32 with the ``2**23`` form of the same trick (OR the integer into the mantissa of 2**23,
+subtract 2**23 + offset).
 
 The reference is ``weight_layout.reference_matmul`` (and, from the checkpoint tensors,
 ``reference.dequantize_weight`` + ``reference.quant_linear``); tests run these kernels in the
@@ -58,7 +59,7 @@ import triton.testing
 
 from runtime.kernels.gemv import default_split, launch_gemv
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
-from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups, _tile_inputs
+from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -69,46 +70,30 @@ _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only a
 @triton.jit
 def _tile_step(acc, k0, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-               USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr,
-               MASK_K: tl.constexpr):
+               DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, MASK_K: tl.constexpr):
     """One K tile (inputs ``k0 .. k0 + tile_k``) added into ``acc``; ``MASK_K``: the tile passes K."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
-    scale = _group_rows(s_ptr, g, offs_n, n_mask, N, USE_DOT).to(DEQUANT)
-    v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT,
-                                    DEQUANT_ASM, USE_DOT)
-    if USE_DOT:
-        if MASK_K:
-            x = tl.load(x_tile + k0, mask=(k0 + tl.arange(0, TILE_K) < K)[None, :], other=0.0)
-        else:
-            x = tl.load(x_tile + k0)
-        # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
-        if DEQUANT == tl.float32:
-            wq = (v - offset) * scale
-        else:
-            wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
-        # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
-        # are only renamed, the values already sit where the tensor-core operand wants them
-        w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
-        if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
-            acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
-        else:
-            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-    else:  # v is [p, q, a, b, n]: as [field (p q), word row (a b), n], fields summed in-thread
-        offs_k = k0 + tl.reshape(_tile_inputs(BITS), (PACK, _SUBTILE_K))
-        if MASK_K:
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + offs_k).to(tl.float32)
-        wq = v - offset
-        if SCALE_PER_TILE:  # sum the fields in fp32 first, scale once per tile
-            wq = tl.reshape(wq, (PACK, _SUBTILE_K, BLOCK_N))
-            acc += tl.sum(x[:, :, None] * wq, axis=0) * tl.reshape(scale, (1, BLOCK_N))
-        else:
-            wq = tl.reshape(wq * scale, (PACK, _SUBTILE_K, BLOCK_N))
-            acc += tl.sum(x[:, :, None] * wq, axis=0)
+    scale = _group_rows(s_ptr, g, offs_n, n_mask, N).to(DEQUANT)
+    v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
+    if MASK_K:
+        x = tl.load(x_tile + k0, mask=(k0 + tl.arange(0, TILE_K) < K)[None, :], other=0.0)
+    else:
+        x = tl.load(x_tile + k0)
+    # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
+    if DEQUANT == tl.float32:
+        wq = (v - offset) * scale
+    else:
+        wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
+    # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
+    # are only renamed, the values already sit where the tensor-core operand wants them
+    w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+    if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
+        acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
+    else:
+        acc = tl.dot(tl.trans(w), tl.trans(x), acc)
     return acc
 
 
@@ -117,7 +102,7 @@ def _quant_matmul_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, tiles_per_split,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     STEP_TILES: tl.constexpr,
 ):
@@ -140,10 +125,7 @@ def _quant_matmul_kernel(
     t_start = pid_k * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, tl.cdiv(K, TILE_K))
 
-    if USE_DOT:  # transposed, out.T = W @ x.T: see the module docstring
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:  # GEMV, one row: per-(word row, n) partial sums, reduced over them once after the loop
-        acc = tl.zeros((_SUBTILE_K, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, out.T = W @ x.T: see the module docstring
     # Tile pointers made once, advanced by a scalar per tile. Rows past M read row M - 1 (real
     # memory, no mask per load); their results are never stored.
     w_rows = qw_ptr + tl.arange(0, _SUBTILE_K)[:, None] * N + offs_n[None, :]
@@ -155,18 +137,15 @@ def _quant_matmul_kernel(
     for t in range(t_start, t_steps, STEP_TILES):  # tiles of one iteration share the loop's own work
         for i in tl.static_range(STEP_TILES):
             acc = _tile_step(acc, (t + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
-                             GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
     for i in tl.static_range(STEP_TILES - 1):  # the full tiles left over, if any
         if t_steps + i < t_full:
             acc = _tile_step(acc, (t_steps + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
-                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
     if t_full < t_end:
         acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
-                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, USE_DOT, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
-    if USE_DOT:
-        acc = tl.trans(acc)
-    else:
-        acc = tl.sum(acc, axis=0)[None, :]
+                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
+    acc = tl.trans(acc)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:  # fp32 partial sums [split, M, N]; _split_k_sum_kernel adds them
@@ -215,13 +194,13 @@ class MatmulConfig:
             raise ValueError("tl.dot needs block_m >= 16")
 
 
-def dequant_type(use_dot: bool, bits: int, dtype: torch.dtype, interpreted: bool):
-    """The float type weights are dequantized in: the activation dtype on the dot path (two
-    weights per instruction), where ``magic + u`` is exact in it (fp16: any width here; bf16:
-    up to 4 bits) and the interpreter can run it (not bf16); fp32 otherwise."""
-    if use_dot and dtype == torch.float16:
+def dequant_type(bits: int, dtype: torch.dtype, interpreted: bool):
+    """The float type the dot path dequantizes weights in: the activation dtype (two weights per
+    instruction) where ``magic + u`` is exact in it (fp16: any width here; bf16: up to 4 bits)
+    and the interpreter can run it (not bf16); fp32 otherwise."""
+    if dtype == torch.float16:
         return tl.float16
-    if use_dot and dtype == torch.bfloat16 and bits <= 4 and not interpreted:
+    if dtype == torch.bfloat16 and bits <= 4 and not interpreted:
         return tl.bfloat16
     return tl.float32
 
@@ -280,9 +259,9 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         bias if bias is not None else kw.scales, target,
         M, N, K, x2.stride(0), tiles_per_split,
         BITS=kw.bits, GROUP=group, HAS_ZERO=kw.zeros is not None, SCALE_PER_TILE=group % kw.tile_k == 0,
-        HAS_BIAS=bias is not None and splits == 1, USE_DOT=config.use_dot, SPLIT=splits > 1,
+        HAS_BIAS=bias is not None and splits == 1, SPLIT=splits > 1,
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
-        DEQUANT=dequant_type(config.use_dot, kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
+        DEQUANT=dequant_type(kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STEP_TILES=config.step_tiles,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -13,45 +13,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from runtime.kernels.packed_pairs import _magic, _magic_pairs
 from runtime.kernels.weight_layout import SUBTILE_K
 
 _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only as constexpr
 
 
 @triton.jit
-def _tile_inputs(BITS: tl.constexpr):
-    """Input (0 .. tile_k - 1) of each value of a tile, shaped ``[2, Q, 4, 4]`` as ``(p, q, a, b)``:
-    field ``p Q + q`` of word row ``4 a + b`` (weight_layout.tile_position, the same formula)."""
-    Q: tl.constexpr = 16 // BITS
-    p = tl.arange(0, 2)[:, None, None, None]
-    q = tl.arange(0, Q)[None, :, None, None]
-    a = tl.arange(0, 4)[None, None, :, None]
-    b = tl.arange(0, 4)[None, None, None, :]
-    return 8 * (a * Q + q) + 2 * b + p
-
-
-@triton.jit
-def _group_rows(ptr, g_rows, offs_n, n_mask, N, PAIR_LAST: tl.constexpr):
+def _group_rows(ptr, g_rows, offs_n, n_mask, N):
     """Rows ``g_rows`` (shaped ``[Q or 1, 4 or 1, 1]``, see _tile_groups) of a ``[groups, N]``
     tensor (scales, zero points), shaped to broadcast to _integer_tile's values."""
-    if PAIR_LAST:
-        out = tl.load(ptr + g_rows[:, :, :, None, None] * N + offs_n[None, None, None, :, None],
-                      mask=n_mask[None, None, None, :, None], other=0)
-    else:
-        out = tl.load(ptr + g_rows[None, :, :, :, None] * N + offs_n[None, None, None, None, :],
-                      mask=n_mask[None, None, None, None, :], other=0)
-    return out
+    return tl.load(ptr + g_rows[:, :, :, None, None] * N + offs_n[None, None, None, :, None],
+                   mask=n_mask[None, None, None, :, None], other=0)
 
 
 @triton.jit
 def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  HALF: tl.constexpr, ASM: tl.constexpr, PAIR_LAST: tl.constexpr = True):
+                  HALF: tl.constexpr, ASM: tl.constexpr):
     """``(v, unit, offset)`` with ``v * unit - offset == q - zero`` (exact) for inputs
     ``k0 .. k0 + tile_k`` and outputs ``offs_n``; ``v`` is shaped ``[Q, 4, 4, BLOCK_N, 2]``, element
     ``[q, a, b, n, p]`` being input ``k0 + _tile_inputs()[p, q, a, b]``; ``unit`` and ``offset``
     broadcast to it. In fp32, or in ``HALF`` (a 16-bit float type), where pairs of values share an
-    instruction. ``PAIR_LAST=False`` (fp32 only, the GEMV): shaped ``[2, Q, 4, 4, BLOCK_N]`` instead,
-    which the GEMV reduces with fewer cross-thread moves."""
+    instruction."""
     Q: tl.constexpr = 16 // BITS
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     # the tile's 16 word rows (padding is stored: no K mask); qw_ptr points at [16, BLOCK_N] rows 0..15
@@ -61,24 +44,20 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
     if HALF == tl.float32:
         # Integer to float without a conversion instruction: OR-ed into the mantissa of 2**23, the
         # bits read as exactly 2**23 + u; subtracting 2**23 + 2**(bits-1) + zero leaves q - zero.
-        if PAIR_LAST:
-            u = words[:, :, :, :, None] >> (field_bit[:, :, :, :, None] + 16 * tl.arange(0, 2)[None, None, None, None, :])
-        else:
-            u = words[None] >> (field_bit[None] + 16 * tl.arange(0, 2)[:, None, None, None, None])
+        u = words[:, :, :, :, None] >> (field_bit[:, :, :, :, None] + 16 * tl.arange(0, 2)[None, None, None, None, :])
         u = u & ((1 << BITS) - 1)
         v = (u | 0x4B000000).to(tl.float32, bitcast=True)
         unit = tl.full((1, 1, 1, 1, 1), 1.0, tl.float32)
         offset = 8388608.0 + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1, 1), dtype=tl.float32)
     else:
-        # The same in 16 bits: 1024 + u is exact in fp16 (10 mantissa bits), 128 + u in bf16 for
-        # u < 128 (7 bits: the caller keeps 8-bit weights in fp32 for bf16). Both values of a pair
-        # (p = 0, 1: 16 bits apart) come out of one shift and one AND/OR on the whole word, as one
-        # 32-bit register holding the 16-bit pair; split and joined below only to name its halves
-        # (the compiled code keeps the register as it is). In fp16 a field is taken where it sits
-        # in its byte (bit r): 1024 + u * 2**r stays exact below 2048, so one shift serves every
-        # field of a byte, and unit = 2**-r scales it back in the fma.
-        magic: tl.constexpr = 1024.0 if HALF == tl.float16 else 128.0
-        magic_pair: tl.constexpr = 0x64006400 if HALF == tl.float16 else 0x43004300
+        # The same in 16 bits (packed_pairs._magic_pairs): both values of a pair (p = 0, 1: 16 bits
+        # apart) come out of one shift and one LOP3 on the whole word, as one 32-bit register
+        # holding the 16-bit pair magic + u (exact: the caller keeps 8-bit weights in fp32 for
+        # bf16); split and joined below only to name its halves (the compiled code keeps the
+        # register as it is). In fp16 a field is taken where it sits in its byte (bit r):
+        # 1024 + u * 2**r stays exact below 2048, so one shift serves every field of a byte, and
+        # unit = 2**-r scales it back in the fma.
+        magic = _magic(HALF).to(HALF)
         if HALF == tl.float16:
             r = field_bit % 8
             unit = ((127 - r) << 23).to(tl.float32, bitcast=True).to(HALF)  # 2**-r, exactly
@@ -88,24 +67,14 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
             unit = tl.full((1, 1, 1, 1), 1.0, HALF)
             offset = magic + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1), dtype=HALF)
         fields = words >> (field_bit - r)
-        masks = (((1 << BITS) - 1) * 0x10001) << r
-        if ASM:  # one LOP3 with the mask as its immediate (left to itself, the compiler picks the
-            # magic and re-materializes every mask in a register per use)
-            if HALF == tl.float16:
-                pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x64006400, 0xea;", "=r,r,r",
-                                                  [fields, masks], dtype=tl.int32, is_pure=True, pack=1)
-            else:
-                pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x43004300, 0xea;", "=r,r,r",
-                                                  [fields, masks], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            pairs = (fields & masks) | magic_pair
+        pairs = _magic_pairs(fields, (((1 << BITS) - 1) * 0x10001) << r, HALF, ASM)
         low = (pairs & 0xFFFF).to(tl.int16).to(HALF, bitcast=True)
         high = (pairs >> 16).to(tl.int16).to(HALF, bitcast=True)
         v = tl.join(low, high)
         unit = unit[:, :, :, :, None]
         offset = offset[:, :, :, :, None]
     if HAS_ZERO:  # int8 zero points, one row per group: g_rows broadcasts to [Q, 4, 1]
-        zero = _group_rows(z_ptr, g_rows, offs_n, n_mask, N, PAIR_LAST)
+        zero = _group_rows(z_ptr, g_rows, offs_n, n_mask, N)
         offset = offset + zero.to(v.dtype)
     return v, unit, offset
 
