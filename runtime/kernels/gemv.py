@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.packed_pairs import _byte_pair, _fma_pair, _halves_to_f32, _magic, _magic_pairs, _neg_offset_pair
+from runtime.kernels.packed_pairs import _byte_pairs, _fma_pair, _halves_to_f32, _magic, _magic_pairs, _neg_offset_pair
 
 _SUBTILE = tl.constexpr(16)  # word rows per K tile (weight_layout.SUBTILE_K)
 
@@ -149,7 +149,7 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                 if IN_PLACE:  # pairs 0, 1 from the word, 2, 3 from the word >> 8
                     v = _magic_pairs(w >> (8 * (j // 2)), masks[j % 2], PAIR, ASM)
                 elif BITS == 8 and PAIR == tl.float16:  # bytes j and j + 2 under two 0x64 bytes
-                    v = _byte_pair(w, masks[2], j, ASM)
+                    v = _byte_pairs(w, masks[2], j, ASM)
                 else:
                     v = _magic_pairs(w >> (BITS * j), masks[0], PAIR, ASM)
                 new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][b], PAIR,

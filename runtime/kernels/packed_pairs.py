@@ -81,17 +81,16 @@ def _rounded_bits(v, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _byte_pair(w, magic, J: tl.constexpr, ASM: tl.constexpr):
-    """fp16 pair ``(1024 + byte J, 1024 + byte J + 2)`` of ``w``: one byte permute, no shift
-    (``magic`` holds 0x64 in every byte)."""
+def _byte_pairs(w, magic, high, ASM: tl.constexpr):
+    """fp16 pairs ``(1024 + byte h, 1024 + byte h + 2)`` of ``w`` (``h = high``, 0 or 1, per
+    element): one byte permute, no shift, no mask (``magic`` holds 0x64 in every byte; a
+    register: as a literal, ptxas re-materializes it per use)."""
     if not ASM:
-        out = ((w >> (8 * J)) & 0x00FF00FF) | 0x64006400
-    elif J == 0:
-        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4240;", "=r,r,r", [w, magic], dtype=tl.int32,
-                                        is_pure=True, pack=1)
+        out = ((w >> (8 * high)) & 0x00FF00FF) | 0x64006400
     else:
-        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4341;", "=r,r,r", [w, magic], dtype=tl.int32,
-                                        is_pure=True, pack=1)
+        selector = 0x4240 + 0x101 * high  # result bytes: byte h, 0x64, byte h + 2, 0x64
+        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [w, magic, selector],
+                                        dtype=tl.int32, is_pure=True, pack=1)
     return out
 
 
