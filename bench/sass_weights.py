@@ -23,8 +23,7 @@ def weight_cases() -> list[KernelCase]:
     """runtime/kernels/quant_matmul.py at the configurations it launches by default: the first
     candidate of each row range (decode M=1, M=2..16, prefill) for 4-bit group 128 asymmetric
     (the budgets' case) in fp16 and bf16, and 8-bit group 128 asymmetric in fp16."""
-    from runtime.kernels.quant_matmul import (TORCH_DTYPES, KernelWeight, _quant_matmul_kernel, candidate_configs,
-                                              dequant_type)
+    from runtime.kernels.quant_matmul import TMA_MIN_BLOCK_M, KernelWeight, candidate_configs
 
     kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
     cases = []
@@ -33,27 +32,37 @@ def weight_cases() -> list[KernelCase]:
         cases.append(gemv_case(kw, dtype))
         for label, M in (("small-m", 16), ("prefill", 4096)):
             config = candidate_configs(M, kw)[0]
-            split = config.split_k > 1
-            signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
-                         "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
-                         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
-            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
-                              HAS_BIAS=False, SPLIT=split, DOT_IN_FP32=False,
-                              DEQUANT=dequant_type(bits, TORCH_DTYPES[dtype], False),
-                              DEQUANT_ASM=True,
-                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
-                              STEP_TILES=config.step_tiles)
-            steps = f" {config.step_tiles}tiles" if config.step_tiles > 1 else ""  # K tiles per main-loop iteration
-            cases.append(KernelCase(
-                name=f"w{bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}{steps}",
-                kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-                units_per_iteration=config.block_n * kw.tile_k * config.step_tiles,
-                # aligned tensors, and sizes and row strides divisible by 16, as real layers have
-                divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
-                notes=f"default candidate for M={M} (candidate_configs(M)[0])",
-                budgets={"sm_90a": SASS_BUDGETS[label]}))
+            for arch in ("sm_90a", "sm_80"):  # activations by TMA only where the GPU has it
+                cases.append(dot_case(kw, dtype, label, M, config, arch,
+                                      arch == "sm_90a" and config.block_m >= TMA_MIN_BLOCK_M))
     return cases
+
+
+def dot_case(kw, dtype: str, label: str, M: int, config, arch: str, x_tma: bool) -> KernelCase:
+    """runtime/kernels/quant_matmul.py's tensor-core path at ``config`` for ``arch``."""
+    from runtime.kernels.quant_matmul import TORCH_DTYPES, _quant_matmul_kernel, dequant_type
+
+    split = config.split_k > 1
+    signature = {"x_ptr": f"*{dtype}", "x_desc": f"tensordesc<{dtype}[{config.block_m}, {kw.tile_k}]>" if x_tma
+                 else f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                 "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
+    constexprs = dict(BITS=kw.bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
+                      HAS_BIAS=False, SPLIT=split, DOT_IN_FP32=False,
+                      DEQUANT=dequant_type(kw.bits, TORCH_DTYPES[dtype], False), DEQUANT_ASM=True,
+                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+                      STEP_TILES=config.step_tiles, X_TMA=x_tma)
+    steps = f" {config.step_tiles}tiles" if config.step_tiles > 1 else ""  # K tiles per main-loop iteration
+    return KernelCase(
+        name=f"w{kw.bits}g128 {dtype} {label} {config.block_m}x{config.block_n} split{config.split_k}{steps}"
+             + (" tma" if x_tma else ""),
+        kernel_fn=_quant_matmul_kernel, signature=signature, constexprs=constexprs,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        units_per_iteration=config.block_n * kw.tile_k * config.step_tiles, archs=(arch,),
+        # aligned tensors, and sizes and row strides divisible by 16, as real layers have
+        divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm"),
+        notes=f"default candidate for M={M} (candidate_configs(M)[0])" + (", activations by TMA" if x_tma else ""),
+        budgets={"sm_90a": SASS_BUDGETS[label]})
 
 
 def gemv_case(kw, dtype: str) -> KernelCase:

@@ -22,8 +22,10 @@ from runtime.kernels import quant_matmul as qm
 
 def compile_case(case: dict):
     fn = qm._quant_matmul_kernel
-    dtype, split = case["dtype"], case["split"]
-    signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+    dtype, split, tma = case["dtype"], case["split"], case.get("tma", False)
+    tile_k = 16 * 32 // case["bits"]
+    signature = {"x_ptr": f"*{dtype}", "x_desc": f"tensordesc<{dtype}[{case['block_m']}, {tile_k}]>" if tma
+                 else f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
                  "bias_ptr": f"*{dtype}", "out_ptr": "*fp32" if split else f"*{dtype}",
                  "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "tiles_per_split": "i32"}
     constants = dict(BITS=case["bits"], GROUP=case["group"], HAS_ZERO=case["zero"],
@@ -32,10 +34,11 @@ def compile_case(case: dict):
                      DEQUANT=qm.dequant_type(case["bits"], qm.TORCH_DTYPES[dtype], False),
                      DEQUANT_ASM=True,
                      BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8,
-                     STEP_TILES=case.get("step_tiles", 1))
+                     STEP_TILES=case.get("step_tiles", 1), X_TMA=tma)
     signature.update({name: "constexpr" for name in constants})
     # what Triton specializes at launch for aligned tensors and sizes divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9)}
+    divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm")
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", case["arch"], 32),
                           options={"num_warps": case["num_warps"], "num_stages": 3})
 
@@ -54,6 +57,8 @@ def facts(kernel) -> dict:
         "wgmma_first_operand": sorted({"registers" if d.startswith("tensor") else "shared" for d in dots}),
         # the packed 16-bit dequantization (inline assembly in _scaled_difference)
         "packed_half_fma": len(re.findall(r"fma\.rn\.b?f16x2", ptx)),
+        # activation tiles by TMA (the X_TMA path)
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
     }
 
 

@@ -110,6 +110,13 @@ CASES = [
     (4, 64, False, False, torch.bfloat16, 9, 48, 704, False, Config(16, 64, split_k=2, step_tiles=2)),
     (8, 32, True, False, torch.float16, 16, 40, 320, True, Config(16, 32, num_stages=2, step_tiles=2)),
     (4, 32, False, True, torch.float16, 12, 40, 640, False, Config(16, 32, step_tiles=4)),  # 5 tiles: 4 + 1
+    # prefill row tiles (>= 64 rows): activations by TMA descriptor, zero-filled past M and K (the
+    # interpreter runs the same descriptor path); act-order with split-K; 8 bits
+    (4, 64, False, False, torch.float16, 70, 64, 576, True, Config(64, 32)),
+    (4, 64, True, True, torch.bfloat16, 65, 32, 384, False, Config(64, 32, split_k=2)),
+    (8, 64, False, False, torch.float16, 64, 32, 320, False, Config(64, 32)),
+    # a row stride TMA cannot take (100 fp16 = 200 bytes): the pointer path at the same tile
+    (4, -1, False, False, torch.float16, 66, 40, 100, False, Config(64, 32)),
     # 2 bits rides along (same kernel, 16 values a word)
     (2, 32, False, False, torch.float16, 3, 40, 256, True, Config(16, 32)),
 ]
@@ -182,6 +189,17 @@ def test_default_configurations_by_rows(M):
     out = qm.quant_matmul(x, kw)
     assert out.shape == (1, M, N)
     assert_close_to_precision(out[0], reference_output(x[0], tensors, (N, K), scheme, None), torch.float16)
+
+
+def test_prefill_tiles_read_activations_by_tma_where_they_can():
+    """TMA takes 16-byte aligned rows; 16-row tiles, and tensors not on a Hopper-class GPU
+    (here: a CPU tensor outside the interpreter), keep the pointer path."""
+    x = torch.zeros(70, 576, dtype=torch.float16)
+    assert qm.activations_by_tma(x, 64, interpreted=True)
+    assert not qm.activations_by_tma(x, 16, interpreted=True)
+    assert not qm.activations_by_tma(torch.zeros(70, 100, dtype=torch.float16), 64, interpreted=True)
+    assert not qm.activations_by_tma(x[:, 1:], 64, interpreted=True)  # base 2 bytes past alignment
+    assert not qm.activations_by_tma(x, 64, interpreted=False)
 
 
 def test_bad_inputs_are_refused():
@@ -310,6 +328,10 @@ def test_kernels_compile_for_nvidia_gpus_without_one():
         pytest.skip("this triton build has no NVIDIA backend (ptxas)")
     cases = [
         dict(arch=90, dtype="bf16", bits=4, group=128, zero=True, split=False, block_m=128, block_n=128, num_warps=8),
+        dict(arch=90, dtype="fp16", bits=4, group=128, zero=True, split=False, block_m=128, block_n=64, num_warps=4,
+             tma=True),
+        dict(arch=90, dtype="fp16", bits=8, group=128, zero=True, split=False, block_m=64, block_n=64, num_warps=4,
+             tma=True),
         dict(arch=90, dtype="fp16", bits=8, group=32, zero=False, split=True, block_m=16, block_n=64, num_warps=4),
         dict(arch=80, dtype="bf16", bits=4, group=128, zero=False, split=False, block_m=64, block_n=128, num_warps=4),
         dict(arch=90, dtype="fp16", bits=2, group=64, zero=True, split=False, block_m=128, block_n=64, num_warps=4),
@@ -332,5 +354,6 @@ def test_kernels_compile_for_nvidia_gpus_without_one():
             assert got["wgmma"] and got["wgmma_first_operand"] == ["registers"], (case, got)
         else:
             assert got["mma_sync"], (case, got)
+        assert (got["tma_loads"] > 0) == case.get("tma", False), (case, got)
         # fp16 or 4-bit bf16: dequantized two weights per instruction (packed fma)
         assert (got["packed_half_fma"] > 0) == (case["dtype"] == "fp16" or case["bits"] <= 4)

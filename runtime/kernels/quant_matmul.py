@@ -17,8 +17,11 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   (``weight_tile``), so the dequantized tile is built in the operand's registers with no byte
   permutes and no trip through shared memory. Tile pointers are made once and advanced by a
   scalar; rows past M read row M - 1 (never stored) and only the last, partial K tile masks
-  activations, so the loop's loads carry no per-element masks. ``step_tiles`` runs several K
-  tiles per iteration (two for small M), sharing the loop's own instructions between them.
+  activations, so the loop's loads carry no per-element masks. Row tiles of 64 rows and more
+  read the activations through a TMA descriptor instead where the GPU has TMA
+  (``activations_by_tma``): no per-tile address math or copies in the loop, zeros past M and K.
+  ``step_tiles`` runs several K tiles per iteration (two for small M), sharing the loop's own
+  instructions between them.
 * GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
   (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
   inside the one launch).
@@ -61,16 +64,37 @@ from runtime.kernels.gemv import default_split, launch_gemv
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
 from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups
 
+try:  # host-side TMA descriptors (Triton 3.4 and later)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: activations through pointers
+    TensorDescriptor = None
+
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
+TMA_MIN_BLOCK_M = 64  # row tiles from here on read activations by TMA where the GPU has it
 _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only as constexpr
 
 
 @triton.jit
-def _tile_step(acc, k0, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+def _activation_tile(x_tile, m0, k0, K, TILE_K: tl.constexpr, MASK_K: tl.constexpr, X_TMA: tl.constexpr):
+    """Rows ``m0 .. m0 + block_m`` of the activations, inputs ``k0 .. k0 + TILE_K``: through the
+    tensor descriptor ``x_tile`` (``X_TMA``: TMA, which fills rows past M and inputs past K with
+    zeros), else through the tile pointers ``x_tile`` (``MASK_K``: the tile passes K)."""
+    if X_TMA:
+        x = x_tile.load([m0, k0])
+    elif MASK_K:
+        x = tl.load(x_tile + k0, mask=(k0 + tl.arange(0, TILE_K) < K)[None, :], other=0.0)
+    else:
+        x = tl.load(x_tile + k0)
+    return x
+
+
+@triton.jit
+def _tile_step(acc, k0, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-               DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, MASK_K: tl.constexpr):
+               DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, MASK_K: tl.constexpr,
+               X_TMA: tl.constexpr):
     """One K tile (inputs ``k0 .. k0 + tile_k``) added into ``acc``; ``MASK_K``: the tile passes K."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
@@ -78,10 +102,7 @@ def _tile_step(acc, k0, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, 
     g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
     scale = _group_rows(s_ptr, g, offs_n, n_mask, N).to(DEQUANT)
     v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
-    if MASK_K:
-        x = tl.load(x_tile + k0, mask=(k0 + tl.arange(0, TILE_K) < K)[None, :], other=0.0)
-    else:
-        x = tl.load(x_tile + k0)
+    x = _activation_tile(x_tile, m0, k0, K, TILE_K, MASK_K, X_TMA)
     # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
     if DEQUANT == tl.float32:
         wq = (v - offset) * scale
@@ -99,12 +120,12 @@ def _tile_step(acc, k0, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, 
 
 @triton.jit
 def _quant_matmul_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    x_ptr, x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, tiles_per_split,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    STEP_TILES: tl.constexpr,
+    STEP_TILES: tl.constexpr, X_TMA: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     Q: tl.constexpr = PACK // 2
@@ -127,24 +148,29 @@ def _quant_matmul_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, out.T = W @ x.T: see the module docstring
     # Tile pointers made once, advanced by a scalar per tile. Rows past M read row M - 1 (real
-    # memory, no mask per load); their results are never stored.
+    # memory, no mask per load); their results are never stored. X_TMA: activation tiles come
+    # through x_desc, a tensor descriptor over x ([M, K], blocks [BLOCK_M, TILE_K]), instead.
     w_rows = qw_ptr + tl.arange(0, _SUBTILE_K)[:, None] * N + offs_n[None, :]
-    x_tile = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, TILE_K)[None, :]
+    m0 = pid_m * BLOCK_M
+    if X_TMA:
+        x_tile = x_desc
+    else:
+        x_tile = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, TILE_K)[None, :]
     # Only the last tile of K can be partial: the loop reads activations without a K mask, and
     # the partial tile, if any, runs once after it with one.
     t_full = tl.maximum(tl.minimum(t_end, K // TILE_K), t_start)
     t_steps = t_start + (t_full - t_start) // STEP_TILES * STEP_TILES
     for t in range(t_start, t_steps, STEP_TILES):  # tiles of one iteration share the loop's own work
         for i in tl.static_range(STEP_TILES):
-            acc = _tile_step(acc, (t + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
-                             GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+            acc = _tile_step(acc, (t + i) * TILE_K, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
+                             GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False, X_TMA)
     for i in tl.static_range(STEP_TILES - 1):  # the full tiles left over, if any
         if t_steps + i < t_full:
-            acc = _tile_step(acc, (t_steps + i) * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
-                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False)
+            acc = _tile_step(acc, (t_steps + i) * TILE_K, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                             BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False, X_TMA)
     if t_full < t_end:
-        acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
-                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True)
+        acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+                         BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True, X_TMA)
     acc = tl.trans(acc)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -205,6 +231,22 @@ def dequant_type(bits: int, dtype: torch.dtype, interpreted: bool):
     return tl.float32
 
 
+def activations_by_tma(x2: torch.Tensor, block_m: int, interpreted: bool) -> bool:
+    """Whether the activation tiles come through a TMA descriptor: prefill tiles (``block_m >=
+    TMA_MIN_BLOCK_M``) on GPUs with TMA (Hopper and later; the interpreter runs the same path on
+    CPU), where x meets TMA's rules (16-byte aligned base and row stride). On sm_90a it takes the
+    tile's address math and copies out of the main loop (W4 128x64: 282 -> 266 SASS instructions,
+    static count); for 16-row tiles it adds more (barrier waits) than it saves, and on sm_80,
+    which has no TMA, Triton's emulation spills."""
+    if TensorDescriptor is None or block_m < TMA_MIN_BLOCK_M:
+        return False
+    if x2.data_ptr() % 16 or (x2.stride(0) * x2.element_size()) % 16:
+        return False
+    if interpreted:
+        return True
+    return x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
+
+
 def interpreting() -> bool:
     """Whether these kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -254,8 +296,10 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
     group = kw.group_len if kw.num_groups > 1 else num_tiles * kw.tile_k
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), splits)
+    x_tma = activations_by_tma(x2, config.block_m, interpreting())
+    x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [config.block_m, kw.tile_k]) if x_tma else x2
     _quant_matmul_kernel[grid](
-        x2, kw.qweight, kw.scales, kw.zeros if kw.zeros is not None else kw.scales,
+        x2, x_desc, kw.qweight, kw.scales, kw.zeros if kw.zeros is not None else kw.scales,
         bias if bias is not None else kw.scales, target,
         M, N, K, x2.stride(0), tiles_per_split,
         BITS=kw.bits, GROUP=group, HAS_ZERO=kw.zeros is not None, SCALE_PER_TILE=group % kw.tile_k == 0,
@@ -263,7 +307,7 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
         DEQUANT=dequant_type(kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STEP_TILES=config.step_tiles,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        X_TMA=x_tma, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         block = 1024
