@@ -32,7 +32,7 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
                   HALF: tl.constexpr, ASM: tl.constexpr):
     """``(v, unit, offset)`` with ``v * unit - offset == q - zero`` (exact) for inputs
     ``k0 .. k0 + tile_k`` and outputs ``offs_n``; ``v`` is shaped ``[Q, 4, 4, BLOCK_N, 2]``, element
-    ``[q, a, b, n, p]`` being input ``k0 + _tile_inputs()[p, q, a, b]``; ``unit`` and ``offset``
+    ``[q, a, b, n, p]`` being input ``k0 + 8 (a Q + q) + 2 b + p``; ``unit`` and ``offset``
     broadcast to it. In fp32, or in ``HALF`` (a 16-bit float type), where pairs of values share an
     instruction."""
     Q: tl.constexpr = 16 // BITS
