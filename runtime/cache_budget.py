@@ -60,6 +60,6 @@ def cache_size(model, scheme: KVScheme, kv_memory, max_batch: int, max_len: int)
     blocks = (budget - max_batch * per_slot) // page
     if blocks < 1:
         raise ValueError(
-            f"a KV budget of {budget:,} bytes holds no cache page beside {max_batch} slots' residual blocks "
+            f"a KV budget of {budget:,} bytes holds no cache block beside {max_batch} slots' residual blocks "
             f"({per_slot:,} bytes each, {scheme.name}); raise kv_memory or lower max_batch")
     return budget, int(blocks)

@@ -21,7 +21,7 @@ from kvquant.memory import layer_groups, residual_bytes, ring_blocks, sequence_b
 from runtime.cache import KVCache  # noqa: E402
 
 SCHEMES = ["fp16-r16", "int8-r16", "int4-g16-r16", "int2-g16-r16", "fp8-r16"]
-WINDOW = 12  # smaller than the 50-token history, not a multiple of the 16-token block
+WINDOW = 12  # smaller than the 40-token history, not a multiple of the 16-token block
 
 
 def tiny_decoder(windows_per_layer=None):
@@ -62,17 +62,17 @@ def ring_and_uncapped(model, scheme, max_len):
 def test_rings_attend_exactly_as_the_uncapped_cache(name, mix):
     model = tiny_decoder((WINDOW, None, WINDOW) if mix else None)
     scheme = parse_kv(name)
-    ids = torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
     ring, uncapped = ring_and_uncapped(model, scheme, 64)
     got = run_history(model, ring, ids, (20, 13))
     want = run_history(model, uncapped, ids, (20, 13))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # at 50 positions, each sliding group holds its ring of ceil(12 / 16) = 1 block per sequence; full ones 3
+    # at 40 positions, each sliding group holds its ring of ceil(12 / 16) = 1 block per sequence; full ones 2
     groups = ring.groups
-    expected = sum(3 if w is None else ring_blocks(w, 16) for w in groups.windows)
+    expected = sum(2 if w is None else ring_blocks(w, 16) for w in groups.windows)
     assert ring.pages_held() == 2 * expected
     layer_blocks = lambda c: c.pages_held() * c.groups.size  # noqa: E731 (pages differ in size)
-    assert layer_blocks(ring) < layer_blocks(uncapped) == 2 * 3 * 3
+    assert layer_blocks(ring) < layer_blocks(uncapped) == 2 * 2 * 3
     if mix:  # two sliding layers and one full one: groups of one layer each, one page size
         assert groups.windows == (WINDOW, None, WINDOW) and groups.size == 1
 
@@ -151,11 +151,11 @@ def test_default_cpu_budget_is_capped_and_an_impossible_one_is_named(monkeypatch
         decoder = tiny_decoder((None, None, None))
         dtype, device = torch.float16, torch.device("cpu")
 
+    real_cap, source = cache_budget.default_budget(torch.device("cpu"))
+    assert 0 < real_cap and "available memory" in source  # psutil is a test dependency
     scheme = parse_kv("fp16-r16")
     monkeypatch.setattr(cache_budget, "default_budget", lambda device: (10**6, "a test cap"))
     budget, pages = cache_budget.cache_size(Model, scheme, None, 4, 64)
     assert budget <= 10**6 and pages >= 1
     with pytest.raises(ValueError, match="a test cap.*cannot hold one sequence of max_len 100,000"):
         cache_budget.cache_size(Model, scheme, None, 4, 100_000)
-    real_cap, source = cache_budget.default_budget(torch.device("cpu"))
-    assert 0 < real_cap and "available memory" in source  # psutil is a test dependency
