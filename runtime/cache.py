@@ -154,6 +154,15 @@ class KVCache:
                 for w in self.groups.windows if w is not None]
         return full * sum(w is None for w in self.groups.windows) + sum(min(full, cap) for cap in caps)
 
+    def longest_sequence(self, chunk: int | None = None) -> int:
+        """The most positions one sequence can reach with the whole pool to itself (at most ``max_len``;
+        ``chunk``: its prompt prefilled in chunks of that many tokens, as :meth:`pages_for` counts)."""
+        lo, hi = 0, self.max_len  # pages_for grows with tokens: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages_for(mid, chunk) <= self.num_blocks else (lo, mid - 1)
+        return lo
+
     # ------------------------------------------------------------- pages: rings and allocation
 
     def _live_from(self, group: int, position: int) -> int:
@@ -161,25 +170,27 @@ class KVCache:
         w = self.groups.windows[group]
         return 0 if w is None else max(position - w + 1, 0) // self.block_size
 
-    def _place(self, slots, groups, release_from, end: int) -> tuple[list, list]:
-        """``(pages to release, (slot, group, block) entries to take)`` for writes up to ``end``
-        whose earliest query is at ``release_from[slot]``."""
-        release, take = [], []
+    def _place(self, slots, groups, release_from, end: int) -> tuple[list, list, dict]:
+        """``(entries to release, entries to take, the ring's new tail per (slot, group))`` for writes
+        up to ``end`` whose earliest query is at ``release_from[slot]``; an entry is (slot, group, block)."""
+        release, take, tails = [], [], {}
         for s in slots:
             for g in groups:
-                for j in range(self._live_from(g, release_from[s])):
-                    if self.slots.entry(s, g, j) >= 0:
-                        release.append((s, g, j))
-                take += [(s, g, j) for j in range(self._live_from(g, end), end // self.block_size)
-                         if self.slots.entry(s, g, j) < 0]
-        return release, take
+                live = tails[s, g] = self._live_from(g, release_from[s])
+                release += [(s, g, j) for j in range(self.slots.dropped[s][g], live) if self.slots.entry(s, g, j) >= 0]
+                # blocks before the write's own are held already (or out of the window)
+                first = max(self._live_from(g, end), release_from[s] // self.block_size)
+                take += [(s, g, j) for j in range(first, end // self.block_size) if self.slots.entry(s, g, j) < 0]
+        return release, take, tails
 
-    def _apply(self, release: list, take: list, strict: bool = True) -> bool:
+    def _apply(self, release: list, take: list, tails: dict, strict: bool = True) -> bool:
         """Release, then take (all or, when the pool is short, none: a RuntimeError if ``strict``,
         else False); the changed rows go to the device in one copy."""
         self.pool.give(self.slots.entry(s, g, j) for s, g, j in release)
         for s, g, j in release:
             self.slots.set_entry(s, g, j, -1)
+        for (s, g), tail in tails.items():
+            self.slots.dropped[s][g] = max(self.slots.dropped[s][g], tail)
         ok = len(take) <= self.pool.free
         if ok:
             for s, g, j in take:
@@ -199,7 +210,7 @@ class KVCache:
         RuntimeError, taking nothing, when the pool has too few free pages."""
         take = [(s, g, j) for s in slots for g in range(len(self.groups.layers)) for j in range(first, first + count)
                 if self.slots.entry(s, g, j) < 0]
-        self._apply([], take)
+        self._apply([], take, {})
         return bool(take)
 
     # ------------------------------------------------------------------ writes

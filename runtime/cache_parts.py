@@ -92,6 +92,8 @@ class SequenceSlots:
     def reset(self) -> None:
         self.host_table = [[-1] * self.block_table.shape[1] for _ in range(self.batch)]
         self.lengths = [0] * self.batch  # per sequence, when sequences are used one by one
+        # per row and group: every block before this one has gone back to the pool (a ring's tail)
+        self.dropped = [[0] * len(self.groups.layers) for _ in range(self.batch)]
         self._free = list(range(self.batch - 1, -1, -1))
 
     def group_of(self, layer: int) -> int:
@@ -145,6 +147,7 @@ class SequenceSlots:
         if pages:
             self.block_table[slot].fill_(-1)
         self.host_table[slot] = [-1] * len(row)
+        self.dropped[slot] = [0] * len(self.groups.layers)
         self.lengths[slot] = 0
         self._free.append(slot)
         return pages
@@ -157,6 +160,7 @@ class SequenceSlots:
             t[[a, b]] = t[[b, a]]
         self.host_table[a], self.host_table[b] = self.host_table[b], self.host_table[a]
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+        self.dropped[a], self.dropped[b] = self.dropped[b], self.dropped[a]
         free_a, free_b = a in self._free, b in self._free
         if free_a != free_b:
             self._free[self._free.index(a if free_a else b)] = b if free_a else a
