@@ -159,3 +159,68 @@ def test_default_cpu_budget_is_capped_and_an_impossible_one_is_named(monkeypatch
     assert budget <= 10**6 and pages >= 1
     with pytest.raises(ValueError, match="a test cap.*cannot hold one sequence of max_len 100,000"):
         cache_budget.cache_size(Model, scheme, None, 4, 100_000)
+
+
+def test_the_engine_keeps_rings_and_decodes_as_the_uncapped_cache(tmp_path, monkeypatch):
+    """A sliding-window model (Mistral, window 8) through the engine on a quantized cache: its greedy
+    tokens equal ``Model.generate`` on a cache that keeps every position, and once decoding, each
+    sequence holds at most its ring (one 16-token block; none when the window lies in the residual
+    block), never its whole history."""
+    import runtime
+    from runtime.cache import KVCache as Cache
+    from runtime.engine import Engine
+    from runtime.load import Model
+    from runtime.sampling import SamplingParams
+    from tiny import save_model, tiny_model
+
+    model = runtime.load(save_model(*tiny_model("mistral-sliding"), tmp_path / "m"), kv="int4-g16-r16")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 150, (n,), generator=g).tolist() for n in (21, 5, 34)]
+    engine = Engine(model, max_batch=3, max_len=64, prefill_chunk=16)
+    requests = [engine.submit(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+    most = 0
+    while engine.has_work():
+        engine.step()
+        decoding = [r for r in engine.running if r.slot is not None and r.slot < engine.decoding]
+        for r in decoding:
+            if r.computed >= 32:  # two whole blocks of history, and decoding
+                held = sum(b >= 0 for b in engine.cache.host_table[r.slot])
+                assert held <= ring_blocks(8, 16), (r.computed, engine.cache.host_table[r.slot])
+                most = max(most, r.computed)
+    assert most >= 40  # the check ran on long sequences
+
+    def uncapped(self, max_len, batch=1, scheme=None):  # Model.generate on a cache with no rings
+        cfg = self.decoder.cfg
+        return Cache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype, self.device,
+                     scheme=scheme or self.kv_scheme)
+
+    monkeypatch.setattr(Model, "new_cache", uncapped)
+    for r, p in zip(requests, prompts):
+        want = [t.id for t in model.generate(p, max_new_tokens=24, stop_at_eos=False)]
+        assert r.output_ids == want
+
+
+def test_plan_counts_rings_per_layer_type(tmp_path):
+    """``lowbit plan`` on a Gemma-3-shaped config (no weights): local layers at their ring, global
+    ones at the whole context, the factor the rings save, and more sequences for it."""
+    import json
+
+    from evals import planner
+
+    config = {"model_type": "gemma3_text", "num_hidden_layers": 12, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 128, "hidden_size": 1024, "intermediate_size": 4096,
+              "vocab_size": 1000, "sliding_window": 512, "max_position_embeddings": 32768,
+              "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12)]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = planner.plan(str(tmp_path), 40 * 10**9, 16384, ["int4"])
+    row = p["schemes"][0]
+    assert p["attention"]["layer_types"] == [{"window": None, "layers": 2}, {"window": 512, "layers": 10}]
+    full, local = row["layer_types"]
+    assert full["blocks_per_layer"] == 128 and local["blocks_per_layer"] == 4  # 16,384 / 128; 512 / 128
+    scheme = parse_kv("int4")
+    windows = planner.sliding_windows(config, 12)
+    assert row["bytes_per_sequence"] == sequence_bytes(scheme, 12, 4, 128, 16384, torch.float16, windows)
+    assert row["bytes_per_sequence_without_rings"] == sequence_bytes(scheme, 12, 4, 128, 16384, torch.float16)
+    assert row["ring_factor"] == pytest.approx(row["bytes_per_sequence_without_rings"] / row["bytes_per_sequence"])
+    assert 4 < row["ring_factor"] < 6 and row["max_sequences"] > 4 * row["max_sequences_without_rings"]
+    assert "rings save" in planner.plan_text(p)
