@@ -165,24 +165,6 @@ class KVCache:
 
     # ------------------------------------------------------------- pages: rings and allocation
 
-    def _live_from(self, group: int, position: int) -> int:
-        """First logical block of ``group`` a write from ``position`` on can read."""
-        w = self.groups.windows[group]
-        return 0 if w is None else max(position - w + 1, 0) // self.block_size
-
-    def _place(self, slots, groups, release_from, end: int) -> tuple[list, list, dict]:
-        """``(entries to release, entries to take, the ring's new tail per (slot, group))`` for writes
-        up to ``end`` whose earliest query is at ``release_from[slot]``; an entry is (slot, group, block)."""
-        release, take, tails = [], [], {}
-        for s in slots:
-            for g in groups:
-                live = tails[s, g] = self._live_from(g, release_from[s])
-                release += [(s, g, j) for j in range(self.slots.dropped[s][g], live) if self.slots.entry(s, g, j) >= 0]
-                # blocks before the write's own are held already (or out of the window)
-                first = max(self._live_from(g, end), release_from[s] // self.block_size)
-                take += [(s, g, j) for j in range(first, end // self.block_size) if self.slots.entry(s, g, j) < 0]
-        return release, take, tails
-
     def _apply(self, release: list, take: list, tails: dict, strict: bool = True) -> bool:
         """Release, then take (all or, when the pool is short, none: a RuntimeError if ``strict``,
         else False); the changed rows go to the device in one copy."""
@@ -238,7 +220,7 @@ class KVCache:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
         g = self.slots.group_of(layer)
         earliest = min(self.lengths[i] for i in self.groups.layers[g])  # a group's pages serve all its layers
-        self._apply(*self._place(range(self.batch), [g], [earliest] * self.batch, end))
+        self._apply(*self.slots.place(range(self.batch), [g], [earliest] * self.batch, end))
         return end
 
     def finish_write(self, layer: int, end: int) -> None:
@@ -354,7 +336,7 @@ class KVCache:
         """Pages sequence ``slot`` still lacks to hold positions up to ``end`` (blocks fill at B tokens;
         a sliding group's blocks out of the window at ``end`` are never taken)."""
         lengths = self.slots.lengths
-        return len(self._place([slot], range(len(self.groups.layers)), lengths, end)[1])
+        return len(self.slots.place([slot], range(len(self.groups.layers)), lengths, end)[1])
 
     def reserve(self, slot: int, end: int) -> bool:
         """Release the pages of ``slot`` its next write (from its length on) cannot read, and take the
@@ -363,7 +345,7 @@ class KVCache:
         self._check_slot(slot)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions per sequence, asked for {end}")
-        placed = self._place([slot], range(len(self.groups.layers)), self.slots.lengths, end)
+        placed = self.slots.place([slot], range(len(self.groups.layers)), self.slots.lengths, end)
         return self._apply(*placed, strict=False)
 
     def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor):
@@ -382,7 +364,7 @@ class KVCache:
         end = start + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
-        self._apply(*self._place([slot], [self.slots.group_of(layer)], self.slots.lengths, end))
+        self._apply(*self.slots.place([slot], [self.slots.group_of(layer)], self.slots.lengths, end))
         keys, values = self._store_and_read(layer, range(slot, slot + 1), start, k[None], v[None])
         return keys[0], values[0]
 

@@ -5,8 +5,9 @@ docstring is the layout contract):
   position in a layer group (the layers at position ``i`` of every group share tensor ``i``),
   and the free list of page ids, kept on the host;
 * :class:`SequenceSlots`: the per-sequence rows: the block table (one column range per layer
-  group) with its host mirror, the unquantized residual block of every layer, the lengths, and
-  which rows are free.
+  group) with its host mirror, the unquantized residual block of every layer, the lengths,
+  which rows are free, and which blocks a write releases and takes (:meth:`SequenceSlots.place`:
+  the sliding-window rings, decided on the host mirror).
 
 Kernels and references read these through public attributes only (``PagedKV.from_cache``).
 """
@@ -79,7 +80,7 @@ class SequenceSlots:
 
     def __init__(self, groups: LayerGroups, batch: int, max_blocks: int, kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, device: torch.device):
-        self.groups, self.batch, self.max_blocks = groups, batch, max_blocks
+        self.groups, self.batch, self.max_blocks, self.block_size = groups, batch, max_blocks, block_size
         width = len(groups.layers) * max_blocks
         layers = sum(len(members) for members in groups.layers)
         self.block_table = torch.full((batch, width), -1, dtype=torch.int32, device=device)
@@ -114,6 +115,26 @@ class SequenceSlots:
         """Copy the host mirror's rows ``min(slots) .. max(slots)`` to the device: one host-to-device copy."""
         lo, hi = min(slots), max(slots) + 1
         self.block_table[lo:hi].copy_(torch.tensor(self.host_table[lo:hi], dtype=torch.int32), non_blocking=True)
+
+    # ----------------------------------------------------------------------- rings
+
+    def live_from(self, group: int, position: int) -> int:
+        """First logical block of ``group`` a write from ``position`` on can read."""
+        w = self.groups.windows[group]
+        return 0 if w is None else max(position - w + 1, 0) // self.block_size
+
+    def place(self, slots, groups, release_from, end: int) -> tuple[list, list, dict]:
+        """``(entries to release, entries to take, the ring's new tail per (slot, group))`` for writes
+        up to ``end`` whose earliest query is at ``release_from[slot]``; an entry is (slot, group, block)."""
+        release, take, tails = [], [], {}
+        for s in slots:
+            for g in groups:
+                live = tails[s, g] = self.live_from(g, release_from[s])
+                release += [(s, g, j) for j in range(self.dropped[s][g], live) if self.entry(s, g, j) >= 0]
+                # blocks before the write's own are held already (or out of the window)
+                first = max(self.live_from(g, end), release_from[s] // self.block_size)
+                take += [(s, g, j) for j in range(first, end // self.block_size) if self.entry(s, g, j) < 0]
+        return release, take, tails
 
     # ----------------------------------------------------------------------- rows
 
