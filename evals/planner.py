@@ -10,6 +10,9 @@ weights): no tensor is loaded, so it plans a 70B model on a laptop. What it coun
 * KV cache: per sequence, as the runtime's paged cache stores it
   (:mod:`kvquant.memory`): full blocks at the scheme's bytes per token, scales
   included, plus one unquantized residual block; keys and values kept in 16 bits.
+  Sliding-window layers (Mistral, Qwen2 sliding configs, Gemma's local layers) keep a
+  ring of ``ceil(window / block)`` blocks: each row reports bytes per sequence with and
+  without rings at the planned context, and per layer type.
 
 Activations and the framework's own memory are not counted: hold them back with
 ``reserve``.
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvquant import KVScheme, bytes_per_token, parse_kv
-from kvquant.memory import max_tokens, sequence_bytes
+from kvquant.memory import max_tokens, ring_blocks, sequence_bytes
 from quant import architectures
 from runtime.units import parse_bytes
 
@@ -71,6 +74,17 @@ def attention_shape(config: dict) -> tuple[int, int, int]:
         return architectures.attention_shape(config)
     except architectures.MissingConfigKey as e:
         raise PlanError(str(e)) from None
+
+
+def sliding_windows(config: dict, layers: int) -> tuple:
+    """Per layer None or its sliding window: the family's rule (``quant.architectures``); a family
+    lowbit does not run yet is read from its ``layer_types`` when the config names them."""
+    try:
+        return architectures.architecture(config.get("model_type")).sliding_windows(config, layers)
+    except architectures.UnsupportedModelError:
+        if config.get("layer_types") is not None:
+            return architectures.layers_by_type(config, layers)
+        return (None,) * layers
 
 
 def safetensors_weight_bytes(directory: Path) -> int | None:
@@ -124,13 +138,15 @@ def plan(spec: str, memory: int, context: int, schemes=DEFAULT_SCHEMES, reserve:
     config_file = _config_path(spec)
     config = text_config(json.loads(config_file.read_text()))
     layers, kv_heads, head_dim = attention_shape(config)
+    windows = sliding_windows(config, layers)
     weight_bytes = safetensors_weight_bytes(config_file.parent)
     source = "safetensors headers"
     if weight_bytes is None:
         weight_bytes, source = config_weight_bytes(config)
     free = memory - reserve - weight_bytes
     limit = config.get("max_position_embeddings")
-    rows = [_cap_context(_scheme_row(name, layers, kv_heads, head_dim, context, free), limit) for name in schemes]
+    rows = [_cap_context(_scheme_row(name, layers, kv_heads, head_dim, context, free, windows), limit)
+            for name in schemes]
     return {
         "model": spec,
         "memory_bytes": memory,
@@ -139,30 +155,57 @@ def plan(spec: str, memory: int, context: int, schemes=DEFAULT_SCHEMES, reserve:
         "weights": {"bytes": weight_bytes, "source": source},
         "free_for_kv_bytes": max(free, 0),
         "attention": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
-                      "max_position_embeddings": config.get("max_position_embeddings")},
+                      "max_position_embeddings": config.get("max_position_embeddings"),
+                      "layer_types": _layer_types(windows)},
         "kv_dtype": str(KV_DTYPE).replace("torch.", ""),
         "schemes": rows,
-        "counted": "weights as stored + KV cache as the runtime allocates it (blocks for the whole context, scales, one "
-                   "unquantized residual block per sequence); "
+        "counted": "weights as stored + KV cache as the runtime allocates it (blocks for the whole context, a "
+                   "sliding layer's capped at its ring of ceil(window / block) blocks, scales, one unquantized "
+                   "residual block per sequence); "
                    "activations and framework memory not counted (hold them back with --reserve)",
     }
 
 
-def _scheme_row(name: str, layers: int, kv_heads: int, head_dim: int, context: int, free: int) -> dict:
+def _layer_types(windows: tuple) -> list[dict]:
+    """``[{"window": None or W, "layers": n}]``, full attention first."""
+    counts: dict = {}
+    for w in windows:
+        counts[w] = counts.get(w, 0) + 1
+    return [{"window": w, "layers": counts[w]} for w in sorted(counts, key=lambda w: (w is not None, w or 0))]
+
+
+def _scheme_row(name: str, layers: int, kv_heads: int, head_dim: int, context: int, free: int,
+                windows: tuple | None = None) -> dict:
     scheme: KVScheme = parse_kv(name)
     row = {"scheme": scheme.name, "bits": scheme.bits, "type": scheme.type}
     try:
         scheme.check_head_dim(head_dim)
     except ValueError as e:
         return {**row, "error": str(e)}
-    per_seq = sequence_bytes(scheme, layers, kv_heads, head_dim, context, KV_DTYPE)
+    windows = windows or (None,) * layers
+    per_seq = sequence_bytes(scheme, layers, kv_heads, head_dim, context, KV_DTYPE, windows)
+    flat = sequence_bytes(scheme, layers, kv_heads, head_dim, context, KV_DTYPE)
+    rate = bytes_per_token(scheme, 1, kv_heads, head_dim, KV_DTYPE)  # one layer's
+    per_type = []
+    for t in _layer_types(windows):  # each type's pool blocks at this context (residual blocks aside)
+        n, w = t["layers"], t["window"]
+        blocks = -(-context // scheme.block_size)
+        kept = blocks if w is None else min(blocks, ring_blocks(w, scheme.block_size))
+        per_type.append({**t, "blocks_per_layer": kept, "blocks_per_layer_without_rings": blocks,
+                         "bytes_per_sequence": int(n * kept * scheme.block_size * rate),
+                         "bytes_per_sequence_without_rings": int(n * blocks * scheme.block_size * rate)})
     return {
         **row,
         "kv_bytes_per_token": bytes_per_token(scheme, layers, kv_heads, head_dim, KV_DTYPE),
+        "kv_bytes_per_token_at_context": per_seq / context,
         "residual_tokens": scheme.residual if scheme.quantized else 0,
         "bytes_per_sequence": per_seq,
+        "bytes_per_sequence_without_rings": flat,
+        "ring_factor": flat / per_seq,
+        "layer_types": per_type,
         "max_sequences": max(free, 0) // per_seq,
-        "max_context": max_tokens(scheme, layers, kv_heads, head_dim, max(free, 0), KV_DTYPE),
+        "max_sequences_without_rings": max(free, 0) // flat,
+        "max_context": max_tokens(scheme, layers, kv_heads, head_dim, max(free, 0), KV_DTYPE, windows),
     }
 
 
@@ -182,6 +225,14 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _types_text(types: list[dict]) -> str:
+    sliding = [t for t in types if t["window"] is not None]
+    if not sliding:
+        return ""
+    return "; " + ", ".join(f"{t['layers']} " + (f"sliding (window {t['window']:,})" if t["window"] else "full")
+                            for t in types) + " layers"
+
+
 def plan_text(p: dict) -> str:
     lines = [
         f"memory plan for {p['model']}: {_size(p['memory_bytes'])} budget"
@@ -190,9 +241,10 @@ def plan_text(p: dict) -> str:
         f"weights: {_size(p['weights']['bytes'])} ({p['weights']['source']}); "
         f"left for the KV cache: {_size(p['free_for_kv_bytes'])}",
         f"attention: {p['attention']['layers']} layers x {p['attention']['kv_heads']} KV heads x head_dim "
-        f"{p['attention']['head_dim']}",
+        f"{p['attention']['head_dim']}" + _types_text(p["attention"]["layer_types"]),
         "",
-        f"{'KV scheme':<16} {'bytes/token':>12} {'per sequence':>14} {'sequences':>10} {'longest sequence':>17}",
+        f"{'KV scheme':<16} {'bytes/token':>12} {'per sequence':>14} {'rings save':>11} {'sequences':>10} "
+        f"{'longest sequence':>17}",
     ]
     for r in p["schemes"]:
         if "error" in r:
@@ -200,7 +252,8 @@ def plan_text(p: dict) -> str:
             continue
         capped = r["max_context_memory"] > r["max_context"]
         lines.append(f"{r['scheme']:<16} {r['kv_bytes_per_token']:>12,.0f} {_size(r['bytes_per_sequence']):>14} "
-                     f"{r['max_sequences']:>10,} {r['max_context']:>16,}{'*' if capped else ' '}")
+                     f"{r['ring_factor']:>10.2f}x {r['max_sequences']:>10,} {r['max_context']:>16,}"
+                     f"{'*' if capped else ' '}")
     limit = p["attention"]["max_position_embeddings"]
     if any(r.get("max_context_memory", 0) > r.get("max_context", 0) for r in p["schemes"]):
         lines.append(f"* the model's own limit: it attends over at most {limit:,} positions (max_position_embeddings); "
@@ -209,5 +262,8 @@ def plan_text(p: dict) -> str:
         lines.append(f"note: --context {p['context']:,} is beyond the {limit:,} positions the model attends over")
     if p["free_for_kv_bytes"] == 0:
         lines.append("the weights alone do not fit in this budget")
+    if any(t["window"] is not None for t in p["attention"]["layer_types"]):
+        lines.append(f"per sequence at {p['context']:,} tokens counts each sliding layer's ring; 'rings save' is the "
+                     "factor against keeping every position")
     lines += ["", f"counted: {p['counted']}"]
     return "\n".join(lines)

@@ -176,7 +176,8 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free one).")
 @click.option("--kv", default=None, help=KV_HELP)
-@click.option("--kv-memory", default=None, help="KV-cache budget (20GB, 512MiB); default: --max-batch full contexts.")
+@click.option("--kv-memory", default=None, help="KV-cache budget (20GB, 512MiB); default: --max-batch full contexts, at most 80% "
+              "of the free GPU memory (CUDA) or half the available memory (CPU).")
 @click.option("--max-batch", type=int, default=32, show_default=True, help="Requests decoding at once.")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests waiting beyond --max-batch; more are answered 503.")

@@ -13,9 +13,16 @@ channel over ``group_size`` tokens; a block holds ``B / group_size`` such groups
 With ``H`` KV heads of ``D`` channels, ``N`` physical blocks, ``S`` sequences
 (the batch) and ``L`` layers:
 
-* ``pool[layer]["k"]`` and ``pool[layer]["v"]``: a :class:`kvquant.QuantizedKV`
-  ``(data, scale, zero)`` of tensors shaped ``[N, H, *per_block]``, where
-  ``per_block`` is ``kvquant.layout(scheme, D, dtype, keys)``:
+Layers are grouped (``kvquant.memory.layer_groups``): every layer of a group has the same
+sliding window (None: full attention), all groups have the same number of layers, and a
+*page* is one block of every layer of one group, so one free list serves all layer types.
+A model without sliding layers (or whose windows cover ``max_len``) is one group of every
+layer: a page is then a block over all layers, and the table below has one column range.
+
+* ``pool[layer]["k"]`` and ``pool[layer]["v"]`` (``runtime.cache_parts.BlockPool``; the layers
+  at one position of every group share these tensors, a page belonging to one group at a
+  time): a :class:`kvquant.QuantizedKV` ``(data, scale, zero)`` of tensors shaped
+  ``[N, H, *per_block]``, where ``per_block`` is ``kvquant.layout(scheme, D, dtype, keys)``:
 
   - fp16 (unquantized): data ``[N, H, B, D]`` in the model dtype; no scale/zero;
   - int8: data ``[N, H, B, D/4]`` int32; scale, zero ``[N, H, B, 1]`` float16
@@ -31,11 +38,21 @@ With ``H`` KV heads of ``D`` channels, ``N`` physical blocks, ``S`` sequences
   unsigned (``q + 2**(bits-1)``); ``x = (q - zero) * scale`` with signed ``q``.
   Everything is contiguous, so the token rows of one head of one block are
   consecutive in memory.
-* ``block_table``: ``[S, max_blocks]`` int32, shared by all layers; entry ``j`` of
-  sequence ``s`` is the physical block holding its positions ``j*B .. j*B+B-1``,
-  ``-1`` where none is allocated. Blocks are allocated when they fill. ``host_table`` is the
-  host's copy: every allocation decision reads it (reading the device table would be a host
-  sync), and the rows it changes go to the device in one copy (``take_blocks``).
+* ``block_table`` (``runtime.cache_parts.SequenceSlots``): ``[S, G * max_blocks]`` int32;
+  entry ``g * max_blocks + j`` of sequence ``s`` is the page holding its positions
+  ``j*B .. j*B+B-1`` in the layers of group ``g``, ``-1`` where none is held;
+  ``table(layer, rows)`` is layer ``layer``'s ``[rows, max_blocks]`` view (row stride: the
+  whole row). Blocks are allocated when they fill. ``host_table`` is the host's copy: every
+  allocation decision reads it (reading the device table would be a host sync), and the rows
+  it changes go to the device in one copy.
+* sliding layers keep a ring: a write from position ``start`` reads nothing before
+  ``start - W + 1``, so the pages of group ``g`` (window ``W``) wholly before it go back to the
+  pool when the sequence's next write is prepared (``reserve``, ``update``), and a write does
+  not take pages for blocks it fills that are already out of the window when it ends (their
+  entries stay ``-1``; the writers skip them). A sliding layer so holds at most
+  ``ceil(W / B)`` pages per sequence while decoding (``kvquant.memory.ring_blocks``), and the
+  kernels need no change: they index blocks by logical position and never read before the
+  window.
 * ``residual_k[layer]``, ``residual_v[layer]``: ``[S, H, B, D]`` in the model dtype:
   the newest ``length % B`` positions of each sequence (the partial block), never
   quantized. A block is quantized and moved into the pool when it fills.
@@ -48,7 +65,7 @@ With ``H`` KV heads of ``D`` channels, ``N`` physical blocks, ``S`` sequences
   above does not change: a slot is a row.
 
 So position ``p < (length // B) * B`` of sequence ``s`` is row ``p % B`` of
-physical block ``block_table[s, p // B]``; a later position is row ``p % B`` of
+physical block ``table(layer)[s, p // B]``; a later position is row ``p % B`` of
 the residual.
 
 What attention reads (``update``'s return, the same rule as the GPU path in
@@ -58,7 +75,9 @@ holds them. A decode step (one new token) reads itself from the cache too, so a
 decode kernel that writes the token and attends over blocks + residual computes
 exactly the reference. A prefill or chunk (several new tokens) reads its own
 tokens fresh, as a flash-attention prefill does: prefill is compute-bound and the
-fresh values are the better ones.
+fresh values are the better ones. In a sliding layer, positions that no query of the
+write can see (before ``start - W + 1``) come back as zeros: the ring may have dropped them,
+and the window masks them.
 """
 
 from __future__ import annotations
@@ -67,43 +86,114 @@ import math
 
 import torch
 
-from kvquant import KVScheme, QuantizedKV, dequantize_blocks, layout, quantize_blocks
-from kvquant.memory import residual_bytes
-from kvquant.quantize import block_bytes
-from runtime.units import parse_bytes
-
+from kvquant import KVScheme, dequantize_blocks, quantize_blocks
+from kvquant.memory import layer_groups, ring_blocks
+from runtime.cache_parts import BlockPool, SequenceSlots
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype, device,
-                 scheme: KVScheme | None = None, num_blocks: int | None = None):
-        """``max_len`` positions per sequence; ``num_blocks`` physical blocks shared by the
-        sequences (default: enough for every sequence to reach ``max_len``)."""
+                 scheme: KVScheme | None = None, num_blocks: int | None = None, windows=None):
+        """``max_len`` positions per sequence; ``num_blocks`` pages shared by the sequences (default:
+        enough for every sequence to reach ``max_len``, rings counted); ``windows``: per layer None
+        or its sliding window (None: no layer slides)."""
         self.scheme = scheme or KVScheme()
         self.scheme.check_head_dim(head_dim)
         self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
         self.max_len, self.dtype, self.device = max_len, dtype, torch.device(device)
+        windows = (None,) * num_layers if windows is None else tuple(windows)
+        if len(windows) != num_layers:
+            raise ValueError(f"windows names {len(windows)} layers, the cache has {num_layers}")
+        self.groups = layer_groups(windows, max_len)
         B = self.block_size = self.scheme.block_size
         max_blocks = math.ceil(max_len / B)
-        self.num_blocks = batch * max_blocks if num_blocks is None else num_blocks
-        # Allocated once: growing tensors (torch.cat per token) would copy the whole cache every step.
-        self.pool = [{"k": self._alloc_pool(True), "v": self._alloc_pool(False)} for _ in range(num_layers)]
-        residual = (batch, kv_heads, B, head_dim)
-        self.residual_k = [torch.zeros(residual, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.residual_v = [torch.zeros(residual, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.block_table = torch.full((batch, max_blocks), -1, dtype=torch.int32, device=self.device)
-        # The host's copy of the block table: allocation decisions read it, never the device's
-        # (a read of the device table is a host sync); the device rows follow with one copy.
-        self.host_table = [[-1] * max_blocks for _ in range(batch)]
-        self.lengths = [0] * num_layers
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.seq_lengths = [0] * batch  # per sequence, when sequences are used one by one
-        self._free_slots = list(range(batch - 1, -1, -1))
+        # default: every sequence at max_len; a sliding group's ring twice over, for a chunk written
+        # after one (the first ring is read, the second written)
+        per_sequence = sum(max_blocks if w is None else min(max_blocks, 2 * ring_blocks(w, B) + 2)
+                           for w in self.groups.windows)
+        self.num_blocks = batch * per_sequence if num_blocks is None else num_blocks
+        self.pool = BlockPool(self.groups, self.num_blocks, kv_heads, head_dim, self.scheme, dtype, self.device)
+        self.slots = SequenceSlots(self.groups, batch, max_blocks, kv_heads, head_dim, B, dtype, self.device)
+        self.lengths = [0] * num_layers  # per layer, when all rows advance together (update)
 
-    def _alloc_pool(self, keys: bool) -> QuantizedKV:
-        parts = layout(self.scheme, self.head_dim, self.dtype, keys)
-        tensors = {name: torch.zeros((self.num_blocks, self.kv_heads, *shape), dtype=dt, device=self.device)
-                   for name, (shape, dt) in parts.items()}
-        return QuantizedKV(tensors["data"], tensors.get("scale"), tensors.get("zero"))
+    # ----------------------------------------------------------- the layout's public names
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.slots.block_table
+
+    @property
+    def host_table(self) -> list[list[int]]:
+        return self.slots.host_table
+
+    @property
+    def residual_k(self) -> list[torch.Tensor]:
+        return self.slots.residual_k
+
+    @property
+    def residual_v(self) -> list[torch.Tensor]:
+        return self.slots.residual_v
+
+    @property
+    def seq_lengths(self) -> list[int]:
+        return self.slots.lengths
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer ``layer``'s ring keeps (None: every position)."""
+        return self.groups.windows[self.slots.group_of(layer)]
+
+    def table(self, layer: int, rows: slice = slice(None)) -> torch.Tensor:
+        return self.slots.table(layer, rows)
+
+    def pages_for(self, tokens: int, chunk: int | None = None) -> int:
+        """Pages a sequence keeps once it holds ``tokens`` positions (its full blocks, a sliding group's
+        capped at its ring); with ``chunk``, the most it holds while those are written in chunks of
+        ``chunk`` (a sliding group keeps its ring before a chunk besides the chunk's blocks, and
+        the ring at the end of a write reserved whole, as the engine reserves a prompt)."""
+        B, full = self.block_size, tokens // self.block_size
+        caps = [ring_blocks(w, B) + (0 if chunk is None else ring_blocks(w, B) + 2 + -(-chunk // B))
+                for w in self.groups.windows if w is not None]
+        return full * sum(w is None for w in self.groups.windows) + sum(min(full, cap) for cap in caps)
+
+    def longest_sequence(self, chunk: int | None = None) -> int:
+        """The most positions one sequence can reach with the whole pool to itself (at most ``max_len``;
+        ``chunk``: its prompt prefilled in chunks of that many tokens, as :meth:`pages_for` counts)."""
+        lo, hi = 0, self.max_len  # pages_for grows with tokens: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages_for(mid, chunk) <= self.num_blocks else (lo, mid - 1)
+        return lo
+
+    # ------------------------------------------------------------- pages: rings and allocation
+
+    def _apply(self, release: list, take: list, tails: dict, strict: bool = True) -> bool:
+        """Release, then take (all or, when the pool is short, none: a RuntimeError if ``strict``,
+        else False); the changed rows go to the device in one copy."""
+        self.pool.give(self.slots.entry(s, g, j) for s, g, j in release)
+        for s, g, j in release:
+            self.slots.set_entry(s, g, j, -1)
+        for (s, g), tail in tails.items():
+            self.slots.dropped[s][g] = max(self.slots.dropped[s][g], tail)
+        ok = len(take) <= self.pool.free
+        if ok:
+            for s, g, j in take:
+                self.slots.set_entry(s, g, j, self.pool.take())
+        elif strict:
+            raise RuntimeError(
+                f"the KV cache pool is full: {self.num_blocks} blocks of {self.block_size} tokens, {len(take)} more "
+                f"needed; build the cache with more num_blocks or fewer sequences")
+        changed = {s for s, _, _ in release} | ({s for s, _, _ in take} if ok else set())
+        if changed:
+            self.slots.push(changed)
+        return ok
+
+    def take_blocks(self, slots, first: int, count: int) -> bool:
+        """Give ``slots`` pages for logical blocks ``first .. first+count`` in every group where they
+        have none (no ring: what a caller asks for explicitly); whether any was taken. A
+        RuntimeError, taking nothing, when the pool has too few free pages."""
+        take = [(s, g, j) for s in slots for g in range(len(self.groups.layers)) for j in range(first, first + count)
+                if self.slots.entry(s, g, j) < 0]
+        self._apply([], take, {})
+        return bool(take)
 
     # ------------------------------------------------------------------ writes
 
@@ -116,109 +206,109 @@ class KVCache:
                 f"{tuple(v.shape)}: a cache cannot be shared across models (or batches) of different shapes"
             )
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store ``k, v`` [S, H, T, D] at positions ``start..start+T``; return keys and values of all
-        positions up to there, [S, H, start+T, D], as attention reads them (module docstring)."""
+    def prepare_write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """``update``'s checks and page allocation (rings kept) for every row, for writers that
+        store the tokens themselves (the kernels); the end position. :meth:`finish_write` after."""
         self.check_new_kv(layer, k, v)
         if start != self.lengths[layer]:
             raise ValueError(
                 f"layer {layer} of the KV cache holds {self.lengths[layer]} positions; new ones must follow them "
                 f"(got start={start}); reset() starts over"
             )
-        keys, values = self._store_and_read(layer, slice(None), start, k, v)
-        self.lengths[layer] = start + k.shape[2]
-        return keys, values
-
-    def _store_and_read(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store ``k, v`` [rows, H, T, D] at ``start``; return what attention reads (the module
-        docstring's rule): one new token reads itself back from the cache, several new tokens
-        read themselves fresh after the earlier positions as stored."""
-        end = self._store(layer, rows, start, k, v)
-        stored = end // self.block_size
-        if k.shape[2] == 1:
-            return self._read(layer, rows, end, stored)
-        old_k, old_v = self._read(layer, rows, start, stored)
-        return torch.cat([old_k, k.to(self.dtype)], dim=2), torch.cat([old_v, v.to(self.dtype)], dim=2)
-
-    def _store(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences in ``rows``; the end position."""
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
+        g = self.slots.group_of(layer)
+        earliest = min(self.lengths[i] for i in self.groups.layers[g])  # a group's pages serve all its layers
+        self._apply(*self.slots.place(range(self.batch), [g], [earliest] * self.batch, end))
+        return end
+
+    def finish_write(self, layer: int, end: int) -> None:
+        self.lengths[layer] = end
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k, v`` [S, H, T, D] at positions ``start..start+T``; return keys and values of all
+        positions up to there, [S, H, start+T, D], as attention reads them (module docstring)."""
+        end = self.prepare_write(layer, start, k, v)
+        keys, values = self._store_and_read(layer, range(self.batch), start, k, v)
+        self.finish_write(layer, end)
+        return keys, values
+
+    def _store_and_read(self, layer: int, slots: range, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k, v`` [rows, H, T, D] at ``start`` (pages placed); return what attention reads
+        (the module docstring's rule): one new token reads itself back from the cache, several
+        new tokens read themselves fresh after the earlier positions as stored."""
+        end = self._store(layer, slots, start, k, v)
+        w = self.window(layer)
+        first = 0 if w is None else max(start - w + 1, 0)  # nothing before it is seen (or kept)
+        rows = slice(slots.start, slots.stop)
+        if k.shape[2] == 1:
+            return self._read(layer, rows, end, end // self.block_size, first)
+        old_k, old_v = self._read(layer, rows, start, end // self.block_size, first)
+        return torch.cat([old_k, k.to(self.dtype)], dim=2), torch.cat([old_v, v.to(self.dtype)], dim=2)
+
+    def _store(self, layer: int, slots: range, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences ``slots``; the end position."""
+        end = start + k.shape[2]
         B, r = self.block_size, start % self.block_size
+        rows = slice(slots.start, slots.stop)
         residual_k, residual_v = self.residual_k[layer][rows], self.residual_v[layer][rows]  # views
         # The residual's tokens and the new ones, from the start of the current block.
         pending_k = torch.cat([residual_k[:, :, :r], k.to(self.dtype)], dim=2)
         pending_v = torch.cat([residual_v[:, :, :r], v.to(self.dtype)], dim=2)
         full = pending_k.shape[2] // B
         if full:
-            ids = self._allocate(start // B, full, rows)  # [rows, full]
-            self._write_blocks(layer, ids, pending_k[:, :, : full * B], pending_v[:, :, : full * B])
+            self._write_blocks(layer, slots, start // B, pending_k[:, :, : full * B], pending_v[:, :, : full * B])
         rest = pending_k.shape[2] - full * B
         residual_k[:, :, :rest] = pending_k[:, :, full * B:]
         residual_v[:, :, :rest] = pending_v[:, :, full * B:]
         return end
 
-    def _allocate(self, first: int, count: int, rows: slice = slice(None)) -> torch.Tensor:
-        """Physical ids [rows, count] of logical blocks ``first .. first+count`` of every sequence in
-        ``rows``, allocating the missing ones (the first layer to fill a block allocates it; the others find it)."""
-        self.take_blocks(range(self.batch)[rows], first, count)
-        return self.block_table[rows, first: first + count].long()
-
-    def take_blocks(self, slots, first: int, count: int) -> bool:
-        """Give ``slots`` physical blocks for logical blocks ``first .. first+count`` where they have
-        none (decided on the host mirror; the changed device rows follow in one copy); whether any
-        was taken. A RuntimeError, taking nothing, when the pool has too few free blocks."""
-        missing = [(s, j) for s in slots for j in range(first, first + count) if self.host_table[s][j] < 0]
-        if len(missing) > len(self._free):
-            raise RuntimeError(
-                f"the KV cache pool is full: {self.num_blocks} blocks of {self.block_size} tokens, "
-                f"{len(missing)} more needed; build the cache with more num_blocks or fewer sequences"
-            )
-        for s, j in missing:
-            self.host_table[s][j] = self._free.pop()
-        changed = sorted({s for s, _ in missing})
-        if changed:
-            self._push_rows(changed)
-        return bool(missing)
-
-    def _push_rows(self, slots: list[int]) -> None:
-        """Copy the host mirror's rows ``slots`` to the device block table: one host-to-device copy."""
-        lo, hi = slots[0], slots[-1] + 1
-        self.block_table[lo:hi].copy_(torch.tensor(self.host_table[lo:hi], dtype=torch.int32), non_blocking=True)
-
-    def _write_blocks(self, layer: int, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize ``k, v`` [S, H, n*B, D] as n blocks per sequence into physical blocks ``ids`` [S, n]."""
-        flat = ids.flatten()
-        for name, x in (("k", k), ("v", v)):
-            q = quantize_blocks(x, self.scheme, keys=name == "k")  # [S, n, H, ...]: one call for every block
-            for dst, src in zip(self.pool[layer][name], q):
+    def _write_blocks(self, layer: int, slots: range, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``k, v`` [rows, H, n*B, D] as blocks ``first .. first+n`` of ``slots`` into the pages
+        the host table names (a block out of the window when the write ends has none: skipped)."""
+        g, n = self.slots.group_of(layer), k.shape[2] // self.block_size
+        placed = [(i, j, self.slots.entry(s, g, first + j)) for i, s in enumerate(slots) for j in range(n)]
+        placed = [p for p in placed if p[2] >= 0]
+        if not placed:
+            return
+        rows, blocks, pages = (torch.tensor(c, device=self.device) for c in zip(*placed))
+        for x, dst_kv, keys in ((k, self.pool.layer(layer)[0], True), (v, self.pool.layer(layer)[1], False)):
+            q = quantize_blocks(x, self.scheme, keys=keys)  # [rows, n, H, ...]: one call for every block
+            for dst, src in zip(dst_kv, q):
                 if dst is not None:
-                    dst[flat] = src.flatten(0, 1).to(dst.dtype)
+                    dst[pages] = src[rows, blocks].to(dst.dtype)
 
     # ------------------------------------------------------------------- reads
 
     def read(self, layer: int, length: int):
-        """Keys and values [S, H, length, D] of the first ``length`` positions, dequantized."""
+        """Keys and values [S, H, length, D] of the first ``length`` positions, dequantized (in a
+        sliding layer, positions the next query cannot see read as 0)."""
         if length > self.lengths[layer]:
             raise ValueError(f"layer {layer} of the KV cache holds {self.lengths[layer]} positions, asked for {length}")
-        return self._read(layer, slice(None), length, self.lengths[layer] // self.block_size)
+        w = self.window(layer)
+        first = 0 if w is None else min(max(self.lengths[layer] - w + 1, 0), length)
+        return self._read(layer, slice(None), length, self.lengths[layer] // self.block_size, first)
 
-    def _read(self, layer: int, rows: slice, length: int, stored: int):
+    def _read(self, layer: int, rows: slice, length: int, stored: int, first: int = 0):
         """Keys and values [rows, H, length, D] of the sequences in ``rows``, whose first ``stored``
-        blocks are in the pool."""
+        blocks are in the pool; positions before ``first`` read as 0 (their blocks are not read)."""
         B = self.block_size
         from_pool = min(math.ceil(length / B), stored)
-        ids = self.block_table[rows, :from_pool].long()  # [rows, n]
+        skip = min(first // B, from_pool)
+        ids = self.table(layer, rows)[:, skip:from_pool].long()  # [rows, n]
         out = []
-        for name, residual in (("k", self.residual_k[layer][rows]), ("v", self.residual_v[layer][rows])):
-            tail = residual[:, :, : max(length - from_pool * B, 0)]
-            if not from_pool:
-                out.append(tail)
-                continue
-            q = self.pool[layer][name].map(lambda t: t[ids])  # [rows, n, H, ...]
-            x = dequantize_blocks(q, self.scheme, name == "k", self.head_dim, self.dtype)  # [rows, H, n*B, D]
-            out.append(torch.cat([x, tail], dim=2)[:, :, :length])
+        for keys, residual, pool in ((True, self.residual_k[layer][rows], self.pool.layer(layer)[0]),
+                                     (False, self.residual_v[layer][rows], self.pool.layer(layer)[1])):
+            parts = [residual.new_zeros(*residual.shape[:2], skip * B, self.head_dim)]
+            if from_pool > skip:
+                q = pool.map(lambda t: t[ids])  # [rows, n, H, ...]
+                parts.append(dequantize_blocks(q, self.scheme, keys, self.head_dim, self.dtype))  # [rows, H, n*B, D]
+            parts.append(residual[:, :, : max(length - from_pool * B, 0)])
+            x = torch.cat(parts, dim=2)[:, :, :length]
+            if first > skip * B:
+                x[:, :, skip * B:first] = 0
+            out.append(x)
         return out[0], out[1]
 
     def seq_lens(self, layer: int) -> torch.Tensor:
@@ -228,44 +318,35 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.pool.free
 
     @property
     def free_slots(self) -> int:
-        return len(self._free_slots)
+        return self.slots.free_count
 
     @property
     def free_slot_ids(self) -> list[int]:
-        return sorted(self._free_slots)
+        return self.slots.free_ids
 
     def add_sequence(self, slot: int | None = None) -> int:
         """A free slot (row) for a new sequence of length 0: ``slot`` if given, else the lowest free one."""
-        if not self._free_slots:
-            raise RuntimeError(f"all {self.batch} sequence slots of the KV cache are in use; free_sequence() one first")
-        if slot is None:
-            slot = self._free_slots.pop()
-        elif slot in self._free_slots:
-            self._free_slots.remove(slot)
-        else:
-            raise ValueError(f"slot {slot} is in use or out of range (the cache has {self.batch} slots)")
-        self.seq_lengths[slot] = 0
-        return slot
+        return self.slots.take(slot)
 
     def blocks_needed(self, slot: int, end: int) -> int:
-        """Pool blocks sequence ``slot`` still lacks to hold positions up to ``end`` (blocks fill at B tokens)."""
-        return sum(1 for b in self.host_table[slot][: end // self.block_size] if b < 0)
+        """Pages sequence ``slot`` still lacks to hold positions up to ``end`` (blocks fill at B tokens;
+        a sliding group's blocks out of the window at ``end`` are never taken)."""
+        lengths = self.slots.lengths
+        return len(self.slots.place([slot], range(len(self.groups.layers)), lengths, end)[1])
 
     def reserve(self, slot: int, end: int) -> bool:
-        """Allocate the blocks positions up to ``end`` of ``slot`` fill; False (allocating nothing)
-        when the pool has too few free blocks. Writers that store tokens themselves (the GPU
-        kernels) need their blocks allocated before they run."""
+        """Release the pages of ``slot`` its next write (from its length on) cannot read, and take the
+        ones positions up to ``end`` fill; False (taking nothing) when the pool has too few free
+        pages. Writers that store tokens themselves (the GPU kernels) need their pages first."""
         self._check_slot(slot)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions per sequence, asked for {end}")
-        if self.blocks_needed(slot, end) > len(self._free):
-            return False
-        self.take_blocks([slot], 0, end // self.block_size)
-        return True
+        placed = self.slots.place([slot], range(len(self.groups.layers)), self.slots.lengths, end)
+        return self._apply(*placed, strict=False)
 
     def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v`` [H, T, D] of sequence ``slot`` at ``start`` (= its length: every layer
@@ -280,60 +361,52 @@ class KVCache:
             raise ValueError(f"a sequence's new keys and values are [H={self.kv_heads}, T, D={self.head_dim}] for one "
                              f"of {self.num_layers} layers; got layer {layer}, keys {tuple(k.shape)}, values "
                              f"{tuple(v.shape)}")
-        keys, values = self._store_and_read(layer, slice(slot, slot + 1), start, k[None], v[None])
+        end = start + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
+        self._apply(*self.slots.place([slot], [self.slots.group_of(layer)], self.slots.lengths, end))
+        keys, values = self._store_and_read(layer, range(slot, slot + 1), start, k[None], v[None])
         return keys[0], values[0]
 
     def read_sequence(self, layer: int, slot: int, length: int):
         """Keys and values [H, length, D] of sequence ``slot``, dequantized; ``length`` is all it holds
-        in this layer (its length, plus what this step wrote)."""
+        in this layer (its length, plus what this step wrote). In a sliding layer, positions before
+        ``length - W + 1`` read as 0."""
         self._check_slot(slot)
-        k, v = self._read(layer, slice(slot, slot + 1), length, length // self.block_size)
+        w = self.window(layer)
+        first = 0 if w is None else max(length - w + 1, 0)
+        k, v = self._read(layer, slice(slot, slot + 1), length, length // self.block_size, first)
         return k[0], v[0]
 
     def advance(self, slot: int, count: int) -> None:
         """Sequence ``slot`` now holds ``count`` more positions (every layer has written them)."""
         self._check_slot(slot)
-        self.seq_lengths[slot] += count
+        self.slots.lengths[slot] += count
 
     def free_sequence(self, slot: int) -> None:
-        """Return the sequence's blocks to the pool and its slot to the free slots."""
+        """Return the sequence's pages to the pool and its slot to the free slots."""
         self._check_slot(slot)
-        row = self.host_table[slot]
-        self._free.extend(sorted((b for b in row if b >= 0), reverse=True))
-        if any(b >= 0 for b in row):
-            self.block_table[slot].fill_(-1)
-        self.host_table[slot] = [-1] * len(row)
-        self.seq_lengths[slot] = 0
-        self._free_slots.append(slot)
+        self.pool.give(self.slots.clear(slot))
 
     def swap_sequences(self, a: int, b: int) -> None:
         """Exchange the contents of slots ``a`` and ``b`` (block-table rows, residuals, lengths;
-        either may be free). The pool blocks stay where they are. The engine keeps its decoding
+        either may be free). The pages stay where they are. The engine keeps its decoding
         sequences in the first rows this way, so a batch of ``n`` is the views ``[:n]``."""
-        if a == b:
-            return
-        for t in [self.block_table] + self.residual_k + self.residual_v:
-            t[[a, b]] = t[[b, a]]
-        self.host_table[a], self.host_table[b] = self.host_table[b], self.host_table[a]
-        self.seq_lengths[a], self.seq_lengths[b] = self.seq_lengths[b], self.seq_lengths[a]
-        free_a, free_b = a in self._free_slots, b in self._free_slots
-        if free_a != free_b:
-            self._free_slots[self._free_slots.index(a if free_a else b)] = b if free_a else a
+        self.slots.swap(a, b)
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.batch or slot in self._free_slots:
+        if not 0 <= slot < self.batch or self.slots.is_free(slot):
             raise ValueError(f"slot {slot} holds no sequence (the cache has {self.batch} slots; add_sequence() first)")
 
     def slot_bytes(self) -> int:
         """Bytes one slot holds whatever its length: its residual block (keys and values, every
         layer) and its block-table row."""
-        residual = sum(t[0].numel() * t.element_size() for t in self.residual_k + self.residual_v)
-        return residual + self.block_table.shape[1] * self.block_table.element_size()
+        return self.slots.slot_bytes()
 
     def block_bytes(self) -> int:
-        """Bytes of one pool block over all layers, keys and values (scales included)."""
-        tensors = [t for layer in self.pool for q in layer.values() for t in q if t is not None]
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        """Bytes of one page: one block of keys and values (scales included) of every layer of a
+        group (of every layer, when no layer slides)."""
+        return self.pool.page_bytes()
 
     # ------------------------------------------------------------------- all
 
@@ -341,34 +414,16 @@ class KVCache:
         """Forget every position (the memory stays allocated)."""
         self.lengths = [0] * self.num_layers
         self.block_table.fill_(-1)
-        self.host_table = [[-1] * len(row) for row in self.host_table]
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-        self.seq_lengths = [0] * self.batch
-        self._free_slots = list(range(self.batch - 1, -1, -1))
+        self.slots.reset()
+        self.pool.reset()
 
     def nbytes(self) -> int:
         """Bytes this cache holds: pool, residual blocks and block table."""
-        tensors = [t for layer in self.pool for q in layer.values() for t in q if t is not None]
-        tensors += self.residual_k + self.residual_v + [self.block_table]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.pool.nbytes() + self.slots.nbytes()
+
+    def pages_held(self) -> int:
+        """Pages in use (the pool's size less its free pages)."""
+        return self.num_blocks - self.pool.free
 
 
-def cache_size(model, scheme: KVScheme, kv_memory, max_batch: int, max_len: int) -> tuple[int, int]:
-    """``(budget, pool blocks)``: the slots' residual blocks come first, blocks take the rest.
-    Default budget: every slot at ``max_len``, capped on CUDA at 80% of the free memory (activations
-    and CUDA graphs need the rest)."""
-    cfg = model.decoder.cfg
-    per_block = cfg.num_layers * cfg.num_kv_heads * block_bytes(scheme, cfg.head_dim, model.dtype)
-    per_slot = residual_bytes(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
-    if kv_memory is not None:
-        budget = parse_bytes(kv_memory)
-    else:
-        budget = max_batch * (per_slot + -(-max_len // scheme.block_size) * per_block)
-        if model.device.type == "cuda":
-            budget = min(budget, int(0.8 * torch.cuda.mem_get_info(model.device)[0]))
-    blocks = (budget - max_batch * per_slot) // per_block
-    if blocks < 1:
-        raise ValueError(
-            f"a KV budget of {budget:,} bytes holds no cache block beside {max_batch} slots' residual blocks "
-            f"({per_slot:,} bytes each, {scheme.name}); raise kv_memory or lower max_batch")
-    return budget, int(blocks)
+from runtime.cache_budget import cache_size  # noqa: E402,F401 (the engine's import; its home is cache_budget)

@@ -101,7 +101,7 @@ class Engine:
 
         self.kv_budget, num_blocks = cache_size(model, scheme, kv_memory, max_batch, max_len)
         self.cache = KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype,
-                             model.device, scheme=scheme, num_blocks=num_blocks)
+                             model.device, scheme=scheme, num_blocks=num_blocks, windows=cfg.sliding_windows)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last is the first preempted
         self.decoding = 0  # the decoding sequences sit in cache rows 0 .. decoding-1
@@ -134,7 +134,7 @@ class Engine:
 
     def sequences_at(self, length: int) -> int:
         """How many sequences of ``length`` tokens the cache holds at once (what the KV scheme buys)."""
-        return min(self.cache.batch, self.cache.num_blocks // max(length // self.cache.block_size, 1))
+        return min(self.cache.batch, self.cache.num_blocks // max(self.cache.pages_for(length), 1))
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, on_token=None,
                **sampling) -> Request:
@@ -151,7 +151,7 @@ class Engine:
             raise ValueError("pass SamplingParams or sampling keywords, not both")
         ids = self._prompt_ids(prompt)
         total = min(len(ids) + params.max_tokens, self.max_len)
-        blocks = total // self.cache.block_size  # the last sampled token is never stored
+        blocks = self.cache.pages_for(total, self.prefill_chunk)  # the last sampled token is never stored
         if blocks > self.cache.num_blocks:
             raise ValueError(
                 f"this request may reach {total} tokens ({blocks} cache blocks of {self.cache.block_size}); the "
@@ -274,7 +274,7 @@ class Engine:
         cache = self.cache
         while self.waiting and cache.free_slots:
             r = self.waiting[0]
-            need = len(r.tokens) // cache.block_size
+            need = cache.pages_for(len(r.tokens))
             # keep a block spare for the running sequences to grow (else it waits); alone, it fits (see submit)
             if self.running and need + 1 > cache.free_blocks:
                 return

@@ -73,7 +73,7 @@ class Model:
         """A KV cache for ``batch`` sequences of up to ``max_len`` positions (default scheme: the model's)."""
         cfg = self.decoder.cfg
         return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype, self.device,
-                       scheme=scheme or self.kv_scheme)
+                       scheme=scheme or self.kv_scheme, windows=cfg.sliding_windows)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,8 @@ class EngineWorker:
         self.engine, self.max_queue = engine, max_queue
         cache = engine.cache
         # the longest sequence that can finish: the engine's max_len, and what the whole pool holds
-        # (the last sampled token is never stored, so one position past the full blocks)
-        self.context = min(engine.max_len, (cache.num_blocks + 1) * cache.block_size - 1)
+        # (sliding layers' rings counted, as the engine's submit counts them)
+        self.context = cache.longest_sequence(engine.prefill_chunk)
         self.capacity = cache.batch + max_queue
         self.metrics = ServerMetrics()
         self._lock = threading.Lock()

@@ -147,22 +147,29 @@ def _residual_tile(res_ptr, plane, t0, row_ok, B: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _dequantize_kernel(kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, lens_ptr, ko_ptr, vo_ptr,
-                       table_stride, out_len,
+                       table_stride, out_len, window, SLIDING: tl.constexpr,
                        H: tl.constexpr, B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                        FP8: tl.constexpr, KIVI: tl.constexpr, TILE: tl.constexpr, OUT: tl.constexpr):
-    """Program (s, h, tile): one tile of keys and values of one head into the dense [S, H, L, D] copy."""
+    """Program (s, h, tile): one tile of keys and values of one head into the dense [S, H, L, D] copy.
+    ``SLIDING``: positions before ``seq_len - window + 1`` read as 0 (the ring may have dropped their
+    blocks: a table entry of -1 is never followed)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     p0 = tl.program_id(2) * TILE  # first position of this tile
-    length = tl.minimum(tl.load(lens_ptr + s), out_len)
+    seq_len = tl.load(lens_ptr + s)
+    length = tl.minimum(seq_len, out_len)
     j = p0 // B
     t0 = p0 % B
     pos = p0 + tl.arange(0, TILE)
     ok = pos < length
+    if SLIDING:
+        ok = ok & (pos >= seq_len - window + 1)
     if (j + 1) * B <= length:  # a full block: in the pool
-        blk = tl.load(table_ptr + s * table_stride + j)
+        blk = tl.maximum(tl.load(table_ptr + s * table_stride + j), 0)  # a dropped block: no row is ok
         k = _dequant_pool_tile(kd, ks, kz, blk * H + h, t0, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
         v = _dequant_pool_tile(vd, vs, vz, blk * H + h, t0, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+        k = tl.where(ok[:, None], k, 0.0).to(OUT)  # KIVI keys' scales are read whatever the rows
+        v = tl.where(ok[:, None], v, 0.0).to(OUT)
     else:  # the partial block (or past the end: zeros)
         k = _residual_tile(rk_ptr, s * H + h, t0, ok, B, D, TILE).to(OUT)
         v = _residual_tile(rv_ptr, s * H + h, t0, ok, B, D, TILE).to(OUT)
@@ -189,7 +196,7 @@ def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None 
     c = scheme_constants(paged)
     _dequantize_kernel[(S, H, triton.cdiv(length, TILE))](
         kd, ks, kz, vd, vs, vz, paged.residual_k, paged.residual_v, paged.block_table, seq_lens.to(torch.int32),
-        out_k, out_v, paged.block_table.stride(0), length,
+        out_k, out_v, paged.block_table.stride(0), length, paged.window or 0, SLIDING=paged.window is not None,
         H=H, TILE=TILE, OUT=TL_DTYPES[paged.dtype], **c)
     return out_k, out_v
 

@@ -7,6 +7,9 @@ layout of ``runtime/cache.py`` (its module docstring is the contract):
 
 * pool ``QuantizedKV`` tensors ``[N, H, *per_block]``, a block table ``[S, max_blocks]``,
   residual blocks ``[S, H, B, D]`` holding each sequence's newest ``len % B`` positions;
+* a sliding ``window`` (the layer's ring): a sequence of length ``n`` may hold no block wholly
+  before position ``n - window + 1`` (table entry -1); reads give 0 there, and a write skips
+  the blocks it fills that are out of the window when it ends;
 * per-sequence lengths ``[S]`` (the serving engine batches sequences of different lengths;
   ``runtime.cache.KVCache`` itself advances them together).
 
@@ -33,13 +36,18 @@ class PagedKV(NamedTuple):
     residual_v: torch.Tensor
     block_table: torch.Tensor  # [S, max_blocks] int32, -1 where unallocated
     scheme: KVScheme
+    window: int | None = None  # the layer's ring: blocks wholly out of the window may be gone
 
     @classmethod
     def from_cache(cls, cache, layer: int, rows: slice = slice(None)) -> "PagedKV":
         """Layer ``layer`` of ``cache``, its sequences ``rows`` (views: nothing is copied)."""
-        pool = cache.pool[layer]
-        return cls(pool["k"], pool["v"], cache.residual_k[layer][rows], cache.residual_v[layer][rows],
-                   cache.block_table[rows], cache.scheme)
+        k, v = cache.pool.layer(layer)
+        return cls(k, v, cache.residual_k[layer][rows], cache.residual_v[layer][rows], cache.table(layer, rows),
+                   cache.scheme, cache.window(layer))
+
+    def first_kept(self, length: int) -> int:
+        """The first position a sequence of ``length`` still holds for sure (0 without a window)."""
+        return 0 if self.window is None else max(length - self.window + 1, 0)
 
     @property
     def block_size(self) -> int:
@@ -73,25 +81,27 @@ def check_lengths(paged: PagedKV, seq_lens: torch.Tensor, what: str = "seq_lens"
 # ---------------------------------------------------------------------------------- reads
 
 
-def read_sequence(paged: PagedKV, s: int, length: int, keys: bool) -> torch.Tensor:
-    """Keys or values ``[H, length, D]`` of sequence ``s``, dequantized to the cache dtype."""
+def read_sequence(paged: PagedKV, s: int, length: int, keys: bool, first: int = 0) -> torch.Tensor:
+    """Keys or values ``[H, length - first, D]`` (positions ``first .. length``) of sequence ``s``,
+    dequantized to the cache dtype; the blocks before ``first``'s are not read."""
     B = paged.block_size
-    full = length // B
+    full, skip = length // B, min(first // B, length // B)
     parts = []
-    if full:
-        ids = paged.block_table[s, :full].long()
+    if full > skip:
+        ids = paged.block_table[s, skip:full].long()
         if bool((ids < 0).any()):
             raise ValueError(f"sequence {s} has {length} positions but blocks {ids.tolist()} are not all allocated")
         blocks = paged.pool(keys).map(lambda t: t[ids])  # [n, H, ...]
         x = dequantize_kv(blocks, paged.scheme, keys, paged.head_dim, paged.dtype)  # [n, H, B, D]
         parts.append(x.transpose(0, 1).flatten(1, 2))
     parts.append(paged.residual(keys)[s, :, : length - full * B])
-    return torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=1)[:, first - skip * B:]
 
 
 def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None = None):
     """Keys and values ``[S, H, length, D]`` (default: the longest sequence) in the cache dtype:
-    what transformers' quantized caches hand to attention. Positions past a sequence's length are 0."""
+    what transformers' quantized caches hand to attention. Positions past a sequence's length are 0,
+    and in a sliding layer those before ``seq_lens[s] - window + 1`` (``PagedKV.first_kept``)."""
     check_lengths(paged, seq_lens)
     lens = seq_lens.tolist()
     length = max(lens, default=0) if length is None else length
@@ -100,8 +110,8 @@ def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None 
     for keys in (True, False):
         x = paged.residual_k.new_zeros(S, H, length, D)
         for s, n in enumerate(lens):
-            n = min(n, length)
-            x[s, :, :n] = read_sequence(paged, s, n, keys)
+            first, n = min(paged.first_kept(n), length), min(n, length)
+            x[s, :, first:n] = read_sequence(paged, s, n, keys, first)
         out.append(x)
     return out[0], out[1]
 
@@ -128,8 +138,8 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         if n == 0:
             continue
         lo = max(n - window, 0) if window is not None else 0
-        k = read_sequence(paged, s, n, True)[:, lo:]
-        v = read_sequence(paged, s, n, False)[:, lo:]
+        k = read_sequence(paged, s, n, True, lo)
+        v = read_sequence(paged, s, n, False, lo)
         o = F.scaled_dot_product_attention(q[s, :, None].to(k.dtype), k, v, scale=scale, enable_gqa=True)
         out[s] = o[:, 0].to(q.dtype)
     return out
@@ -151,7 +161,8 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """Store new ``k, v`` [S, H, T, D] at positions ``starts[s] .. starts[s]+T`` of each sequence:
     the residual's rows and the new tokens fill blocks, each filled block is quantized
     (``kvquant.quantize_kv``) into the physical block the table names (the caller allocates it),
-    and the remainder becomes the residual."""
+    and the remainder becomes the residual. In a sliding layer a filled block already out of the
+    window when the write ends (``paged.window``) may have no page: it is skipped."""
     check_write(paged, starts, k, v)
     B = paged.block_size
     for s, start in enumerate(starts.tolist()):
@@ -162,13 +173,15 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
             full = pending.shape[1] // B
             if full:
                 ids = paged.block_table[s, start // B: start // B + full].long()
-                if bool((ids < 0).any()):
+                kept = torch.arange(start // B, start // B + full) >= paged.first_kept(start + k.shape[2]) // B
+                if bool((ids[kept.to(ids.device)] < 0).any()):
                     raise ValueError(f"sequence {s}: blocks {start // B}..{start // B + full - 1} fill but the "
                                      f"block table has no physical block for some of them ({ids.tolist()})")
                 blocks = pending[:, : full * B].unflatten(1, (full, B)).transpose(0, 1)  # [n, H, B, D]
+                placed = ids >= 0
                 for dst, src in zip(paged.pool(keys), quantize_kv(blocks, paged.scheme, keys)):
                     if dst is not None:
-                        dst[ids] = src.to(dst.dtype)
+                        dst[ids[placed]] = src[placed].to(dst.dtype)
             rest = pending.shape[1] - full * B
             residual[s, :, :rest] = pending[:, full * B:]
 
@@ -187,23 +200,6 @@ class AttentionOps(NamedTuple):
 REFERENCE_OPS = AttentionOps(write_kv, dequantize_cache, decode_attention)
 
 
-def reserve(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-    """``KVCache.update``'s checks and block allocation, for writers that store the tokens
-    themselves; returns the end position."""
-    cache.check_new_kv(layer, k, v)
-    if start != cache.lengths[layer]:
-        raise ValueError(f"layer {layer} of the KV cache holds {cache.lengths[layer]} positions; new ones must follow "
-                         f"them (got start={start}); reset() starts over")
-    end = start + k.shape[2]
-    if end > cache.max_len:
-        raise ValueError(f"KV cache holds {cache.max_len} positions, asked to write up to {end}")
-    B = cache.block_size
-    full = (start % B + k.shape[2]) // B
-    if full:
-        cache.take_blocks(range(cache.batch), start // B, full)
-    return end
-
-
 def cache_attention(cache, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None = None, window: int | None = None,
                     ops: AttentionOps = REFERENCE_OPS) -> torch.Tensor:
@@ -219,11 +215,11 @@ def cache_attention(cache, layer: int, start: int, q: torch.Tensor, k: torch.Ten
     As with ``cache.update`` + SDPA (the CPU path), a prefill chunk's own tokens are not seen
     through the quantizer: prefill is compute-bound, and the fresh values are the better ones.
     """
-    end = reserve(cache, layer, start, k, v)
+    end = cache.prepare_write(layer, start, k, v)
     starts = torch.full((k.shape[0],), start, dtype=torch.int32, device=k.device)
     out = paged_attention(PagedKV.from_cache(cache, layer), starts, q, k, v, mask, window, ops, max_seq_len=end,
                           start=start)
-    cache.lengths[layer] = end
+    cache.finish_write(layer, end)
     return out
 
 
