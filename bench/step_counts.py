@@ -47,7 +47,7 @@ def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:
         engine.step()
     steps = {}  # whether some sequence fills a block this step -> its counts (the first such step)
     for _ in range(16):  # every sequence crosses a block boundary within 16 steps
-        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine._decoders())
+        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine.scheduler.decoders())
         counts = decode_step_counts(engine)
         steps.setdefault(fills, counts)
     worst = max(steps.values(), key=lambda c: c["launches"])

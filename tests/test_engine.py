@@ -324,7 +324,7 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     model = models[INT4]
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=6, max_len=32, attention="triton")
-    engine._graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2, 4))
+    engine.executor.graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2, 4))
     used, run = [], DecodeGraph.run
 
     def counted(self, tokens, starts):
@@ -459,7 +459,7 @@ def test_a_decode_step_reads_the_device_once_and_copies_inputs_once(model_dir, p
     engine = decoding_engine(model_dir, prompts, attention)
     crossings = 0
     for _ in range(8):
-        lengths = [r.computed for r in engine._decoders()]
+        lengths = [r.computed for r in engine.scheduler.decoders()]
         crossing = any((n + 1) % engine.cache.block_size == 0 for n in lengths)
         counts = decode_step_counts(engine)
         assert counts["syncs"] == 1 and counts["ops"]["sync:tolist"] == 1, counts["ops"]
@@ -481,7 +481,7 @@ def test_a_decode_step_launches_9_kernels_per_layer_plus_the_block_write_when_on
     engine.model.decoder.use_kernels(True)
     seen = set()
     for _ in range(8):
-        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine._decoders())
+        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine.scheduler.decoders())
         counts = decode_step_counts(engine)
         combine = counts["ops"].get("triton:_combine_kernel", 0) // counts["layers"]  # 0 or 1: splits or not
         assert counts["syncs"] == 1 and counts["launches_per_layer"] == [9 + fills + combine] * counts["layers"], counts
