@@ -509,3 +509,26 @@ def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
     asked = []
     monkeypatch.setattr(quant_matmul, "choose_config", lambda M, kw, dtype, device: asked.append(M))
     assert warm_matmul_tuning(decoder, 24) == 6 and asked == [1, 2, 4, 8, 16, 24]
+
+
+def test_model_generate_decodes_with_the_engines_launches(model_dir, prompts):
+    """Model.generate runs its steps through the engine's Executor: a decode step makes the
+    engine's launches (9 per layer, the block write when a block fills, the split combine when
+    attention splits), one host sync (the sampler's read) and one input copy (two when a block
+    fills: its block-table row)."""
+    from runtime.counting import generate_step_counts
+
+    model = runtime.load(model_dir, kv=INT4, dtype=torch.bfloat16)
+    model.decoder.use_kernels(True)
+    model.decoder.attention_kernels = True
+    tokens = iter(model.generate(prompts[0], max_new_tokens=16, stop_at_eos=False))  # 5 tokens: block 0 fills
+    next(tokens)
+    seen = set()
+    for position in range(5, 17):
+        fills = (position + 1) % 16 == 0
+        counts = generate_step_counts(model, tokens)
+        combine = counts["ops"].get("triton:_combine_kernel", 0) // counts["layers"]
+        assert counts["launches_per_layer"] == [9 + fills + combine] * counts["layers"], counts["ops"]
+        assert counts["syncs"] == 1 and counts["input_copies"] == 1 + fills, counts["ops"]
+        seen.add(fills)
+    assert seen == {False, True}
