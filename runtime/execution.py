@@ -101,22 +101,24 @@ class DecodeGraph:
 
 
 def warm_matmul_tuning(decoder, largest_m: int) -> int:
-    """Tune every quantized layer's GEMM for each M bucket up to ``largest_m`` now (CUDA), so no
-    request pays a tuning stall; returns how many (layer, M) pairs were asked. Nothing to do
-    where the layers run the dense reference (CPU)."""
+    """Tune every quantized layer's GEMM for every M bucket a step can take (M = 1 .. ``largest_m``:
+    a decode batch, a packed prefill, its lm_head rows) now, so no request pays a tuning stall;
+    returns how many (layer, bucket) pairs were asked (layers of one shape share a tuning). The
+    buckets are ``quant_matmul.m_bucket``'s: every M up to its decode limit, then powers of two.
+    Nothing to do where the layers run the dense reference (CPU)."""
     from runtime.linear import QuantLinear
 
     layers = [m for m in decoder.modules() if isinstance(m, QuantLinear) and m._kernel is not None]
     if not layers:
         return 0
-    from runtime.kernels.quant_matmul import choose_config
+    from runtime.kernels.quant_matmul import choose_config, m_bucket
 
-    sizes = [1 << i for i in range(max(largest_m, 1).bit_length())] + [largest_m]
+    buckets = sorted({m_bucket(M) for M in range(1, max(largest_m, 1) + 1)})
     dtype = next(decoder.parameters()).dtype
     for m in layers:
-        for M in sizes:
+        for M in buckets:
             choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
-    return len(layers) * len(sizes)
+    return len(layers) * len(buckets)
 
 
 class DecodeGraphs:

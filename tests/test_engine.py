@@ -493,8 +493,9 @@ def test_a_decode_step_launches_9_kernels_per_layer_plus_the_block_write_when_on
 
 
 def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
-    """On CUDA the engine asks quant_matmul's tuner for every M a step can take at start-up (a GPU
-    would time the candidates then, not on a request): here the tuner is replaced by a recorder."""
+    """On CUDA the engine asks quant_matmul's tuner for every M bucket a step can take at start-up
+    (a GPU times the candidates then, not on a request): here the tuner is replaced by a recorder,
+    and every M from 1 to the largest falls in a bucket that was asked."""
     from types import SimpleNamespace
 
     from quant.affine import QuantScheme
@@ -508,7 +509,8 @@ def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
     layer._kernel = SimpleNamespace(qweight=torch.zeros(1))  # as materialize leaves it on a GPU
     asked = []
     monkeypatch.setattr(quant_matmul, "choose_config", lambda M, kw, dtype, device: asked.append(M))
-    assert warm_matmul_tuning(decoder, 24) == 6 and asked == [1, 2, 4, 8, 16, 24]
+    assert warm_matmul_tuning(decoder, 40) == len(asked) == len(set(asked))
+    assert {quant_matmul.m_bucket(M) for M in range(1, 41)} == set(asked)  # 1 .. 16 one by one, then 32, 64
 
 
 def test_model_generate_decodes_with_the_engines_launches(model_dir, prompts):
