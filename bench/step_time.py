@@ -149,22 +149,30 @@ def main() -> None:
                 prefill[name].append(time_prefill(package, model_dir, prompts))
     med = {k: statistics.median(v) for k, v in rounds.items()}
     pre = {k: statistics.median(v) for k, v in prefill.items()}
+
+    def paired(a: dict, x: str, y: str) -> float:
+        """Median over rounds of x / y within the round (a busy spell hits both sides of a round)."""
+        return statistics.median(p / q for p, q in zip(a[x], a[y]))
+
     record = dict(
         what="engine step wall time on CPU, tiny Llama (hidden 128, 4 layers, fp32, reference attention, fp16 KV); "
-             "medians of per-round medians, rounds alternating in one process; only the ratios are meaningful",
+             "per-round medians, rounds alternating in one process; ratios: median over rounds of the round's "
+             "ratio; only the ratios are meaningful",
         commit=commit(), before=args.before, torch=torch.__version__, threads=torch.get_num_threads(),
         batch=args.batch, steps_per_round=args.steps, rounds=args.rounds,
         decode_step_s=med, prefill_step_s=pre, per_round_decode_s=rounds, per_round_prefill_s=prefill,
-        decode_after_over_before=med["after"] / med["before"],
-        decode_after_over_before_worker_thread=med["after_worker_thread"] / med["before_worker_thread"],
-        prefill_after_over_before=pre["after"] / pre["before"],
-        main_thread_over_worker_thread=med["after_main_thread"] / med["after_worker_thread"])
+        decode_after_over_before=paired(rounds, "after", "before"),
+        decode_after_over_before_worker_thread=paired(rounds, "after_worker_thread", "before_worker_thread"),
+        prefill_after_over_before=paired(prefill, "after", "before"),
+        main_thread_over_worker_thread=paired(rounds, "after_main_thread", "after_worker_thread"),
+        one_intra_op_thread_over_default_worker_thread=paired(rounds, "after", "after_worker_thread"))
     out = args.json or ROOT / "bench" / "results" / f"step-time-{record['commit']}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"decode step, batch {args.batch}: after/before {record['decode_after_over_before']:.3f} (1 intra-op "
           f"thread), {record['decode_after_over_before_worker_thread']:.3f} (worker thread, default threads)")
     print(f"prefill of {args.batch} prompts: after/before {record['prefill_after_over_before']:.3f} (1 intra-op thread)")
-    print(f"main thread/worker thread, default intra-op threads: {record['main_thread_over_worker_thread']:.3f}")
+    print(f"main thread/worker thread, default intra-op threads: {record['main_thread_over_worker_thread']:.3f}; "
+          f"1 intra-op thread/default (worker): {record['one_intra_op_thread_over_default_worker_thread']:.3f}")
     print(f"wrote {out}")
 
 
