@@ -250,7 +250,7 @@ def varlen_attention(q, k, v, cu_queries, cu_keys, query_lengths: list[int], key
     end, and reads GQA and the window natively: no mask, no padding, and ``max`` lengths come from
     the host, so no sync (nested tensors reach the same kernel but refuse a window and compute the
     maxima on the device). Elsewhere the same function per sequence through SDPA."""
-    if flash_varlen_ok(q):
+    if flash_varlen_ok(q, window):
         return flash_varlen(q, k, v, cu_queries, cu_keys, max(query_lengths), max(key_lengths), window)
     return varlen_reference(q, k, v, query_lengths, key_lengths, window)
 
@@ -273,9 +273,11 @@ def varlen_reference(q, k, v, query_lengths: list[int], key_lengths: list[int], 
     return torch.cat(out)
 
 
-def flash_varlen_ok(q) -> bool:
+def flash_varlen_ok(q, window: int | None = None) -> bool:
     """Whether FlashAttention-2's variable-length kernel takes these queries (CUDA sm80+, fp16/bf16,
-    head_dim a multiple of 8 up to 256, flash SDPA enabled)."""
+    head_dim a multiple of 8 up to 256, flash SDPA enabled; a window where this PyTorch's op takes one)."""
+    if window is not None and "window_size_left" not in str(torch.ops.aten._flash_attention_forward.default._schema):
+        return False
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
             and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()
             and torch.cuda.get_device_capability(q.device)[0] >= 8)

@@ -134,7 +134,7 @@ def test_packed_prefill_attends_in_one_call_per_layer(models, eight_prompts, kv,
         calls.append(args[5:7])
         return flash_semantics(*args)
 
-    monkeypatch.setattr(attention, "flash_varlen_ok", lambda q: True)
+    monkeypatch.setattr(attention, "flash_varlen_ok", lambda q, window: True)
     monkeypatch.setattr(attention, "flash_varlen", recorded)
     model = models[kv]
     packed = packed_prefill(model, eight_prompts, kv, kernels)
