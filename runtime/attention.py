@@ -276,7 +276,7 @@ def varlen_reference(q, k, v, query_lengths: list[int], key_lengths: list[int], 
 def flash_varlen_ok(q, window: int | None = None) -> bool:
     """Whether FlashAttention-2's variable-length kernel takes these queries (CUDA sm80+, fp16/bf16,
     head_dim a multiple of 8 up to 256, flash SDPA enabled; a window where this PyTorch's op takes one)."""
-    if window is not None and "window_size_left" not in str(torch.ops.aten._flash_attention_forward.default._schema):
+    if window is not None and not _flash_takes_a_window():
         return False
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
             and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()
@@ -304,3 +304,8 @@ def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k,
     T = k.shape[1]
     keys, values = cache.write_sequence(layer, slot, start, k, v)
     return sdpa(q, keys[None], values[None], attention_mask(T, start + T, window, q.device))
+
+
+@functools.cache
+def _flash_takes_a_window() -> bool:
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
