@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNTIME_MODULES = ["runtime", "runtime.kernels.quant_matmul", "runtime.kernels.attention", "evals.serving",
                    "evals.diagnose", "lowbit.cli", "bench.kernels", "bench.attention", "bench.correctness"]
 GPU_TEST_FILES = ["tests/test_kernels_linear.py", "tests/test_kernels_attention.py", "tests/test_small_ops.py",
-                  "tests/test_engine.py", "tests/test_runtime.py"]
+                  "tests/test_engine.py", "tests/test_engine_prefill.py", "tests/test_runtime.py"]
 
 
 def interpret_if(smoke: bool) -> None:

@@ -7,7 +7,8 @@ The engine runs the CUDA path on CPU tensors: the Triton attention kernels and t
 ops in the Triton interpreter, the linear layers as one GEMM each (on a GPU: ``quant_matmul``,
 one launch, plus a split-K reduction where its tuning picks one). ``runtime.counting`` says what
 each count covers. Rows: the fused small ops on (what ``runtime.load`` picks on CUDA) and off
-(PyTorch ops: what the decoder launched before them). Writes
+(PyTorch ops: what the decoder launched before them), and ``Model.generate``'s decode step
+(one sequence, fused ops on), which runs the engine's step code. Writes
 ``bench/results/step-counts-<commit>.json``.
 """
 
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 
 import runtime  # noqa: E402
 from runtime import Engine, SamplingParams  # noqa: E402
-from runtime.counting import decode_step_counts  # noqa: E402
+from runtime.counting import decode_step_counts, generate_step_counts  # noqa: E402
 
 
 def commit() -> str:
@@ -47,11 +48,32 @@ def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:
         engine.step()
     steps = {}  # whether some sequence fills a block this step -> its counts (the first such step)
     for _ in range(16):  # every sequence crosses a block boundary within 16 steps
-        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine._decoders())
+        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine.scheduler.decoders())
         counts = decode_step_counts(engine)
         steps.setdefault(fills, counts)
     worst = max(steps.values(), key=lambda c: c["launches"])
-    return dict(kv=kv, batch=batch, fused_small_ops=fused, syncs=max(c["syncs"] for c in steps.values()),
+    return dict(kv=kv, batch=batch, runner="Engine", fused_small_ops=fused,
+                syncs=max(c["syncs"] for c in steps.values()),
+                input_copies=max(c["input_copies"] for c in steps.values()), launches_per_step=worst["launches"],
+                launches_per_layer=max(worst["launches_per_layer"]),
+                launches_per_layer_no_fill=max(steps[False]["launches_per_layer"]),
+                launches_per_layer_block_fills=max(steps[True]["launches_per_layer"]),
+                triton_launches=worst["triton_launches"], ops=worst["ops"], ops_no_fill=steps[False]["ops"])
+
+
+def count_generate(model_dir: Path, kv: str) -> dict:
+    """``Model.generate``'s decode steps (one sequence) on the same path: its launches next to the engine's."""
+    model = runtime.load(model_dir, kv=kv, dtype=torch.bfloat16)
+    model.decoder.use_kernels(True)
+    model.decoder.attention_kernels = True  # what runtime.load picks on CUDA
+    tokens = iter(model.generate(list(range(3, 8)), max_new_tokens=20, stop_at_eos=False))
+    next(tokens)
+    steps = {}
+    for position in range(5, 21):
+        steps.setdefault((position + 1) % model.kv_scheme.block_size == 0, generate_step_counts(model, tokens))
+    worst = max(steps.values(), key=lambda c: c["launches"])
+    return dict(kv=kv, batch=1, runner="Model.generate", fused_small_ops=True,
+                syncs=max(c["syncs"] for c in steps.values()),
                 input_copies=max(c["input_copies"] for c in steps.values()), launches_per_step=worst["launches"],
                 launches_per_layer=max(worst["launches_per_layer"]),
                 launches_per_layer_no_fill=max(steps[False]["launches_per_layer"]),
@@ -73,13 +95,14 @@ def main() -> None:
         model_dir = save_model(model, tok, Path(tmp) / "m")
         rows = [count(model_dir, kv, int(b), fused) for kv in args.kv.split(",") for b in args.batch.split(",")
                 for fused in (True, False)]
+        rows += [count_generate(model_dir, kv) for kv in args.kv.split(",")]
     record = dict(what="one engine decode step on the CUDA path, counted on CPU (runtime/counting.py)",
                   commit=commit(), torch=torch.__version__, layers=args.layers, rows=rows)
     out = args.json or ROOT / "bench" / "results" / f"step-counts-{record['commit']}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     for r in rows:
-        print(f"{r['kv']:>14} batch {r['batch']:>2} fused={r['fused_small_ops']!s:5}  syncs {r['syncs']}  "
-              f"copies {r['input_copies']}  launches/layer {r['launches_per_layer_no_fill']:>2} "
+        print(f"{r['runner']:>14} {r['kv']:>14} batch {r['batch']:>2} fused={r['fused_small_ops']!s:5}  "
+              f"syncs {r['syncs']}  copies {r['input_copies']}  launches/layer {r['launches_per_layer_no_fill']:>2} "
               f"({r['launches_per_layer_block_fills']:>2} when a block fills)  /step {r['launches_per_step']}")
     print(f"wrote {out}")
 

@@ -182,40 +182,105 @@ class SequenceBatch(Batch):
 
 class PackedBatch(Batch):
     """Prefill chunks of several sequences in one forward, packed end to end (no padding: every
-    GEMM of the forward runs on exactly the prompt tokens, M = their sum, and each sequence's
-    attention is causal from its own start, so no [T, S] mask has to hide padding).
+    GEMM of the forward runs on exactly the prompt tokens, M = their sum), and their attention in
+    one call (:func:`varlen_attention`: each sequence causal over its own keys, no mask tensor).
 
     Sequence ``i`` (cache row ``slots[i]``) brings tokens ``token_ids[i]`` at positions
-    ``starts[i] ..``. The token ids, their positions and the index of each sequence's last token
-    (the only logits sampling needs) go to the device in one copy. ``attend`` stores each
-    sequence's keys and values in its row and attends over its own cache, on the kernels or the
-    reference: the computation a one-sequence forward does, so the same values.
+    ``starts[i] ..``. The token ids, their positions, each sequence's last token (the only logits
+    sampling needs) and the cumulative query and key lengths go to the device in one copy.
+    ``attend`` stores each sequence's keys and values in its row (on the kernels or the
+    reference) and reads back the positions before its chunk as the cache holds them; its own
+    tokens it reads fresh, as a one-sequence forward does, so the values are the same.
     """
 
     def __init__(self, cache: KVCache, slots: list[int], starts: list[int], token_ids: list[list[int]],
                  kernels: bool):
         self.cache, self.slots, self.starts, self.kernels = cache, slots, starts, kernels
-        ends = list(itertools.accumulate(len(t) for t in token_ids))
+        self.query_lengths = [len(t) for t in token_ids]
+        self.key_lengths = [s + n for s, n in zip(starts, self.query_lengths)]  # earlier positions + the chunk
+        ends = list(itertools.accumulate(self.query_lengths))
         self.bounds = list(zip([0] + ends[:-1], ends))
-        n = ends[-1]
+        n, count = ends[-1], len(token_ids)
         positions = [s + j for s, ids in zip(starts, token_ids) for j in range(len(ids))]
-        host = torch.tensor([i for ids in token_ids for i in ids] + positions + [e - 1 for e in ends],
-                            dtype=torch.int32)
+        host = torch.tensor([i for ids in token_ids for i in ids] + positions + [e - 1 for e in ends]
+                            + [0, *ends] + [0, *itertools.accumulate(self.key_lengths)], dtype=torch.int32)
         packed = host.to(cache.device, non_blocking=True)
-        self.input_ids, self.positions, self.logits_at = packed[:n], packed[n:2 * n], packed[2 * n:]
+        self.input_ids, self.positions, self.logits_at = packed[:n], packed[n:2 * n], packed[2 * n:2 * n + count]
+        self.cu_queries = packed[2 * n + count:2 * n + 2 * count + 1]
+        self.cu_keys = packed[2 * n + 2 * count + 1:]
 
     def attend(self, layer: int, q, k, v, window):
         """``q`` [1, Hq, N, D], ``k``/``v`` [1, Hk, N, D] packed; the attention [1, Hq, N, D]."""
-        out = []
-        for slot, start, (a, b) in zip(self.slots, self.starts, self.bounds):
-            qi, ki, vi = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
-            if self.kernels:
-                rows = slice(slot, slot + 1)
-                out.append(kernel_attention(self.cache, layer, rows, self.positions[a:a + 1], qi, ki, vi, window,
-                                            start + b - a, start))
-            else:
-                out.append(reference_attention(self.cache, layer, slot, start, qi, ki[0], vi[0], window))
-        return torch.cat(out, dim=2)
+        pieces = [self._store(layer, slot, start, a, b, k, v)
+                  for slot, start, (a, b) in zip(self.slots, self.starts, self.bounds)]
+        if any(self.starts):  # a chunk after cached positions: those come back from the cache
+            keys = torch.cat([pk.transpose(0, 1) for pk, _ in pieces])  # [sum of key lengths, Hk, D]
+            values = torch.cat([pv.transpose(0, 1) for _, pv in pieces])
+        else:  # every sequence from position 0: its keys are its own fresh ones, packed already
+            keys, values = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        out = varlen_attention(q[0].transpose(0, 1), keys.to(q.dtype), values.to(q.dtype), self.cu_queries,
+                               self.cu_keys, self.query_lengths, self.key_lengths, window)
+        return out.transpose(0, 1)[None]
+
+    def _store(self, layer: int, slot: int, start: int, a: int, b: int, k, v):
+        """Store packed tokens ``a .. b`` (sequence ``slot`` from ``start``); its keys and values
+        [Hk, start + b - a, D] as attention reads them: the cache's earlier positions, then its own."""
+        ki, vi = k[0, :, a:b], v[0, :, a:b]
+        if not self.kernels:
+            return self.cache.write_sequence(layer, slot, start, ki, vi)
+        from runtime.kernels.attention import KERNEL_OPS as ops
+
+        paged, starts = ref.PagedKV.from_cache(self.cache, layer, slice(slot, slot + 1)), self.positions[a:a + 1]
+        ops.write_kv(paged, starts, ki[None], vi[None])
+        if not start:
+            return ki, vi
+        old_k, old_v = ops.dequantize_cache(paged, starts, length=start)
+        return torch.cat([old_k[0], ki.to(old_k.dtype)], dim=1), torch.cat([old_v[0], vi.to(old_v.dtype)], dim=1)
+
+
+def varlen_attention(q, k, v, cu_queries, cu_keys, query_lengths: list[int], key_lengths: list[int],
+                     window: int | None):
+    """Attention of sequences packed end to end: ``q`` [Nq, Hq, D] (sequence ``i``'s queries are
+    rows ``cu_queries[i] .. cu_queries[i+1]``), ``k``/``v`` [Nk, Hk, D] likewise by ``cu_keys``;
+    a sequence's queries are its last ``query_lengths[i]`` positions of ``key_lengths[i]``
+    (causal, aligned at the end), within ``window`` positions when the layer slides. [Nq, Hq, D].
+
+    One call for the whole batch where FlashAttention-2 runs (CUDA, fp16/bf16): its variable-length
+    kernel, the one SDPA uses, takes the packed layout as is, aligns causality at each sequence's
+    end, and reads GQA and the window natively: no mask, no padding, and ``max`` lengths come from
+    the host, so no sync (nested tensors reach the same kernel but refuse a window and compute the
+    maxima on the device). Elsewhere the same function per sequence through SDPA."""
+    if flash_varlen_ok(q, window):
+        return flash_varlen(q, k, v, cu_queries, cu_keys, max(query_lengths), max(key_lengths), window)
+    return varlen_reference(q, k, v, query_lengths, key_lengths, window)
+
+
+def flash_varlen(q, k, v, cu_queries, cu_keys, max_query: int, max_key: int, window: int | None):
+    """FlashAttention-2's variable-length forward (causal: aligned at each sequence's end)."""
+    window_args = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_queries, cu_keys, max_query, max_key, 0.0, True,
+                                                   False, **window_args)[0]
+
+
+def varlen_reference(q, k, v, query_lengths: list[int], key_lengths: list[int], window: int | None):
+    """:func:`varlen_attention` one sequence at a time through SDPA (CPU, fp32, other GPUs)."""
+    out, qa, ka = [], 0, 0
+    for tq, tk in zip(query_lengths, key_lengths):
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[qa:qa + tq], k[ka:ka + tk], v[ka:ka + tk]))
+        out.append(sdpa(qi, ki, vi, attention_mask(tq, tk, window, q.device))[0].transpose(0, 1))
+        qa, ka = qa + tq, ka + tk
+    return torch.cat(out)
+
+
+def flash_varlen_ok(q, window: int | None = None) -> bool:
+    """Whether FlashAttention-2's variable-length kernel takes these queries (CUDA sm80+, fp16/bf16,
+    head_dim a multiple of 8 up to 256, flash SDPA enabled; a window where this PyTorch's op takes one)."""
+    if window is not None and not _flash_takes_a_window():
+        return False
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, window, max_seq_len, start,
@@ -239,3 +304,8 @@ def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k,
     T = k.shape[1]
     keys, values = cache.write_sequence(layer, slot, start, k, v)
     return sdpa(q, keys[None], values[None], attention_mask(T, start + T, window, q.device))
+
+
+@functools.cache
+def _flash_takes_a_window() -> bool:
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)

@@ -157,7 +157,18 @@ def decode_step_counts(engine) -> dict:
     the whole step, and the launches inside each decoder layer (forward hooks on the blocks)."""
     if not engine.all_decoding or not engine.decoding:
         raise ValueError("decode_step_counts needs an engine whose running requests all decode and none waits")
-    layers = engine.model.decoder.model.layers
+    return dict(layer_counts(engine.model.decoder, engine.step), sequences=engine.decoding)
+
+
+def generate_step_counts(model, tokens) -> dict:
+    """The next decode step of ``model.generate`` (``tokens``: an iterator over its Generation,
+    past the first token), counted as :func:`decode_step_counts` counts the engine's."""
+    return dict(layer_counts(model.decoder, lambda: next(tokens)), sequences=1)
+
+
+def layer_counts(decoder, step) -> dict:
+    """What ``step()`` asks of the device, and the launches inside each of ``decoder``'s layers."""
+    layers = decoder.model.layers
     per_layer = []
     with count_device_work() as work:
         marks = {}
@@ -165,8 +176,8 @@ def decode_step_counts(engine) -> dict:
         hooks += [layer.register_forward_hook(lambda m, a, out: per_layer.append(work.launches - marks[m]))
                   for layer in layers]
         try:
-            engine.step()
+            step()
         finally:
             for h in hooks:
                 h.remove()
-    return dict(work.to_dict(), sequences=engine.decoding, layers=len(layers), launches_per_layer=per_layer)
+    return dict(work.to_dict(), layers=len(layers), launches_per_layer=per_layer)

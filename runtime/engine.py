@@ -11,7 +11,7 @@ Each :meth:`Engine.step`:
 1. admits waiting requests (oldest first) while a cache slot is free and the pool has the
    blocks for their tokens so far;
 2. prefills: up to ``prefill_chunk`` prompt tokens per step, the chunks of several sequences
-   packed into one forward (``execution.PackedBatch``), a long prompt in several chunks over
+   packed into one forward (``attention.PackedBatch``), a long prompt in several chunks over
    several steps (so running sequences keep decoding), cut at the multiples of
    ``prefill_chunk`` whatever else runs (``generate.prefill_chunks``); logits of each
    sequence's last token only;
@@ -26,19 +26,17 @@ and requests leave as soon as they finish, freeing their blocks for the next one
 The KV cache is allocated once from a byte budget: ``max_batch`` slots (each holds its
 sequence's unquantized residual block) and as many pool blocks as the rest of the budget
 buys, so how many tokens, and so how many concurrent sequences, fit follows from the KV
-scheme (an INT4 block, groups of 64 over head_dim 128, costs 28% of an fp16 one). When a
-decoding sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it waits again; when readmitted it prefills its prompt as before
-and replays the tokens it already produced through decode steps (each reads the cache as it
-did the first time, so a quantized cache gives the same values; its sampler state is kept),
-so its output is the same. The cache never grows after start-up, so a full cache makes requests wait; it does
-not run out of memory.
+scheme (an INT4 block, groups of 64 over head_dim 128, costs 28% of an fp16 one). The cache
+never grows after start-up: a full cache makes requests wait, or preempts the newest running one
+(recomputed later with the same output, ``runtime/scheduler.py``); it does not run out of memory.
 
 Attention goes through ``runtime/attention.py`` (backend chosen once at start-up, by default
 the model's), so a request gets the plain runtime's computation and its greedy output is
 ``model.generate``'s with the same ``prefill_chunk`` (tested on CPU and through the kernels in
-the Triton interpreter). Requests live in ``runtime/request.py``; step inputs and the CUDA
-graphs per batch-size bucket (not run on a GPU yet) in ``runtime/execution.py``.
+the Triton interpreter). The engine is a loop over three parts, a file each: requests
+(``runtime/request.py``), scheduling on the host (``runtime/scheduler.py``: admission, prefill
+chunks, block reservations, preemption) and execution (``runtime/execution.py``: the forwards,
+their inputs, CUDA graphs, sampling).
 """
 
 from __future__ import annotations
@@ -47,15 +45,14 @@ import collections
 import itertools
 import time
 
-import torch
-
 from kvquant import KVScheme, parse_kv
+from runtime.attention import kernels_for
 from runtime.cache import KVCache, cache_size
-from runtime.attention import PackedBatch, SequenceBatch, kernels_for
-from runtime.execution import DecodeGraphs, sample_tokens, step_inputs, warm_matmul_tuning
-from runtime.generate import check_prompt, prefill_chunks
+from runtime.execution import Executor, sample_tokens, warm_matmul_tuning
+from runtime.generate import check_prompt
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler
 
 
 class EngineClosedError(RuntimeError):
@@ -102,9 +99,7 @@ class Engine:
         self.kv_budget, num_blocks = cache_size(model, scheme, kv_memory, max_batch, max_len)
         self.cache = KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype,
                              model.device, scheme=scheme, num_blocks=num_blocks, windows=cfg.sliding_windows)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order: the last is the first preempted
-        self.decoding = 0  # the decoding sequences sit in cache rows 0 .. decoding-1
+        self.scheduler = Scheduler(self.cache, prefill_chunk)
         self.closed = False
         self._ids = itertools.count()  # next() is atomic: submit may run on any thread
         self._inbox = Inbox()  # submits and aborts from any thread, applied by step
@@ -112,14 +107,12 @@ class Engine:
         self._busy_s = 0.0
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
-        self._graphs: DecodeGraphs | None = None
         if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
             warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
-        if use_graphs:
-            if model.device.type != "cuda" or not self.kernels:
-                raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")
-            self._graphs = DecodeGraphs(model.decoder, self.cache)  # at start-up: writes into free slots only
+        if use_graphs and (model.device.type != "cuda" or not self.kernels):
+            raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")
+        self.executor = Executor(model.decoder, self.cache, self.kernels, bool(use_graphs))
 
     # ------------------------------------------------------------------ public
 
@@ -191,9 +184,24 @@ class Engine:
         return bool(self.waiting or self.running or len(self._inbox))
 
     @property
+    def waiting(self):
+        """Requests queued for a cache row (the scheduler's queue; preempted ones first)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests holding a cache row, in admission order."""
+        return self.scheduler.running
+
+    @property
+    def decoding(self) -> int:
+        """How many running requests are past their prompt (they sit in cache rows 0 .. decoding-1)."""
+        return self.scheduler.decoding
+
+    @property
     def all_decoding(self) -> bool:
         """No request is queued or waiting, and every running one is past its prompt."""
-        return not len(self._inbox) and not self.waiting and all(r.slot < self.decoding for r in self.running)
+        return not len(self._inbox) and self.scheduler.all_decoding
 
     def step(self) -> None:
         """Admit, prefill up to ``prefill_chunk`` prompt tokens, decode every decoding sequence once."""
@@ -201,10 +209,10 @@ class Engine:
             raise EngineClosedError("the engine has been shut down")
         t0 = time.perf_counter()
         self._apply_inbox()
-        self._admit()
+        self.scheduler.admit()
         self._prefill()
         self._decode()
-        self._promote()  # sequences whose prefill ended this step decode from the next one
+        self.scheduler.promote()  # sequences whose prefill ended this step decode from the next one
         self._counters["steps"] += 1
         self._busy_s += time.perf_counter() - t0
 
@@ -215,8 +223,9 @@ class Engine:
         now = time.perf_counter()
         for r in list(self.running) + list(self.waiting):
             r.end("abort", now)
-        self.running, self.waiting = [], collections.deque()
-        self._graphs = None
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self.executor = None
         self.cache = None
         self.closed = True
 
@@ -230,7 +239,8 @@ class Engine:
             steps=c["steps"], prefill_tokens=c["prefill_tokens"], prefill_forwards=c["prefill_forwards"],
             decode_steps=c["decode_steps"],
             output_tokens=c["output_tokens"], finished=c["finished"], aborted=c["aborted"],
-            preemptions=c["preemptions"], running=len(self.running), waiting=len(self.waiting) + len(self._inbox),
+            preemptions=self.scheduler.preemptions, running=len(self.running),
+            waiting=len(self.waiting) + len(self._inbox),
             free_blocks=cache.free_blocks if cache else None,
             busy_s=self._busy_s, span_s=span,
             throughput_tokens_per_s=c["output_tokens"] / span if span else None,
@@ -239,10 +249,10 @@ class Engine:
             max_batch=cache.batch if cache else None, capacity_tokens=self.capacity_tokens if cache else None,
             sequences_at_max_len=self.sequences_at(self.max_len) if cache else None,
             attention="triton" if self.kernels else "reference",
-            cuda_graph_buckets=self._graphs.buckets if self._graphs else [],
+            cuda_graph_buckets=self.executor.graphs.buckets if self.executor and self.executor.graphs else [],
         )
 
-    # ------------------------------------------------------------ scheduling
+    # ------------------------------------------------------------ the step
 
     def _prompt_ids(self, prompt) -> list[int]:
         m = self.model
@@ -254,141 +264,40 @@ class Engine:
         for kind, item in self._inbox.drain():
             if kind == "submit":
                 self._first_arrival = self._first_arrival or item.arrival
-                self.waiting.append(item)
-            else:
-                self._abort_now(item)
-
-    def _abort_now(self, request_id: int) -> None:
-        r = next((r for r in itertools.chain(self.running, self.waiting) if r.id == request_id), None)
-        if r is None:  # finished already, or never submitted here
-            return
-        if r in self.running:
-            self._release(r)
-        else:
-            self.waiting.remove(r)
-        self._counters["aborted"] += 1
-        r.end("abort", time.perf_counter())
-
-    def _admit(self) -> None:
-        """Give waiting requests (oldest first) a slot and the blocks their tokens so far fill."""
-        cache = self.cache
-        while self.waiting and cache.free_slots:
-            r = self.waiting[0]
-            need = cache.pages_for(len(r.tokens))
-            # keep a block spare for the running sequences to grow (else it waits); alone, it fits (see submit)
-            if self.running and need + 1 > cache.free_blocks:
-                return
-            self.waiting.popleft()
-            r.slot = cache.add_sequence(cache.free_slot_ids[-1])  # high rows: decoders fill from row 0
-            r.computed = 0
-            cache.reserve(r.slot, len(r.tokens))
-            self.running.append(r)
+                self.scheduler.enqueue(item)
+            elif (r := self.scheduler.remove(item)) is not None:  # else finished already, or unknown
+                self._counters["aborted"] += 1
+                r.end("abort", time.perf_counter())
 
     def _prefill(self) -> None:
-        """Prefill the next chunk of each prefilling request, oldest first, while the step's
-        ``prefill_chunk`` tokens last, all in one forward (``PackedBatch``). A request's chunks
-        are cut at the multiples of ``prefill_chunk`` whatever else runs, so its output does not
-        depend on the schedule."""
-        budget, chunks = self.prefill_chunk, []
-        for r in [r for r in self.running if r.slot >= self.decoding]:  # admission order: oldest first
-            if r not in self.running:  # preempted by an earlier reservation of this step
-                continue
-            a, b = prefill_chunks(r.computed, len(r.prompt_ids), self.prefill_chunk)[0]
-            if b - a > budget:
-                break
-            if self._reserve(r, b):  # may preempt newer requests (never one already chosen: they are older)
-                chunks.append((r, a, b))
-                budget -= b - a
+        """The step's prompt chunks (``Scheduler.prefill_batch``) in one packed forward; a request
+        whose prompt is in samples its first token."""
+        chunks = self.scheduler.prefill_batch()
         if not chunks:
             return
-        batch = PackedBatch(self.cache, [r.slot for r, _, _ in chunks], [a for _, a, _ in chunks],
-                            [r.prompt_ids[a:b] for r, a, b in chunks], self.kernels)
-        with torch.inference_mode():
-            logits = self.model.decoder.forward_packed(batch.input_ids, batch.positions, batch, batch.logits_at)
+        logits = self.executor.prefill([c.request.slot for c in chunks], [c.start for c in chunks],
+                                       [c.token_ids for c in chunks])
         self._counters["prefill_forwards"] += 1
-        for r, a, b in chunks:
-            self.cache.advance(r.slot, b - a)
-            r.computed = b
-            self._counters["prefill_tokens"] += b - a
-        # a new request whose prompt is in samples its first token; a recomputed one (after a
-        # preemption) knows its outputs and replays them through decode steps
-        rows = [i for i, (r, _, _) in enumerate(chunks) if r.computed == len(r.tokens)]
-        for i, token in zip(rows, sample_tokens(logits, [chunks[i][0] for i in rows], rows)):
-            self._emit(chunks[i][0], token)
-
-    def _decoders(self) -> list[Request]:
-        """The requests in cache rows 0 .. decoding-1, by row."""
-        return sorted((r for r in self.running if r.slot < self.decoding), key=lambda r: r.slot)
+        self._counters["prefill_tokens"] += sum(c.end - c.start for c in chunks)
+        rows = self.scheduler.prefilled(chunks)
+        self._sample(logits, [chunks[i].request for i in rows], rows)
 
     def _decode(self) -> None:
         """One forward for every decoding sequence: each reads the token at its position (the
         last sampled one, or, replaying after a preemption, one it already output) and the ones
         that reach their end sample the next. No host-device sync but the read of the tokens."""
-        block = self.cache.block_size
-        for r in self._decoders():  # a block only where a sequence crosses into a new one
-            if r in self.running and (r.computed + 1) % block == 0:
-                self._reserve(r, r.computed + 1)
-        decoders = self._decoders()
+        decoders = self.scheduler.decode_batch()
         if not decoders:
             return
-        tokens, starts = [r.tokens[r.computed] for r in decoders], [r.computed for r in decoders]
-        fills = any((s + 1) % block == 0 for s in starts)  # the block-write launch only when a block fills
-        graph = self._graphs and self._graphs.for_step(len(decoders), fills, [r.slot for r in self.running])
-        with torch.inference_mode():
-            if graph is not None:
-                logits = graph.run(tokens, starts)
-            else:
-                ids, starts_t, lengths = step_inputs(tokens, starts, self.model.device)
-                batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1, fills)
-                logits = self.model.decoder(ids, batch, starts_t, last_only=True)
+        logits = self.executor.decode([r.tokens[r.computed] for r in decoders], [r.computed for r in decoders],
+                                      [r.slot for r in self.running])
         self._counters["decode_steps"] += 1
-        for r in decoders:
-            self.cache.advance(r.slot, 1)
-            r.computed += 1
-        sampling = [i for i, r in enumerate(decoders) if r.computed == len(r.tokens)]  # the rest replay
-        for i, token in zip(sampling, sample_tokens(logits[:, -1], [decoders[i] for i in sampling], sampling)):
-            self._emit(decoders[i], token)
+        rows = self.scheduler.decoded(decoders)
+        self._sample(logits, [decoders[i] for i in rows], rows)
 
-    def _promote(self) -> None:
-        """Move requests whose prompt is in the cache into the decoder rows."""
-        for r in sorted(self.running, key=lambda r: r.slot):
-            if r.slot >= self.decoding and r.computed == len(r.prompt_ids):  # the next forward takes one token
-                self.cache.swap_sequences(r.slot, self.decoding)
-                self._swap_owner(r.slot, self.decoding)
-                self.decoding += 1
-
-    def _reserve(self, r: Request, end: int) -> bool:
-        """Blocks for ``r`` up to ``end``, preempting the newest running requests while the pool is
-        short; False when ``r`` itself had to go."""
-        while not self.cache.reserve(r.slot, end):
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is r:
-                return False
-        return True
-
-    def _preempt(self, r: Request) -> None:
-        """Free ``r``'s cache and queue it first; readmitted, it recomputes its cache."""
-        self._release(r)
-        r.metrics.preemptions += 1
-        self._counters["preemptions"] += 1
-        self.waiting.appendleft(r)
-
-    def _release(self, r: Request) -> None:
-        """Take ``r`` out of the cache, keeping the decoders in rows 0 .. decoding-1."""
-        if r.slot < self.decoding:  # a decoder: the last decoder fills its row
-            last = self.decoding - 1
-            self.cache.swap_sequences(r.slot, last)
-            self._swap_owner(r.slot, last)
-            self.decoding -= 1
-        self.cache.free_sequence(r.slot)
-        self.running.remove(r)
-        r.slot, r.computed = None, 0
-
-    def _swap_owner(self, a: int, b: int) -> None:
-        for r in self.running:
-            if r.slot in (a, b):
-                r.slot = b if r.slot == a else a
+    def _sample(self, logits, requests: list[Request], rows: list[int]) -> None:
+        for r, token in zip(requests, sample_tokens(logits, requests, rows)):
+            self._emit(r, token)
 
     def _emit(self, r: Request, token: int) -> None:
         """Record a sampled token: stream it, or finish the request."""
@@ -401,5 +310,5 @@ class Engine:
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self._last_finish = now
         self._counters["finished"] += 1
-        self._release(r)
+        self.scheduler.release(r)
         r.end(reason, now)

@@ -1,18 +1,52 @@
-"""How the engine runs a forward: which cache rows it reads and writes, its inputs, its CUDA graphs.
+"""Execution: the forwards a step runs, their inputs, the CUDA graphs, and sampling.
 
-The scheduler (``runtime.engine``) decides what runs; this module runs it without asking the
-device anything. A decode step's inputs (token ids, start positions, lengths) are packed on the
-host and go to the device in one copy; the block table changes only when a sequence crosses a
-block boundary (``KVCache.take_blocks``), so a steady decode step has no host-device sync
-before its logits come back.
+The scheduler (``runtime.scheduler``) decides what runs; :class:`Executor` runs it without
+asking the device anything. A prefill packs the step's prompt chunks end to end into one
+forward (``attention.PackedBatch``); a decode forward takes every decoding sequence, each at
+its own position (``attention.SequenceBatch``), its inputs (token ids, start positions,
+lengths) packed on the host and sent in one copy, or replays the CUDA graph captured for its
+batch-size bucket. The block table changes only when a sequence crosses a block boundary
+(``KVCache.take_blocks``), so a steady decode step has no host-device sync before the read of
+the sampled tokens (:func:`sample_tokens`). ``Model.generate`` runs its steps here too, so the
+plain runtime and the engine launch the same kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from runtime.attention import SequenceBatch
+from runtime.attention import PackedBatch, SequenceBatch
 from runtime.cache import KVCache
+
+
+class Executor:
+    """The forwards over ``cache`` on one attention backend (``kernels``: the Triton kernels,
+    else the PyTorch reference), decode steps through CUDA graphs when ``cuda_graphs``."""
+
+    def __init__(self, decoder, cache: KVCache, kernels: bool, cuda_graphs: bool = False):
+        self.decoder, self.cache, self.kernels = decoder, cache, kernels
+        self.graphs = DecodeGraphs(decoder, cache) if cuda_graphs else None  # at start-up: free slots only
+
+    def prefill(self, slots: list[int], starts: list[int], token_ids: list[list[int]]) -> torch.Tensor:
+        """Tokens ``token_ids[i]`` of the sequence in row ``slots[i]`` at positions ``starts[i] ..``,
+        all in one forward (their blocks reserved); logits [n, V] of each one's last token."""
+        batch = PackedBatch(self.cache, slots, starts, token_ids, self.kernels)
+        with torch.inference_mode():
+            return self.decoder.forward_packed(batch.input_ids, batch.positions, batch, batch.logits_at)
+
+    def decode(self, tokens: list[int], starts: list[int], busy_rows: list[int] = ()) -> torch.Tensor:
+        """One token for each sequence in rows ``0 .. n-1`` (``tokens[i]`` at position ``starts[i]``,
+        its block reserved); logits [n, V]. ``busy_rows``: rows holding a sequence, which a CUDA
+        graph's padding rows must not write."""
+        block = self.cache.block_size
+        fills = any((s + 1) % block == 0 for s in starts)  # the block-write launch only when a block fills
+        graph = self.graphs and self.graphs.for_step(len(starts), fills, busy_rows)
+        with torch.inference_mode():
+            if graph is not None:
+                return graph.run(tokens, starts)[:, -1]
+            ids, starts_t, lengths = step_inputs(tokens, starts, self.cache.device)
+            batch = SequenceBatch(self.cache, 0, starts, self.kernels, starts_t, lengths, max(starts) + 1, fills)
+            return self.decoder(ids, batch, starts_t, last_only=True)[:, -1]
 
 
 def step_inputs(tokens: list[int], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,22 +101,24 @@ class DecodeGraph:
 
 
 def warm_matmul_tuning(decoder, largest_m: int) -> int:
-    """Tune every quantized layer's GEMM for each M bucket up to ``largest_m`` now (CUDA), so no
-    request pays a tuning stall; returns how many (layer, M) pairs were asked. Nothing to do
-    where the layers run the dense reference (CPU)."""
+    """Tune every quantized layer's GEMM for every M bucket a step can take (M = 1 .. ``largest_m``:
+    a decode batch, a packed prefill, its lm_head rows) now, so no request pays a tuning stall;
+    returns how many (layer, bucket) pairs were asked (layers of one shape share a tuning). The
+    buckets are ``quant_matmul.m_bucket``'s: every M up to its decode limit, then powers of two.
+    Nothing to do where the layers run the dense reference (CPU)."""
     from runtime.linear import QuantLinear
 
     layers = [m for m in decoder.modules() if isinstance(m, QuantLinear) and m._kernel is not None]
     if not layers:
         return 0
-    from runtime.kernels.quant_matmul import choose_config
+    from runtime.kernels.quant_matmul import choose_config, m_bucket
 
-    sizes = [1 << i for i in range(max(largest_m, 1).bit_length())] + [largest_m]
+    buckets = sorted({m_bucket(M) for M in range(1, max(largest_m, 1) + 1)})
     dtype = next(decoder.parameters()).dtype
     for m in layers:
-        for M in sizes:
+        for M in buckets:
             choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
-    return len(layers) * len(sizes)
+    return len(layers) * len(buckets)
 
 
 class DecodeGraphs:

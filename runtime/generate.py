@@ -124,21 +124,15 @@ class Generation:
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         total = min(len(self.prompt_ids) + self.max_new_tokens, m.max_positions)
-        cache = m.new_cache(total)  # quantized as the model's kv_scheme says
         eos = set(m.eos_token_ids) if self.stop_at_eos else set()
         stream = TextStream(m.tokenizer)
+        steps = SequenceSteps(m, total)
 
         # Prefill: the whole prompt in one forward (or chunks); then one token per step through the cache.
-        pieces = prefill_chunks(0, len(self.prompt_ids), self.prefill_chunk)
-        with torch.inference_mode():
-            for a, b in pieces[:-1]:
-                m.decoder(torch.tensor([self.prompt_ids[a:b]], device=m.device), cache, a, last_only=True)
-        pos, last = pieces[-1][0], start
-        inputs = torch.tensor([self.prompt_ids[pos:]], device=m.device)
+        for a, b in prefill_chunks(0, len(self.prompt_ids), self.prefill_chunk):
+            logits = steps.prefill(self.prompt_ids[a:b])
+        last = start
         while True:
-            with torch.inference_mode():
-                logits = m.decoder(inputs, cache, pos, last_only=True)[0, -1]
-            pos += inputs.shape[1]
             token = sample(logits, self.temperature, self.top_p, generator)
             now = time.perf_counter()
             if self.ttft_s is None:
@@ -149,8 +143,47 @@ class Generation:
             self.ids.append(token)
             if token in eos:
                 return
-            done = len(self.ids) >= self.max_new_tokens or pos >= total
+            done = len(self.ids) >= self.max_new_tokens or steps.position >= total
             yield Token(token, stream.push(self.ids, done), now - start)
             if done:
                 return
-            inputs = torch.tensor([[token]], device=m.device)
+            logits = steps.decode(token)
+
+
+class SequenceSteps:
+    """One sequence's forwards through the engine's step code (``runtime.execution.Executor``):
+    its prefill chunks as a packed batch of one, its decode steps as a decode batch of one, so
+    ``Model.generate`` launches what the engine launches and computes what it computes. Blocks
+    are reserved on the host as positions fill them; no host sync but the sampler's read."""
+
+    def __init__(self, model, total: int):
+        from runtime.execution import Executor
+
+        self.cache = model.new_cache(total)  # quantized as the model's kv_scheme says
+        self.slot = self.cache.add_sequence()
+        kernels = model.decoder.attention_kernels
+        if kernels:  # the Triton kernels serve the caches they support; the reference the others
+            from runtime.kernels.attention import supported
+
+            kernels = supported(self.cache.scheme, self.cache.head_dim, self.cache.dtype, self.cache.device)
+        self.executor = Executor(model.decoder, self.cache, kernels)
+        self.position = 0
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [V] of the last of ``token_ids``, placed at the next positions."""
+        self.cache.reserve(self.slot, self.position + len(token_ids))
+        logits = self.executor.prefill([self.slot], [self.position], [token_ids])[0]
+        self._advance(len(token_ids))
+        return logits
+
+    def decode(self, token: int) -> torch.Tensor:
+        """Logits [V] after ``token`` at the next position."""
+        if (self.position + 1) % self.cache.block_size == 0:  # a block fills: its id, decided on the host
+            self.cache.reserve(self.slot, self.position + 1)
+        logits = self.executor.decode([token], [self.position])[0]
+        self._advance(1)
+        return logits
+
+    def _advance(self, count: int) -> None:
+        self.cache.advance(self.slot, count)
+        self.position += count

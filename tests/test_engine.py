@@ -324,7 +324,7 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
     model = models[INT4]
     short = [p[:n] for p, n in zip(prompts, (5, 12, 9))]
     engine = Engine(model, max_batch=6, max_len=32, attention="triton")
-    engine._graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2, 4))
+    engine.executor.graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2, 4))
     used, run = [], DecodeGraph.run
 
     def counted(self, tokens, starts):
@@ -459,7 +459,7 @@ def test_a_decode_step_reads_the_device_once_and_copies_inputs_once(model_dir, p
     engine = decoding_engine(model_dir, prompts, attention)
     crossings = 0
     for _ in range(8):
-        lengths = [r.computed for r in engine._decoders()]
+        lengths = [r.computed for r in engine.scheduler.decoders()]
         crossing = any((n + 1) % engine.cache.block_size == 0 for n in lengths)
         counts = decode_step_counts(engine)
         assert counts["syncs"] == 1 and counts["ops"]["sync:tolist"] == 1, counts["ops"]
@@ -481,7 +481,7 @@ def test_a_decode_step_launches_9_kernels_per_layer_plus_the_block_write_when_on
     engine.model.decoder.use_kernels(True)
     seen = set()
     for _ in range(8):
-        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine._decoders())
+        fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine.scheduler.decoders())
         counts = decode_step_counts(engine)
         combine = counts["ops"].get("triton:_combine_kernel", 0) // counts["layers"]  # 0 or 1: splits or not
         assert counts["syncs"] == 1 and counts["launches_per_layer"] == [9 + fills + combine] * counts["layers"], counts
@@ -493,8 +493,9 @@ def test_a_decode_step_launches_9_kernels_per_layer_plus_the_block_write_when_on
 
 
 def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
-    """On CUDA the engine asks quant_matmul's tuner for every M a step can take at start-up (a GPU
-    would time the candidates then, not on a request): here the tuner is replaced by a recorder."""
+    """On CUDA the engine asks quant_matmul's tuner for every M bucket a step can take at start-up
+    (a GPU times the candidates then, not on a request): here the tuner is replaced by a recorder,
+    and every M from 1 to the largest falls in a bucket that was asked."""
     from types import SimpleNamespace
 
     from quant.affine import QuantScheme
@@ -508,4 +509,28 @@ def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
     layer._kernel = SimpleNamespace(qweight=torch.zeros(1))  # as materialize leaves it on a GPU
     asked = []
     monkeypatch.setattr(quant_matmul, "choose_config", lambda M, kw, dtype, device: asked.append(M))
-    assert warm_matmul_tuning(decoder, 24) == 6 and asked == [1, 2, 4, 8, 16, 24]
+    assert warm_matmul_tuning(decoder, 40) == len(asked) == len(set(asked))
+    assert {quant_matmul.m_bucket(M) for M in range(1, 41)} == set(asked)  # 1 .. 16 one by one, then 32, 64
+
+
+def test_model_generate_decodes_with_the_engines_launches(model_dir, prompts):
+    """Model.generate runs its steps through the engine's Executor: a decode step makes the
+    engine's launches (9 per layer, the block write when a block fills, the split combine when
+    attention splits), one host sync (the sampler's read) and one input copy (two when a block
+    fills: its block-table row)."""
+    from runtime.counting import generate_step_counts
+
+    model = runtime.load(model_dir, kv=INT4, dtype=torch.bfloat16)
+    model.decoder.use_kernels(True)
+    model.decoder.attention_kernels = True
+    tokens = iter(model.generate(prompts[0], max_new_tokens=16, stop_at_eos=False))  # 5 tokens: block 0 fills
+    next(tokens)
+    seen = set()
+    for position in range(5, 17):
+        fills = (position + 1) % 16 == 0
+        counts = generate_step_counts(model, tokens)
+        combine = counts["ops"].get("triton:_combine_kernel", 0) // counts["layers"]
+        assert counts["launches_per_layer"] == [9 + fills + combine] * counts["layers"], counts["ops"]
+        assert counts["syncs"] == 1 and counts["input_copies"] == 1 + fills, counts["ops"]
+        seen.add(fills)
+    assert seen == {False, True}

@@ -7,6 +7,8 @@ float32 tiny model's logits agree within 1e-4 (measured: at most 1.0e-5; the GEM
 M = all the packed tokens instead of one prompt's, so the sums round in another order).
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -97,3 +99,65 @@ def test_every_kv_scheme_gives_generates_tokens_with_joins_preemption_and_chunks
     requests = tight.generate(prompts, greedy(20))
     assert tight.stats()["preemptions"] >= 1
     assert [r.output_ids for r in requests] == [plain(model, p, 20, prefill_chunk=16) for p in prompts]
+
+
+def flash_semantics(q, k, v, cu_queries, cu_keys, max_query, max_key, window):
+    """FlashAttention-2's variable-length forward as its interface defines it, written out densely
+    (what the CUDA route is handed; CPU has no such kernel): sequence i's queries are rows
+    cu_queries[i] .. cu_queries[i+1], its keys cu_keys[i] .. cu_keys[i+1]; causal aligned at the
+    end; a window of w positions is window_size_left = w - 1."""
+    cq, ck = cu_queries.tolist(), cu_keys.tolist()
+    assert max_query == max(b - a for a, b in zip(cq, cq[1:])) and max_key == max(b - a for a, b in zip(ck, ck[1:]))
+    out = []
+    for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
+        tq, tk = qb - qa, kb - ka
+        pos = torch.arange(tk - tq, tk)[:, None]
+        key = torch.arange(tk)[None]
+        allowed = (key <= pos) & ((key > pos - window) if window else True)
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[qa:qb], k[ka:kb], v[ka:kb]))
+        o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, enable_gqa=True)
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kv,kernels", [(INT4, False), (INT4, True)])
+def test_packed_prefill_attends_in_one_call_per_layer(models, eight_prompts, kv, kernels, monkeypatch):
+    """Where FlashAttention-2 runs, a packed forward hands each layer's attention for all its
+    sequences to one variable-length call. Here that call is its interface written out densely:
+    the packed layout, the cumulative lengths and the maxima the batch builds give each prompt
+    its single-prefill logits, with chunks after cached positions (their keys from the cache)."""
+    import runtime.attention as attention
+
+    calls = []
+
+    def recorded(*args):
+        calls.append(args[5:7])
+        return flash_semantics(*args)
+
+    monkeypatch.setattr(attention, "flash_varlen_ok", lambda q, window: True)
+    monkeypatch.setattr(attention, "flash_varlen", recorded)
+    model = models[kv]
+    packed = packed_prefill(model, eight_prompts, kv, kernels)
+    layers, rounds = model.decoder.cfg.num_layers, -(-max(LENGTHS) // CHUNK)
+    assert len(calls) == layers * rounds  # one per layer per forward, not one per sequence
+    assert (16, 32) in calls  # a round of chunks after 16 cached positions: keys reach 32
+    for prompt, got in zip(eight_prompts, packed):
+        want = single_prefill(model, prompt)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention-2 runs on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_flash_varlen_equals_the_per_sequence_reference(dtype, window):
+    from runtime.attention import flash_varlen, varlen_reference
+
+    g = torch.Generator().manual_seed(0)
+    query_lengths, key_lengths = [5, 1, 16, 9], [5, 17, 48, 9]  # from position 0, and chunks after cached ones
+    q = torch.randn(sum(query_lengths), 8, 64, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(sum(key_lengths), 2, 64, generator=g).to("cuda", dtype) for _ in range(2))
+    cu = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
+          for n in (query_lengths, key_lengths)]
+    got = flash_varlen(q, k, v, *cu, max(query_lengths), max(key_lengths), window)
+    want = varlen_reference(q.float(), k.float(), v.float(), query_lengths, key_lengths, window)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)

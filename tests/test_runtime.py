@@ -233,10 +233,16 @@ def test_multibyte_characters_come_out_whole(tiny_dir):
 
 
 class ForcedDecoder:
-    """Stands in for the decoder: its logits pick the given ids in turn."""
+    """Stands in for the decoder (a decode step's call and a prefill's ``forward_packed``): its
+    logits pick the given ids in turn."""
+
+    attention_kernels = False
 
     def __init__(self, decoder, ids):
         self.cfg, self.ids, self.step = decoder.cfg, ids, 0
+
+    def forward_packed(self, input_ids, positions, batch, logits_at):
+        return self(input_ids[None], batch, positions[0], last_only=True)[:, -1]
 
     def __call__(self, inputs, cache, pos, last_only=False):
         logits = torch.zeros(1, 1 if last_only else inputs.shape[1], self.cfg.vocab_size)
