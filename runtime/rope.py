@@ -39,8 +39,9 @@ def rope_settings(config: dict, layer_type: str = "full_attention") -> dict:
         theta = config["rope_local_base_freq"]  # Gemma 3 before transformers 5: local layers' own base
     rope.setdefault("rope_theta", theta)
     rope["rope_theta"] = float(rope["rope_theta"])
-    if rope_type == "longrope":
-        rope.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if rope_type == "longrope" and config.get("original_max_position_embeddings") is not None:
+        # Phi-3 keeps the pretraining context at the top level, and transformers lets it win
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     need = {"llama3": ("factor", "original_max_position_embeddings"), "linear": ("factor",),
             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}.get(rope_type, ())
     missing = [k for k in need if rope.get(k) is None]

@@ -80,6 +80,7 @@ def tiny_model(kind: str, seed: int = 0):
             extra["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 64}
+            extra["original_max_position_embeddings"] = 64  # Phi-3 keeps it at the top level too (and it wins)
         if kind == "llama-bias":
             extra = {"attention_bias": True, "mlp_bias": True}
         model, tok = tiny_llama(seed=seed, tie=kind != "llama-untied", **extra)
@@ -142,5 +143,6 @@ def tiny_gemma_or_phi3(kind: str, seed: int = 0):
                                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                         "long_factor": [1.0 + 0.5 * i for i in range(8)],
                                         "original_max_position_embeddings": 64}
+            extra["original_max_position_embeddings"] = 64  # Phi-3 keeps it at the top level too (and it wins)
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_hidden_layers=2, **extra))
     return perturb(model.eval(), seed), tok

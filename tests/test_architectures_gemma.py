@@ -1,0 +1,221 @@
+"""Gemma 2, Gemma 3 and Phi-3: quantized, loaded and served as transformers runs them.
+
+Tiny random models from transformers configs (tests/tiny.py: soft-caps, windows, a query scalar and
+local/global RoPE chosen so that each binds). The float runtime against transformers, greedy tokens
+included, is in tests/test_runtime.py (its KINDS); here: the family table, Gemma's (1 + w) norms under
+AWQ, quantized checkpoints in both runtimes, every KV scheme, calibration, and the engine.
+"""
+
+import pytest
+import torch
+
+import runtime
+from kvquant import KVScheme, parse_kv
+from quant import architectures, checkpoint
+from quant.affine import QuantScheme
+from quant.awq import AWQConfig, apply_scale, scale_mappings
+from quant.plan import plan_layers
+from quant.quantize import quantize_model
+from runtime.linear import QuantLinear
+from tiny import save_model, tiny_model
+
+FAMILIES = ["gemma2", "gemma3", "phi3"]
+
+
+def ids_for(model, n=1, length=40, seed=3):
+    return torch.randint(0, model.config.vocab_size, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_each_family_entry_matches_the_transformers_model(kind):
+    model, _ = tiny_model(kind)
+    config = model.config.to_dict()
+    arch = architectures.architecture_of(model)
+    prefix, layers = architectures.decoder_layers(model)
+    assert prefix == "model.layers"
+    arch.check_layer(layers[0])  # every Linear and norm the entry names exists
+    linears = {n for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears == set(arch.linears)
+    cfg = runtime.check_supported(config)
+    types = config.get("layer_types") or ["full_attention"] * len(layers)
+    assert cfg.sliding_windows == tuple(model.config.sliding_window if t == "sliding_attention" else None
+                                        for t in types)
+    if kind.startswith("gemma"):
+        assert cfg.sliding_windows.count(8) >= 1 and None in cfg.sliding_windows  # local and global layers
+        assert arch.norm_offset == 1.0 and cfg.embed_scale == 64 ** 0.5 and cfg.tie_embeddings
+    assert (cfg.attn_softcap, cfg.final_softcap) == ((2.0, 3.0) if kind == "gemma2" else (None, None))
+    assert (cfg.local_rope is not None) == (kind == "gemma3")
+
+
+def test_awq_scales_fold_into_gemmas_one_plus_weight_norms_exactly():
+    """AWQ divides a norm's output channels by s: Gemma's norm scales by (1 + w), so w must become
+    (1 + w) / s - 1, not w / s. The layer's output is unchanged in float."""
+    model, _ = tiny_model("gemma3")
+    layer = model.model.layers[0]
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(0))
+    position_embeddings = model.model.rotary_emb(x, torch.arange(12)[None], "sliding_attention")
+    with torch.no_grad():
+        before = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+        g = torch.Generator().manual_seed(1)
+        for mapping in scale_mappings(layer, architectures.architecture_of(model)):
+            if not isinstance(mapping.prev, torch.nn.Linear):
+                apply_scale(mapping, layer, torch.rand(64, generator=g) + 0.5)
+        after = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def quantized_checkpoint(kind, tmp_path, methods="rtn", seed=4):
+    """A W4 (group 32, asymmetric) checkpoint of a tiny model: (path, model holding the quantized weights)."""
+    model, tok = tiny_model(kind, seed=seed)
+    plan = plan_layers(model, QuantScheme(4, 32, symmetric=False), ["lm_head"])
+    samples = ids_for(model, n=16, length=32, seed=0) if methods != "rtn" else None
+    quantized, stats = quantize_model(model, plan, methods, samples=samples, progress=False,
+                                      awq=AWQConfig(search_samples=8))
+    out = checkpoint.save(model, quantized, tmp_path / f"{kind}-{methods}", tokenizer=tok, dtype=torch.float32)
+    return out, model, stats
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_quantized_checkpoint_runs_in_lowbit_and_in_transformers_alike(tmp_path, kind):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    out, model, _ = quantized_checkpoint(kind, tmp_path)
+    ids = ids_for(model)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        fake_quantized = model(ids).logits  # the float model holding the dequantized weights
+    rt = runtime.load(out)
+    assert sum(isinstance(m, QuantLinear) for m in rt.decoder.modules()) == \
+        len(theirs.model.layers) * (2 if kind == "phi3" else 3)  # q/k/v and gate/up joined (Phi-3: stored so)
+    torch.testing.assert_close(rt.logits(ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fake_quantized, expected, atol=1e-4, rtol=1e-4)
+
+
+KV_SCHEMES = {  # scheme: largest logit error of a cached forward against the plain one, as a share of the logits' range
+    "fp16-r16": 1e-5, "int8-r16": 0.03, "fp8-r16": 0.1, "int4-g16-r16": 0.25, "int2-g16-r16": 0.6}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_every_kv_scheme_through_the_cache_stays_within_its_tolerance(tmp_path, kind):
+    """Prefill 19 tokens, then decode one at a time past block boundaries (blocks of 16, windows of 8):
+    each scheme's logits against the same quantized model run without a cache."""
+    out, model, _ = quantized_checkpoint(kind, tmp_path)
+    ids = ids_for(model, n=2, length=40)
+    errors = {}
+    for name, tolerance in KV_SCHEMES.items():
+        rt = runtime.load(out, kv=name)
+        expected = rt.logits(ids)
+        cache = rt.new_cache(40, batch=2)
+        with torch.inference_mode():
+            got = [rt.decoder(ids[:, :19], cache, 0)]
+            got += [rt.decoder(ids[:, p:p + 1], cache, p) for p in range(19, 40)]
+        errors[name] = float((torch.cat(got, 1) - expected).abs().max() / expected.abs().max())
+        assert errors[name] <= tolerance, (name, errors)
+    assert errors["int8-r16"] < errors["int4-g16-r16"] < errors["int2-g16-r16"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_awq_and_gptq_lower_the_output_error_of_rtn(tmp_path, kind):
+    """GPTQ (after AWQ, and alone) lowers every family's summed layer output error against RTN's;
+    AWQ then RTN lowers the model's logit error against RTN alone, on held-out tokens."""
+    model, _ = tiny_model(kind, seed=4)
+    held_out = ids_for(model, n=2, length=32, seed=11)
+    with torch.no_grad():
+        reference = model(held_out).logits
+    errors = {}
+    for methods in ("rtn", "gptq", "awq+gptq", "awq"):
+        _, quantized_model, stats = quantized_checkpoint(kind, tmp_path, methods)
+        with torch.no_grad():
+            errors[methods] = float((quantized_model(held_out).logits - reference).pow(2).mean())
+        if "gptq" in methods:
+            assert sum(s["output_rel_error"] for s in stats.values()) < \
+                sum(s["output_rel_error_rtn"] for s in stats.values()), methods
+    assert errors["awq"] < errors["rtn"] and errors["gptq"] < errors["rtn"], errors
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_engines_greedy_output_equals_transformers_generate(tmp_path, kind):
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    model, tok = tiny_model(kind)
+    rt = runtime.load(save_model(model, tok, tmp_path / kind), kv="fp16-r16")
+    prompts = [ids_for(model, length=n, seed=n)[0].tolist() for n in (5, 21, 12)]
+    requests = Engine(rt, max_batch=2, max_len=64).generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    for prompt, request in zip(prompts, requests):
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                            pad_token_id=tok.eos_token_id)
+        assert request.output_ids == hf[0, len(prompt):].tolist()
+
+
+def test_gemma2_refuses_the_attention_kernels_it_cannot_run(tmp_path):
+    """The Triton attention kernels have no soft-capping: a Gemma 2 model picks the reference at load,
+    and forcing the kernels fails at once, saying why."""
+    model, tok = tiny_model("gemma2")
+    rt = runtime.load(save_model(model, tok, tmp_path / "g"), kv="fp16-r16")
+    assert rt.decoder.cfg.attn_softcap == 2.0
+    rt.decoder.attention_kernels = True
+    with pytest.raises(ValueError, match="soft-capping.*reference"):
+        list(rt.generate([5, 6, 7], max_new_tokens=2))
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_context():
+    """Positions below original_max_position_embeddings rotate as transformers' short factors,
+    positions past it as its long factors (a forward that long, where transformers uses them all)."""
+    model, _ = tiny_model("phi3-longrope")
+    cfg = runtime.check_supported(model.config.to_dict())
+    from runtime.model import Decoder
+
+    ours = Decoder(cfg).ropes[0]
+    x = torch.zeros(1)
+    positions = torch.arange(100)
+    cos, sin = ours.cos_sin(positions.float(), torch.float32)
+    hf = model.model.rotary_emb
+    short = hf(x, positions[None, :64])
+    long = hf(x, positions[None])  # 100 > 64 positions: transformers takes the long factors
+    torch.testing.assert_close(cos[:64], short[0][0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sin[64:], long[1][0, 64:], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(long[0][0, :64], short[0][0])  # the two factor sets really differ
+
+
+def test_a_gemma3_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
+    """Gemma3ForConditionalGeneration keeps the text decoder under model.language_model: lowbit reads
+    the text config and weights and leaves the vision tower unread."""
+    import transformers as tf
+
+    text, tok = tiny_model("gemma3")
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=32, patch_size=16)
+    config = tf.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                             boi_token_index=1, eoi_token_index=1, image_token_index=1)
+    config.text_config._attn_implementation = "eager"
+    full = tf.Gemma3ForConditionalGeneration(config).eval()
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.save_pretrained(tmp_path / "mm")
+    tok.save_pretrained(tmp_path / "mm")
+    rt = runtime.load(tmp_path / "mm")
+    ids = ids_for(text)
+    with torch.no_grad():
+        torch.testing.assert_close(rt.logits(ids), text(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "gemma"}, "'gemma' is not supported; lowbit runs .*gemma2, gemma3_text, gemma3, phi3"),
+    ({"model_type": "gemma3", "vision_config": {}}, "text_config"),
+    ({"model_type": "gemma2", "hidden_activation": "relu", "num_hidden_layers": 1, "num_attention_heads": 2,
+      "hidden_size": 8}, "relu"),
+])
+def test_an_unknown_family_or_feature_is_one_clear_error(config, message):
+    with pytest.raises(architectures.UnsupportedModelError, match=message):
+        runtime.check_supported(config)
+
+
+def test_a_layer_missing_a_module_is_named_before_calibration():
+    model, _ = tiny_model("gemma2")
+    for layer in model.model.layers:
+        del layer.pre_feedforward_layernorm
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    with pytest.raises(architectures.UnsupportedModelError, match="pre_feedforward_layernorm"):
+        quantize_model(model, plan, ["awq"], samples=ids_for(model, n=2, length=8), progress=False)
