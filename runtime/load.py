@@ -132,7 +132,7 @@ def text_decoder_tensors(tensors: dict[str, torch.Tensor], config: dict) -> dict
         return tensors
     out = {}
     for name, tensor in tensors.items():
-        for stored, ours in text_part[1]:
+        for stored, ours in text_part[2]:
             if name.startswith(stored):
                 out[ours + name[len(stored):]] = tensor
                 break

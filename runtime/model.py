@@ -27,6 +27,7 @@ from runtime.rope import Rope, apply_rope, rope_settings  # noqa: F401 (apply_ro
 
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
 from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
+from quant.architectures import decoder_config
 from quant.architectures import unsupported as _unsupported
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -63,10 +64,8 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
+        config = decoder_config(config)  # a multimodal checkpoint's text decoder; the family's defaults
         arch = architecture(config.get("model_type"))
-        if arch.text_part:  # a multimodal checkpoint: its text decoder
-            config = text_config(config, arch)
-            arch = architecture(config.get("model_type"))
         model_type = arch.model_type
         act = config.get("hidden_activation") or config.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
@@ -90,7 +89,7 @@ class DecoderConfig:
             rope=rope,
             local_rope=local if local != rope else None,
             max_positions=config.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(config.get("tie_word_embeddings", arch.scaled_embeddings)),
+            tie_embeddings=bool(config.get("tie_word_embeddings")),
             qkv_bias=arch.qkv_bias(config),
             o_bias=arch.o_bias(config),
             mlp_bias=arch.mlp_bias(config),
@@ -106,18 +105,6 @@ class DecoderConfig:
             final_softcap=config.get("final_logit_softcapping"),
             fused_projections=arch.fused_projections,
         )
-
-
-def text_config(config: dict, arch) -> dict:
-    """The text decoder's config of a multimodal checkpoint (``arch.text_part``)."""
-    key = arch.text_part[0]
-    text = config.get(key)
-    if not isinstance(text, dict):
-        raise UnsupportedModelError(f"a {arch.model_type} config keeps its text decoder's config in {key!r}, "
-                                    "which this one lacks")
-    if "tie_word_embeddings" in config:  # the composite model ties (or not) its head
-        text = {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
-    return text
 
 
 def check_supported(config: dict) -> DecoderConfig:

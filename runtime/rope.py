@@ -28,16 +28,16 @@ def rope_settings(config: dict, layer_type: str = "full_attention") -> dict:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if set(rope) & set(LAYER_TYPES):  # per layer type (Gemma 3, transformers 5)
         rope = rope.get(layer_type) or {}
+    elif layer_type == "sliding_attention" and config.get("rope_local_base_freq") is not None:
+        # Gemma 3 before transformers 5: the local layers' own base, never scaled (rope_scaling is the global's)
+        rope = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
     rope = dict(rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise _unsupported(config.get("model_type"), f"rope_type {rope_type!r}",
                            f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}")
     rope["rope_type"] = rope_type
-    theta = config.get("rope_theta", 10000.0)
-    if layer_type == "sliding_attention" and config.get("rope_local_base_freq") is not None:
-        theta = config["rope_local_base_freq"]  # Gemma 3 before transformers 5: local layers' own base
-    rope.setdefault("rope_theta", theta)
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rope["rope_theta"] = float(rope["rope_theta"])
     if rope_type == "longrope" and config.get("original_max_position_embeddings") is not None:
         # Phi-3 keeps the pretraining context at the top level, and transformers lets it win

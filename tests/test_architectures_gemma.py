@@ -85,16 +85,16 @@ def test_quantized_checkpoint_runs_in_lowbit_and_in_transformers_alike(tmp_path,
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         expected = theirs(ids).logits
-        fake_quantized = model(ids).logits  # the float model holding the dequantized weights
+        float_logits = model(ids).logits  # RTN leaves the float model as it was
     rt = runtime.load(out)
-    assert sum(isinstance(m, QuantLinear) for m in rt.decoder.modules()) == \
-        len(theirs.model.layers) * (2 if kind == "phi3" else 3)  # q/k/v and gate/up joined (Phi-3: stored so)
+    # qkv, o, gate_up, down per layer: joined at load (Phi-3: stored so)
+    assert sum(isinstance(m, QuantLinear) for m in rt.decoder.modules()) == len(theirs.model.layers) * 4
     torch.testing.assert_close(rt.logits(ids), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fake_quantized, expected, atol=1e-4, rtol=1e-4)
+    assert (float_logits - expected).abs().max() > 1e-3  # quantization changed the logits: not float against float
 
 
 KV_SCHEMES = {  # scheme: largest logit error of a cached forward against the plain one, as a share of the logits' range
-    "fp16-r16": 1e-5, "int8-r16": 0.03, "fp8-r16": 0.1, "int4-g16-r16": 0.25, "int2-g16-r16": 0.6}
+    "fp16-r16": 1e-5, "int8-r16": 0.02, "fp8-r16": 0.1, "int4-g16-r16": 0.25, "int2-g16-r16": 0.6}
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

@@ -57,16 +57,17 @@ def save_model(model, tokenizer, path: Path) -> Path:
     return path
 
 
-def perturb(model, seed: int = 0):
+def perturb(model, seed: int = 0, norm_center: float = 1.0):
     """Random biases and norm weights: HF initializes them to 0 and 1, which would let a
-    runtime that drops a bias or a norm pass unnoticed."""
+    runtime that drops a bias or a norm pass unnoticed. ``norm_center`` 0: Gemma's norms, which
+    scale by 1 + weight."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             elif "norm" in name:
-                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(norm_center + torch.randn(p.shape, generator=g) * 0.2)
     return model
 
 
@@ -145,4 +146,4 @@ def tiny_gemma_or_phi3(kind: str, seed: int = 0):
                                         "original_max_position_embeddings": 64}
             extra["original_max_position_embeddings"] = 64  # Phi-3 keeps it at the top level too (and it wins)
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_hidden_layers=2, **extra))
-    return perturb(model.eval(), seed), tok
+    return perturb(model.eval(), seed, norm_center=0.0 if kind.startswith("gemma") else 1.0), tok
