@@ -233,8 +233,12 @@ def test_a_layer_missing_a_module_is_named_before_calibration():
     for layer in model.model.layers:
         del layer.pre_feedforward_layernorm
     plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
-    with pytest.raises(architectures.UnsupportedModelError, match="pre_feedforward_layernorm"):
-        quantize_model(model, plan, ["awq"], samples=ids_for(model, n=2, length=8), progress=False)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(architectures.UnsupportedModelError, match="model.layers.0: a gemma2 decoder layer needs the "
+                                                                  "modules pre_feedforward_layernorm"):
+        quantize_model(model, plan, ["gptq"], samples=ids_for(model, n=2, length=8), progress=False)
+    assert not calls  # before any forward
 
 
 @pytest.mark.parametrize("model_type, config_class", [("gemma2", "Gemma2Config"), ("gemma3_text", "Gemma3TextConfig")])
