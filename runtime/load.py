@@ -142,6 +142,19 @@ def text_decoder_tensors(tensors: dict[str, torch.Tensor], config: dict) -> dict
     return out
 
 
+def stored_linear_schemes(config: dict, names: list[str]) -> dict[str, QuantScheme]:
+    """Which of the runtime's Linears ``names`` the checkpoint quantizes: its quantization_config names
+    them as stored, so a multimodal checkpoint's text Linears are looked up under their stored prefixes."""
+    text_part = architecture(config.get("model_type")).text_part
+    stored = {}  # stored name -> runtime name
+    for name in names:
+        for prefix, ours in text_part[2] if text_part else ():
+            if name.startswith(ours):
+                stored[prefix + name[len(ours):]] = name
+        stored.setdefault(name, name)
+    return {stored[n]: scheme for n, scheme in checkpoint.linear_schemes(config, list(stored)).items()}
+
+
 def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
     for name, m in decoder.named_modules():
         if isinstance(m, QuantLinear) and m.weight_shape.tolist() != [m.out_features, m.in_features]:
@@ -186,7 +199,7 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     cfg = DecoderConfig.from_hf(config)
     device = torch.device(device)
     dtype = dtype or default_dtype(device, config)
-    schemes = checkpoint.linear_schemes(config, linear_names(cfg))
+    schemes = stored_linear_schemes(config, linear_names(cfg))
     tied = cfg.tie_embeddings and "lm_head" not in schemes
 
     # Build on the meta device: no memory is spent on weights that are replaced right away.

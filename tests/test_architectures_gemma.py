@@ -196,9 +196,8 @@ def test_longrope_switches_to_the_long_factors_past_the_original_context():
     assert not torch.allclose(long[0][0, :64], short[0][0])  # the two factor sets really differ
 
 
-def test_a_gemma3_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
-    """Gemma3ForConditionalGeneration keeps the text decoder under model.language_model: lowbit reads
-    the text config and weights and leaves the vision tower unread."""
+def tiny_gemma3_multimodal():
+    """A Gemma3ForConditionalGeneration whose text decoder is tiny_model("gemma3")'s: (it, the text model, tokenizer)."""
     import transformers as tf
 
     text, tok = tiny_model("gemma3")
@@ -209,12 +208,35 @@ def test_a_gemma3_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
     config.text_config._attn_implementation = "eager"
     full = tf.Gemma3ForConditionalGeneration(config).eval()
     full.model.language_model.load_state_dict(text.model.state_dict())
-    full.save_pretrained(tmp_path / "mm")
-    tok.save_pretrained(tmp_path / "mm")
-    rt = runtime.load(tmp_path / "mm")
+    return full, text, tok
+
+
+def test_a_gemma3_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
+    """Gemma3ForConditionalGeneration keeps the text decoder under model.language_model: lowbit reads
+    the text config and weights and leaves the vision tower unread."""
+    full, text, tok = tiny_gemma3_multimodal()
+    rt = runtime.load(save_model(full, tok, tmp_path / "mm"))
     ids = ids_for(text)
     with torch.no_grad():
         torch.testing.assert_close(rt.logits(ids), text(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_quantized_gemma3_multimodal_checkpoint_runs_in_lowbit_and_in_transformers_alike(tmp_path):
+    """GPTQ on the text decoder (vision tower and projector left in float): the checkpoint names its
+    Linears under model.language_model, and lowbit finds them there."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForImageTextToText
+
+    full, text, tok = tiny_gemma3_multimodal()
+    plan = plan_layers(full, QuantScheme(4, 32, symmetric=False), ["lm_head", "re:.*vision_tower.*"])
+    assert all(n.startswith("model.language_model.layers.") for n in plan)
+    quantized, _ = quantize_model(full, plan, "gptq", samples=ids_for(text, n=8, length=16, seed=0), progress=False)
+    out = checkpoint.save(full, quantized, tmp_path / "q", tokenizer=tok, dtype=torch.float32)
+    ids = ids_for(text)
+    theirs = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    torch.testing.assert_close(runtime.load(out).logits(ids), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("config, message", [
