@@ -63,6 +63,8 @@ def _config_path(spec: str) -> Path:
 
 def text_config(config: dict) -> dict:
     """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
+    if config.get("model_type") in architectures.ARCHITECTURES:  # as the runtime reads it, with the family's defaults
+        return {**architectures.decoder_config(config), "quantization_config": config.get("quantization_config")}
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         return {**config["text_config"], "quantization_config": config.get("quantization_config")}
     return config

@@ -35,7 +35,7 @@ class ScalePair:
     inspect: str
 
 
-# The Llama layout, shared by every family supported today (names as in transformers).
+# The Llama layout, shared by most families (names as in transformers).
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LLAMA_SCALE_PAIRS = (
@@ -45,6 +45,14 @@ LLAMA_SCALE_PAIRS = (
     ScalePair("post_attention_layernorm", MLP[:2], "mlp"),
     ScalePair("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
 )
+# Gemma 2/3: the MLP reads pre_feedforward_layernorm (post_attention_layernorm normalizes the attention's
+# output before the residual add, so nothing quantized reads it)
+GEMMA_SCALE_PAIRS = (LLAMA_SCALE_PAIRS[0], LLAMA_SCALE_PAIRS[1],
+                     ScalePair("pre_feedforward_layernorm", MLP[:2], "mlp"), LLAMA_SCALE_PAIRS[3])
+# Phi-3 stores q/k/v and gate/up fused; AWQ scales each fused Linear's input as a whole
+PHI3_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+PHI3_SCALE_PAIRS = (ScalePair("input_layernorm", ("self_attn.qkv_proj",), "self_attn"),
+                    ScalePair("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"))
 
 
 def no_window(config: dict, layers: int) -> tuple:
@@ -71,6 +79,16 @@ def layers_by_type(config: dict, layers: int) -> tuple:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
+def gemma_layer_types(config: dict, layers: int) -> tuple:
+    """Gemma 2/3: ``layer_types`` when the config names them; older configs slide every layer but
+    each ``sliding_window_pattern``-th (Gemma 2: every other layer, starting with the first)."""
+    if config.get("layer_types") is None:
+        pattern = config.get("sliding_window_pattern", 2 if config.get("model_type") == "gemma2" else 6)
+        config = {**config, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                            for i in range(layers)]}
+    return layers_by_type(config, layers)
+
+
 def attention_bias_flag(config: dict) -> bool:
     return bool(config.get("attention_bias") or False)
 
@@ -90,6 +108,16 @@ class Architecture:
     # query and key projections feed a softmax through a dot product: per-channel output error says
     # little about attention error there, so AWQ does not clip them (as in the AWQ reference)
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
+    sandwich_norms: bool = False  # Gemma 2/3: a norm before and after attention and the MLP, four per layer
+    scaled_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the model's dtype
+    fused_projections: bool = False  # Phi-3: checkpoints store qkv_proj and gate_up_proj joined
+    # a multimodal checkpoint whose text decoder lowbit runs: (config key of the text config, the text
+    # config's model_type, (checkpoint tensor prefix, the text model's prefix) pairs); the other tensors
+    # (vision) are not read
+    text_part: tuple[str, str, tuple[tuple[str, str], ...]] | None = None
+    # transformers' defaults for keys a family's config.json may leave out (Gemma 3's do: vocab_size, RoPE bases)
+    config_defaults: tuple[tuple[str, object], ...] = ()
 
     def check_layer(self, layer: nn.Module, where: str = "") -> None:
         """Raise naming every module this family's layout expects and ``layer`` lacks."""
@@ -102,6 +130,16 @@ class Architecture:
                 f"{', '.join(missing)}, which {type(layer).__name__} lacks")
 
 
+# transformers' config-class defaults (tests/test_architectures_gemma.py checks them against transformers)
+GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("rms_norm_eps", 1e-6), ("head_dim", 256),
+                  ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("tie_word_embeddings", True))
+GEMMA2_DEFAULTS = GEMMA_DEFAULTS + (("vocab_size", 256_000), ("max_position_embeddings", 8192),
+                                    ("rope_theta", 10_000.0), ("final_logit_softcapping", 30.0),
+                                    ("attn_logit_softcapping", 50.0))
+GEMMA3_DEFAULTS = GEMMA_DEFAULTS + (("vocab_size", 262_208), ("max_position_embeddings", 131_072),
+                                    ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0),
+                                    ("sliding_window_pattern", 6))
+
 ARCHITECTURES = {a.model_type: a for a in (
     Architecture("llama", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag,
                  mlp_bias=lambda config: bool(config.get("mlp_bias"))),
@@ -111,6 +149,23 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("qwen2", qkv_bias=lambda config: True, o_bias=lambda config: False, sliding_windows=layers_by_type),
     Architecture("qwen3", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag, qk_norm=True,
                  sliding_windows=layers_by_type),
+    Architecture("gemma2", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag, sliding_windows=gemma_layer_types,
+                 scale_pairs=GEMMA_SCALE_PAIRS, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
+                 config_defaults=GEMMA2_DEFAULTS),
+    Architecture("gemma3_text", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag, qk_norm=True,
+                 sliding_windows=gemma_layer_types, scale_pairs=GEMMA_SCALE_PAIRS, norm_offset=1.0,
+                 sandwich_norms=True, scaled_embeddings=True, config_defaults=GEMMA3_DEFAULTS),
+    # Gemma3ForConditionalGeneration: the text decoder under model.language_model (transformers 5) or
+    # language_model.model (earlier saves); the vision tower is not run
+    Architecture("gemma3", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag, qk_norm=True,
+                 sliding_windows=gemma_layer_types, layers="model.language_model.layers",
+                 scale_pairs=GEMMA_SCALE_PAIRS, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
+                 text_part=("text_config", "gemma3_text", (("model.language_model.", "model."),
+                                                           ("language_model.model.", "model."),
+                                                           ("language_model.lm_head.", "lm_head.")))),
+    Architecture("phi3", qkv_bias=lambda config: False, o_bias=lambda config: False, sliding_windows=every_layer_slides,
+                 linears=PHI3_LINEARS, scale_pairs=PHI3_SCALE_PAIRS, no_clip=("self_attn.qkv_proj",),
+                 fused_projections=True),
 )}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
@@ -122,6 +177,23 @@ def architecture(model_type) -> Architecture:
             f"model_type {model_type!r} is not supported; lowbit runs {', '.join(SUPPORTED_MODEL_TYPES)} "
             f"(quant/architectures.py holds each family's layout)")
     return ARCHITECTURES[model_type]
+
+
+def decoder_config(config: dict) -> dict:
+    """The config of the decoder lowbit runs, as transformers reads it: a multimodal config's text part
+    (its family's ``text_part``), with the family's defaults for the keys it leaves out."""
+    arch = architecture(config.get("model_type"))
+    if arch.text_part:
+        key, text_type, _ = arch.text_part
+        text = config.get(key)
+        if not isinstance(text, dict):
+            raise UnsupportedModelError(f"a {arch.model_type} config keeps its text decoder's config in {key!r}, "
+                                        "which this one lacks")
+        text = {"model_type": text_type, **text}
+        if "tie_word_embeddings" in config:  # the composite model ties (or not) its head
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        return decoder_config(text)
+    return {**dict(arch.config_defaults), **config}
 
 
 def architecture_of(model: nn.Module) -> Architecture:

@@ -39,6 +39,7 @@ class Mapping:
     prev: nn.Module  # RMSNorm or Linear whose output the Linears read
     linears: list[str]  # local names inside the decoder layer
     inspect: str  # local name of the module whose output the scale search compares
+    norm_offset: float = 0.0  # a norm ``prev`` scales by (norm_offset + weight) (quant.architectures)
 
 
 def scale_mappings(layer: nn.Module, arch: Architecture) -> list[Mapping]:
@@ -52,7 +53,7 @@ def scale_mappings(layer: nn.Module, arch: Architecture) -> list[Mapping]:
         if isinstance(prev, nn.Linear) and any(
                 prev.out_features != layer.get_submodule(n).in_features for n in pair.linears):
             continue
-        maps.append(Mapping(prev, list(pair.linears), pair.inspect))
+        maps.append(Mapping(prev, list(pair.linears), pair.inspect, arch.norm_offset))
     return maps
 
 
@@ -122,8 +123,9 @@ def apply_scale(mapping: Mapping, layer, s: torch.Tensor) -> None:
         prev.weight.data = (prev.weight.data.float() / s.unsqueeze(1)).to(prev.weight.dtype)
         if prev.bias is not None:
             prev.bias.data = (prev.bias.data.float() / s).to(prev.bias.dtype)
-    else:  # a norm's per-channel weight
-        prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+    else:  # a norm's per-channel scale: weight, or (1 + weight) where the family stores it offset (Gemma)
+        offset = mapping.norm_offset
+        prev.weight.data = ((offset + prev.weight.data.float()) / s - offset).to(prev.weight.dtype)
     for n in mapping.linears:
         lin = layer.get_submodule(n)
         lin.weight.data = (lin.weight.data.float() * s).to(lin.weight.dtype)

@@ -120,10 +120,14 @@ def quantize_model(
         return round_each(model, plan, rounding, settings[rounding.name], scale_dtype, progress)
     if samples is None:
         raise ValueError(f"{'+'.join(m.name for m in chain)} needs calibration samples")
-    prefix = decoder_layers(model)[0] + "."
+    prefix, layers = decoder_layers(model)
+    arch = architecture_of(model)
+    for i, layer in enumerate(layers):  # a layout this family's entry does not describe: refused before any work
+        arch.check_layer(layer, f"{prefix}.{i}")
+    prefix += "."
     layer_plan = {n: s for n, s in plan.items() if n.startswith(prefix)}
     outside = {n: s for n, s in plan.items() if not n.startswith(prefix)}
-    step = layer_step(chain, settings, architecture_of(model), scale_dtype)
+    step = layer_step(chain, settings, arch, scale_dtype)
     quantized, stats = quantize_sequential(model, layer_plan, samples, step, device, work_dir=work_dir,
                                            resume=resume, run_id=run_id, progress=progress, lazy=lazy)
     if outside:

@@ -38,7 +38,7 @@ def _greenlet():
 
 
 class StopForward(Exception):
-    """Raised by the hook that captures layer 0's inputs: nothing past it needs to run."""
+    """Raised by the recorder of the last layer's inputs: nothing past it needs to run."""
 
 
 @dataclass
@@ -50,15 +50,27 @@ class LayerInputs:
     kwargs: list[dict]
 
 
-def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device) -> LayerInputs:
-    hidden, kwargs = [], []
+def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device) -> tuple[LayerInputs, list]:
+    """Layer 0's inputs, and every layer's keyword arguments batch by batch: families whose
+    layers differ (Gemma's local and global layers: their own masks and RoPE) get each its own.
+    Each layer's forward is swapped for a recorder that passes the hidden states through
+    unchanged, so no layer's weights are needed (the arguments do not depend on them)."""
+    hidden, kwargs = [], [[] for _ in layers]
 
-    def grab(module, args, kw):
-        hidden.append(args[0] if args else kw.pop("hidden_states"))
-        kwargs.append({k: v for k, v in kw.items() if k not in ("past_key_values", "use_cache")})
-        raise StopForward
+    def recorder(i: int):
+        def record(*args, **kw):
+            h = args[0] if args else kw.pop("hidden_states")
+            if i == 0:
+                hidden.append(h)
+            kwargs[i].append({k: v for k, v in kw.items() if k not in ("past_key_values", "use_cache")})
+            if i == len(layers) - 1:
+                raise StopForward
+            return h
 
-    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+        return record
+
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)  # an instance attribute: the class's forward comes back when it is deleted
     try:
         for batch in samples.split(batch_size):
             try:
@@ -66,8 +78,9 @@ def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device
             except StopForward:
                 pass
     finally:
-        handle.remove()
-    return LayerInputs(hidden, kwargs)
+        for layer in layers:
+            del layer.forward
+    return LayerInputs(hidden, kwargs[0]), kwargs
 
 
 def run_layer(layer, inputs: LayerInputs) -> list[torch.Tensor]:
@@ -284,19 +297,19 @@ def quantize_sequential(
     heap = _HeapTrim()
     with torch.no_grad():
         fetch(0)
-        inputs = capture_inputs(model, layers, samples, batch_size, device)
+        inputs, layer_kwargs = capture_inputs(model, layers, samples, batch_size, device)
         put_back(0, [])
         done = 0
         if resume and work_dir is not None and (work_dir / "progress.json").exists():
             done, stats, hidden = load_progress(work_dir, layers, prefix, plan, quantized, device, run_id)
-            inputs = LayerInputs(hidden, inputs.kwargs)
+            inputs = LayerInputs(hidden, layer_kwargs[done])
         bar = tqdm(range(done, len(layers)), desc="quantizing layers", unit="layer", disable=not progress,
                    initial=done, total=len(layers))
         for i in bar:
             layer = fetch(i)
             local = {n[len(f"{prefix}.{i}."):]: s for n, s in plan.items() if n.startswith(f"{prefix}.{i}.")}
             layer_q, layer_stats, hidden = method(layer, inputs, local, f"{prefix}.{i}.")
-            inputs = LayerInputs(hidden, inputs.kwargs)
+            inputs = LayerInputs(hidden, layer_kwargs[min(i + 1, len(layers) - 1)])
             for n in local:
                 quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
                 stats[f"{prefix}.{i}.{n}"] = layer_stats[n]

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kvquant import KVScheme
 from runtime.cache import KVCache
@@ -46,12 +46,36 @@ def attention_mask(queries: int, keys: int, window: int | None, device):
     return (k <= q) & (k > q - window)
 
 
-def sdpa(q, k, v, mask):
-    """SDPA with ``mask`` from :func:`attention_mask` (GQA: SDPA broadcasts the KV heads itself)."""
+def sdpa(q, k, v, mask, softcap: float | None = None):
+    """SDPA with ``mask`` from :func:`attention_mask` (GQA: SDPA broadcasts the KV heads itself);
+    ``softcap``: scores through ``softcap * tanh(s / softcap)`` first (Gemma 2), which SDPA lacks."""
+    if softcap is not None:
+        return softcapped_attention(q, k, v, mask, softcap)
     gqa = q.shape[1] != k.shape[1]
     if mask is not None and not isinstance(mask, torch.Tensor) and q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # square: plain causal
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def softcapped_attention(q, k, v, mask, softcap: float):
+    """Attention as transformers' eager path computes it for Gemma 2: scores scaled by
+    1/sqrt(head_dim) (the queries carry the model's own scale), soft-capped, masked, softmax in
+    float32. Materializes the [Hq, T, S] scores: the reference path, not a fast one."""
+    T, S = q.shape[2], k.shape[2]
+    if q.shape[1] != k.shape[1]:  # grouped-query attention: each KV head serves a group of query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 / softcap) * softcap
+    if isinstance(mask, CausalBias):  # the lower-right causal bias, as a boolean tensor
+        mask = torch.arange(S, device=q.device)[None] <= torch.arange(S - T, S, device=q.device)[:, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def no_softcap_kernels(softcap) -> None:
+    if softcap is not None:
+        raise ValueError("the Triton attention kernels have no attention-logit soft-capping (Gemma 2): run this "
+                         "model on the PyTorch reference (attention='reference'; lowbit picks it by default)")
 
 
 def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -106,8 +130,8 @@ class NoCache(Batch):
     def __init__(self, length: int):
         self.length = length
 
-    def attend(self, layer: int, q, k, v, window):
-        return sdpa(q, k, v, attention_mask(self.length, self.length, window, q.device))
+    def attend(self, layer: int, q, k, v, window, softcap=None):
+        return sdpa(q, k, v, attention_mask(self.length, self.length, window, q.device), softcap)
 
 
 class WholeCache(Batch):
@@ -124,14 +148,16 @@ class WholeCache(Batch):
             kernels = supported(cache.scheme, cache.head_dim, cache.dtype, cache.device)
         self.kernels = kernels
 
-    def attend(self, layer: int, q, k, v, window):
+    def attend(self, layer: int, q, k, v, window, softcap=None):
         mask = attention_mask(self.length, self.start + self.length, window, q.device)
         if self.kernels and q.dtype == self.cache.dtype:
             from runtime.kernels.attention import KERNEL_OPS
 
+            no_softcap_kernels(softcap)
+
             return ref.cache_attention(self.cache, layer, self.start, q, k, v, mask, window, ops=KERNEL_OPS)
         keys, values = self.cache.update(layer, self.start, k, v)
-        return sdpa(q, keys, values, mask)
+        return sdpa(q, keys, values, mask, softcap)
 
 
 class SequenceBatch(Batch):
@@ -170,14 +196,15 @@ class SequenceBatch(Batch):
         c, rows = self.cache, self._rows()
         return c.residual_k[layer][rows], c.residual_v[layer][rows], self.starts_tensor
 
-    def attend(self, layer: int, q, k, v, window):
+    def attend(self, layer: int, q, k, v, window, softcap=None):
         if self.kernels:
+            no_softcap_kernels(softcap)
             start = self.starts[0] if k.shape[2] > 1 else None  # prefill: one sequence, start known on the host
             write = dict(blocks=self.fills is not False, residual=layer not in self._stored)
             return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
                                     self.max_seq_len, start, self.lengths, write)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
-                                              v[i], window) for i in range(self.count)])
+                                              v[i], window, softcap) for i in range(self.count)])
 
 
 class PackedBatch(Batch):
@@ -209,8 +236,10 @@ class PackedBatch(Batch):
         self.cu_queries = packed[2 * n + count:2 * n + 2 * count + 1]
         self.cu_keys = packed[2 * n + 2 * count + 1:]
 
-    def attend(self, layer: int, q, k, v, window):
+    def attend(self, layer: int, q, k, v, window, softcap=None):
         """``q`` [1, Hq, N, D], ``k``/``v`` [1, Hk, N, D] packed; the attention [1, Hq, N, D]."""
+        if self.kernels:
+            no_softcap_kernels(softcap)
         pieces = [self._store(layer, slot, start, a, b, k, v)
                   for slot, start, (a, b) in zip(self.slots, self.starts, self.bounds)]
         if any(self.starts):  # a chunk after cached positions: those come back from the cache
@@ -219,7 +248,7 @@ class PackedBatch(Batch):
         else:  # every sequence from position 0: its keys are its own fresh ones, packed already
             keys, values = k[0].transpose(0, 1), v[0].transpose(0, 1)
         out = varlen_attention(q[0].transpose(0, 1), keys.to(q.dtype), values.to(q.dtype), self.cu_queries,
-                               self.cu_keys, self.query_lengths, self.key_lengths, window)
+                               self.cu_keys, self.query_lengths, self.key_lengths, window, softcap)
         return out.transpose(0, 1)[None]
 
     def _store(self, layer: int, slot: int, start: int, a: int, b: int, k, v):
@@ -239,7 +268,7 @@ class PackedBatch(Batch):
 
 
 def varlen_attention(q, k, v, cu_queries, cu_keys, query_lengths: list[int], key_lengths: list[int],
-                     window: int | None):
+                     window: int | None, softcap: float | None = None):
     """Attention of sequences packed end to end: ``q`` [Nq, Hq, D] (sequence ``i``'s queries are
     rows ``cu_queries[i] .. cu_queries[i+1]``), ``k``/``v`` [Nk, Hk, D] likewise by ``cu_keys``;
     a sequence's queries are its last ``query_lengths[i]`` positions of ``key_lengths[i]``
@@ -249,10 +278,11 @@ def varlen_attention(q, k, v, cu_queries, cu_keys, query_lengths: list[int], key
     kernel, the one SDPA uses, takes the packed layout as is, aligns causality at each sequence's
     end, and reads GQA and the window natively: no mask, no padding, and ``max`` lengths come from
     the host, so no sync (nested tensors reach the same kernel but refuse a window and compute the
-    maxima on the device). Elsewhere the same function per sequence through SDPA."""
-    if flash_varlen_ok(q, window):
+    maxima on the device). Elsewhere (and with Gemma 2's soft-capping, which that kernel
+    lacks) the same function per sequence through SDPA."""
+    if softcap is None and flash_varlen_ok(q, window):
         return flash_varlen(q, k, v, cu_queries, cu_keys, max(query_lengths), max(key_lengths), window)
-    return varlen_reference(q, k, v, query_lengths, key_lengths, window)
+    return varlen_reference(q, k, v, query_lengths, key_lengths, window, softcap)
 
 
 def flash_varlen(q, k, v, cu_queries, cu_keys, max_query: int, max_key: int, window: int | None):
@@ -263,12 +293,13 @@ def flash_varlen(q, k, v, cu_queries, cu_keys, max_query: int, max_key: int, win
                                                    False, **window_args)[0]
 
 
-def varlen_reference(q, k, v, query_lengths: list[int], key_lengths: list[int], window: int | None):
+def varlen_reference(q, k, v, query_lengths: list[int], key_lengths: list[int], window: int | None,
+                     softcap: float | None = None):
     """:func:`varlen_attention` one sequence at a time through SDPA (CPU, fp32, other GPUs)."""
     out, qa, ka = [], 0, 0
     for tq, tk in zip(query_lengths, key_lengths):
         qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[qa:qa + tq], k[ka:ka + tk], v[ka:ka + tk]))
-        out.append(sdpa(qi, ki, vi, attention_mask(tq, tk, window, q.device))[0].transpose(0, 1))
+        out.append(sdpa(qi, ki, vi, attention_mask(tq, tk, window, q.device), softcap)[0].transpose(0, 1))
         qa, ka = qa + tq, ka + tk
     return torch.cat(out)
 
@@ -298,12 +329,12 @@ def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, w
                                start=start, lengths=lengths)
 
 
-def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k, v, window):
+def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k, v, window, softcap=None):
     """One sequence (``q`` [1, Hq, T, D], ``k``/``v`` [Hk, T, D]): store, read its cache back
     dequantized, SDPA, as the plain runtime (``KVCache.update`` + SDPA) does."""
     T = k.shape[1]
     keys, values = cache.write_sequence(layer, slot, start, k, v)
-    return sdpa(q, keys[None], values[None], attention_mask(T, start + T, window, q.device))
+    return sdpa(q, keys[None], values[None], attention_mask(T, start + T, window, q.device), softcap)
 
 
 @functools.cache

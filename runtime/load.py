@@ -13,6 +13,7 @@ from runtime.cache import KVCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
 from runtime.linear import QuantLinear
+from quant.architectures import architecture
 from runtime.model import Decoder, DecoderConfig, plain_linear
 
 # Any of these makes a directory's tokenizer loadable by AutoTokenizer.
@@ -105,7 +106,7 @@ def read_checked_tensors(path: Path, decoder: Decoder, config: dict, tied: bool)
     """The checkpoint's tensors, exactly the ones ``decoder`` needs (an error names any other)."""
     if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors weights in {path} (lowbit reads safetensors only, never pickle)")
-    tensors = checkpoint.read_tensors(path)
+    tensors = text_decoder_tensors(checkpoint.read_tensors(path), config)
     # Older checkpoints store RoPE frequencies; we compute them from the config.
     tensors = {k: t for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if tied:
@@ -120,6 +121,38 @@ def read_checked_tensors(path: Path, decoder: Decoder, config: dict, tied: bool)
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
     return tensors
+
+
+def text_decoder_tensors(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's text decoder under the names the runtime uses (its family's
+    ``text_part`` prefixes); the other parts' tensors (Gemma 3's vision tower and projector) are not
+    read, as lowbit runs text prompts only. Other checkpoints: ``tensors`` as they are."""
+    text_part = architecture(config.get("model_type")).text_part
+    if text_part is None:
+        return tensors
+    out = {}
+    for name, tensor in tensors.items():
+        for stored, ours in text_part[2]:
+            if name.startswith(stored):
+                out[ours + name[len(stored):]] = tensor
+                break
+        else:
+            if name.startswith("lm_head."):
+                out[name] = tensor
+    return out
+
+
+def stored_linear_schemes(config: dict, names: list[str]) -> dict[str, QuantScheme]:
+    """Which of the runtime's Linears ``names`` the checkpoint quantizes: its quantization_config names
+    them as stored, so a multimodal checkpoint's text Linears are looked up under their stored prefixes."""
+    text_part = architecture(config.get("model_type")).text_part
+    stored = {}  # stored name -> runtime name
+    for name in names:
+        for prefix, ours in text_part[2] if text_part else ():
+            if name.startswith(ours):
+                stored[prefix + name[len(ours):]] = name
+        stored.setdefault(name, name)
+    return {stored[n]: scheme for n, scheme in checkpoint.linear_schemes(config, list(stored)).items()}
 
 
 def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
@@ -146,7 +179,8 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype) -> None:
     decoder.to(device).eval()
     decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
-    decoder.attention_kernels = device.type == "cuda"  # the attention backend, chosen once (runtime.attention)
+    # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
+    decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it
@@ -165,7 +199,7 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     cfg = DecoderConfig.from_hf(config)
     device = torch.device(device)
     dtype = dtype or default_dtype(device, config)
-    schemes = checkpoint.linear_schemes(config, linear_names(cfg))
+    schemes = stored_linear_schemes(config, linear_names(cfg))
     tied = cfg.tie_embeddings and "lm_head" not in schemes
 
     # Build on the meta device: no memory is spent on weights that are replaced right away.

@@ -1,18 +1,20 @@
-"""One config-driven decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM).
+"""One config-driven decoder for the supported families (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM,
+Gemma 2, Gemma 3, Phi-3).
 
 Module and parameter names equal Hugging Face's, so a checkpoint's tensors load
 by name. Every Linear is built through ``make_linear`` so quantized layers are
 swapped in by name without the model code knowing about formats.
 
-The families differ only in a few switches, all read from config.json once into
-:class:`DecoderConfig`: which projections carry a bias, Qwen3's per-head q/k
-norms, the RoPE frequencies, and (Mistral, some Qwen) a sliding attention window.
-Each family's rules for them live in ``quant/architectures.py``.
+The families differ only in switches, all read from config.json once into
+:class:`DecoderConfig`: which projections carry a bias, per-head q/k norms, the
+RoPE of each layer type (``runtime.rope``), sliding attention windows, and
+Gemma's (1 + weight) norms, four norms per layer, scaled embeddings, GeGLU, query
+scale and logit soft-capping. Each family's rules for them live in
+``quant/architectures.py``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,12 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import as_batch
+from runtime.rope import Rope, apply_rope, rope_settings  # noqa: F401 (apply_rope: the kernels' tests read it here)
 
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
 from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
+from quant.architectures import decoder_config
 from quant.architectures import unsupported as _unsupported
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,7 @@ class DecoderConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope: dict
+    rope: dict  # the RoPE of full-attention layers (runtime.rope.rope_settings)
     max_positions: int
     tie_embeddings: bool
     qkv_bias: bool
@@ -49,18 +52,30 @@ class DecoderConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple  # per layer: None (full causal attention) or the window length
+    local_rope: dict | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight) (Gemma: 1)
+    sandwich_norms: bool = False  # Gemma: norms before and after attention and the MLP
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    query_scale: float | None = None  # queries times this before attention's 1/sqrt(head_dim) (Gemma)
+    attn_softcap: float | None = None  # attention scores through cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits through cap * tanh(l / cap) (Gemma 2)
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored joined
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
-        model_type = config.get("model_type")
-        arch = architecture(model_type)
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise _unsupported(model_type, f"hidden_act {act!r}", "silu MLPs")
+        config = decoder_config(config)  # a multimodal checkpoint's text decoder; the family's defaults
+        arch = architecture(config.get("model_type"))
+        model_type = arch.model_type
+        act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise _unsupported(model_type, f"hidden_act {act!r}", f"MLPs with {', '.join(ACTIVATIONS)}")
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise _unsupported(model_type, "partial_rotary_factor != 1", "RoPE over the whole head")
+        if config.get("use_bidirectional_attention"):
+            raise _unsupported(model_type, "use_bidirectional_attention", "causal decoders")
         layers, kv_heads, head_dim = attention_shape(config)
-        theta, rope = rope_settings(config)
+        rope, local = rope_settings(config), rope_settings(config, "sliding_attention")
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -71,61 +86,30 @@ class DecoderConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
             rope=rope,
+            local_rope=local if local != rope else None,
             max_positions=config.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings")),
             qkv_bias=arch.qkv_bias(config),
             o_bias=arch.o_bias(config),
             mlp_bias=arch.mlp_bias(config),
             qk_norm=arch.qk_norm,
             sliding_windows=arch.sliding_windows(config, layers),
+            hidden_act=act,
+            norm_offset=arch.norm_offset,
+            sandwich_norms=arch.sandwich_norms,
+            embed_scale=config["hidden_size"] ** 0.5 if arch.scaled_embeddings else None,
+            query_scale=(head_dim / config["query_pre_attn_scalar"]) ** 0.5 if config.get("query_pre_attn_scalar")
+            else None,
+            attn_softcap=config.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+            final_softcap=config.get("final_logit_softcapping"),
+            fused_projections=arch.fused_projections,
         )
-
-
-def rope_settings(config: dict) -> tuple[float, dict]:
-    """``(theta, parameters)``: transformers 5 keeps RoPE in ``rope_parameters``, older
-    configs in top-level ``rope_theta`` plus an optional ``rope_scaling`` dict."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise _unsupported(config.get("model_type"), f"rope_type {rope_type!r}",
-                           f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}")
-    rope["rope_type"] = rope_type
-    if rope_type == "llama3":
-        need = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
-        if need:
-            raise UnsupportedModelError(f"rope_type 'llama3' needs {', '.join(need)} in the rope parameters")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope
 
 
 def check_supported(config: dict) -> DecoderConfig:
     """Raise UnsupportedModelError unless the runtime can run this HF config."""
     return DecoderConfig.from_hf(config)
-
-
-def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
-    # float64 then float32, as transformers does, so positions far into the context agree.
-    # Made on the CPU explicitly: the model is built under torch.device("meta"), and this
-    # buffer is computed, not loaded.
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
-    if cfg.rope["rope_type"] == "llama3":
-        # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
-        # a smooth blend between.
-        r = cfg.rope
-        factor, low, high = r["factor"], r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
-        old_ctx = r["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, blended))
-    return inv.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves, as HF's Llama does: x is [B, H, T, D], cos/sin are [T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -153,6 +137,25 @@ class RMSNorm(nn.Module):
         return self(s), s
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by ``1 + weight``, in float32, rounded once (as transformers does).
+    The fused add + RMSNorm kernel rounds before it scales by ``weight``, so these norms always run
+    as PyTorch (two launches more per norm on a GPU; a kernel with the offset is later work)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        s = x if residual is None else x + residual
+        return self(s), s
+
+
+def make_norm(cfg: "DecoderConfig", dim: int) -> RMSNorm:
+    return OffsetRMSNorm(dim, cfg.rms_norm_eps) if cfg.norm_offset else RMSNorm(dim, cfg.rms_norm_eps)
+
+
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
 
@@ -167,13 +170,16 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = make_linear(f"{prefix}.q_proj", cfg.hidden_size, h * d, cfg.qkv_bias)
-        self.k_proj = make_linear(f"{prefix}.k_proj", cfg.hidden_size, kv * d, cfg.qkv_bias)
-        self.v_proj = make_linear(f"{prefix}.v_proj", cfg.hidden_size, kv * d, cfg.qkv_bias)
+        if cfg.fused_projections:  # Phi-3 stores q, k and v as one Linear: run it as stored
+            self.qkv_proj = make_linear(f"{prefix}.qkv_proj", cfg.hidden_size, (h + 2 * kv) * d, cfg.qkv_bias)
+        else:
+            self.q_proj = make_linear(f"{prefix}.q_proj", cfg.hidden_size, h * d, cfg.qkv_bias)
+            self.k_proj = make_linear(f"{prefix}.k_proj", cfg.hidden_size, kv * d, cfg.qkv_bias)
+            self.v_proj = make_linear(f"{prefix}.v_proj", cfg.hidden_size, kv * d, cfg.qkv_bias)
         self.o_proj = make_linear(f"{prefix}.o_proj", h * d, cfg.hidden_size, cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head, before RoPE
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
+            self.q_norm = make_norm(cfg, d)
+            self.k_norm = make_norm(cfg, d)
 
     def project(self, x, cos, sin, batch, layer: int):
         """q [B, Hq, T, D], k and v [B, Hk, T, D], RoPE applied: one GEMM when q/k/v were joined
@@ -187,7 +193,8 @@ class Attention(nn.Module):
             if self.kernels and not cfg.qk_norm:
                 from runtime.kernels.small_ops import rope_qkv
 
-                return rope_qkv(qkv, cos, sin, h, kv, d, store=batch.kv_store(layer, T))
+                q, k, v = rope_qkv(qkv, cos, sin, h, kv, d, store=batch.kv_store(layer, T))
+                return self.scale_queries(q), k, v
             q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -195,14 +202,22 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.scale_queries(apply_rope(q, cos, sin)), apply_rope(k, cos, sin), v
+
+    def scale_queries(self, q):
+        """Gemma scores with query_pre_attn_scalar^-1/2, not head_dim^-1/2: the queries carry the
+        ratio, so every attention backend (SDPA, the kernels) keeps its own 1/sqrt(head_dim)."""
+        return q if self.cfg.query_scale is None else q * self.cfg.query_scale
 
     def forward(self, x, cos, sin, batch, layer: int):
         """One call into the forward's attention backend (``runtime.attention``): it stores the
         new keys and values where the batch keeps them and attends."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin, batch, layer)
-        out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer])
+        if self.cfg.attn_softcap is None:
+            out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer])
+        else:
+            out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer], softcap=self.cfg.attn_softcap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -210,22 +225,27 @@ class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
         super().__init__()
         b = cfg.mlp_bias
-        self.gate_proj = make_linear(f"{prefix}.gate_proj", cfg.hidden_size, cfg.intermediate_size, b)
-        self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, b)
+        if cfg.fused_projections:  # Phi-3 stores gate and up as one Linear: run it as stored
+            self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", cfg.hidden_size, 2 * cfg.intermediate_size, b)
+        else:
+            self.gate_proj = make_linear(f"{prefix}.gate_proj", cfg.hidden_size, cfg.intermediate_size, b)
+            self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, b)
         self.down_proj = make_linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, b)
+        self.act_name = cfg.hidden_act
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     kernels = False
 
     def forward(self, x):
         if not hasattr(self, "gate_up_proj"):
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load
-        if self.kernels:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load (or stored so)
+        if self.kernels and self.act_name == "silu":
             from runtime.kernels.small_ops import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -234,18 +254,26 @@ class Block(nn.Module):
         prefix = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", make_linear)
         self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention's output
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.index = i
         self.window = cfg.sliding_windows[i]
+        # which of the decoder's RoPEs this layer reads: the local one for sliding layers, where it differs
+        self.rope_index = int(cfg.local_rope is not None and self.window is not None)
 
     def forward(self, x, residual, cos, sin, batch):
         """``(mlp output, residual stream before it)``: the stream's adds happen in the next norm
         (``RMSNorm.add_forward``), so on the kernels an add and a norm are one launch."""
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, batch, self.index)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            h, residual = self.post_attention_layernorm.add_forward(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Body(nn.Module):
@@ -255,7 +283,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, make_linear) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
 
 
 class Decoder(nn.Module):
@@ -266,22 +294,35 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.model = Body(cfg, make_linear)
         self.lm_head = make_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # the full-attention layers' RoPE, then the sliding layers' where it differs (Block.rope_index)
+        self.ropes = nn.ModuleList(Rope(r, cfg.head_dim, cfg.max_positions)
+                                   for r in (cfg.rope, cfg.local_rope) if r is not None)
 
-    def rope(self, start: int | torch.Tensor, length: int, dtype):
-        """cos, sin [T, D] for positions ``start .. start+T``; [B, 1, T, D] when ``start`` is a
-        tensor [B] of per-sequence starts (the same products, so the same values)."""
-        steps = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+    def rope(self, start: int | torch.Tensor, length: int, dtype) -> list:
+        """cos, sin [T, D] of each RoPE for positions ``start .. start+T``; [B, 1, T, D] when
+        ``start`` is a tensor [B] of per-sequence starts (the same products, so the same values)."""
+        device = self.ropes[0].inv_freq.device
+        steps = torch.arange(length, device=device, dtype=torch.float32)
         if isinstance(start, torch.Tensor):
-            pos = start.to(self.inv_freq.device, torch.float32)[:, None] + steps  # [B, T]
+            pos = start.to(device, torch.float32)[:, None] + steps  # [B, T]
             return self._cos_sin(pos[:, None], dtype)  # [B, 1, T, D]
         return self._cos_sin(start + steps, dtype)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype):
-        """cos, sin [..., D] at float32 ``positions`` [...]."""
-        freqs = positions[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def _cos_sin(self, positions: torch.Tensor, dtype) -> list:
+        """cos, sin [..., D] of each RoPE at float32 ``positions`` [...]."""
+        return [r.cos_sin(positions, dtype) for r in self.ropes]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
+
+    def head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final norm (after the last residual add) and the logits, soft-capped where configured."""
+        logits = self.lm_head(self.model.norm.add_forward(x, residual)[0])
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, cache=None, start: int | torch.Tensor = 0,
                 last_only: bool = False) -> torch.Tensor:
@@ -296,12 +337,11 @@ class Decoder(nn.Module):
         """
         T = input_ids.shape[1]
         batch = as_batch(cache, start, T, self.attention_kernels)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(start, T, x.dtype)
-        x, residual = self._blocks(x, cos, sin, batch)
+        x = self.embed(input_ids)
+        x, residual = self._blocks(x, self.rope(start, T, x.dtype), batch)
         if last_only:
             x, residual = x[:, -1:], residual[:, -1:]
-        return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+        return self.head(x, residual)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
                        logits_at: torch.Tensor) -> torch.Tensor:
@@ -309,16 +349,15 @@ class Decoder(nn.Module):
         ``positions`` [N]; ``batch`` (``runtime.attention.PackedBatch``) knows which tokens are
         whose, stores their keys and values and attends per sequence. Logits [n, V] of the tokens
         ``logits_at`` [n] only (each sequence's last: the rest would be thrown away)."""
-        x = self.model.embed_tokens(input_ids)[None]  # [1, N, hidden]: every GEMM sees M = N
-        cos, sin = self._cos_sin(positions.to(self.inv_freq.device, torch.float32), x.dtype)  # [N, D]
-        x, residual = self._blocks(x, cos, sin, batch)
-        x, residual = x[0, logits_at], residual[0, logits_at]
-        return self.lm_head(self.model.norm.add_forward(x, residual)[0])
+        x = self.embed(input_ids)[None]  # [1, N, hidden]: every GEMM sees M = N
+        ropes = self._cos_sin(positions.to(self.ropes[0].inv_freq.device, torch.float32), x.dtype)  # [N, D] each
+        x, residual = self._blocks(x, ropes, batch)
+        return self.head(x[0, logits_at], residual[0, logits_at])
 
-    def _blocks(self, x, cos, sin, batch):
+    def _blocks(self, x, ropes: list, batch):
         residual = None
         for block in self.model.layers:
-            x, residual = block(x, residual, cos, sin, batch)
+            x, residual = block(x, residual, *ropes[block.rope_index], batch)
         return x, residual
 
     def use_kernels(self, on: bool = True) -> None:
@@ -338,6 +377,8 @@ class Decoder(nn.Module):
             attn, mlp = block.self_attn, block.mlp
             for owner, names, joined_name in ((attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
                                               (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+                if hasattr(owner, joined_name):  # stored joined (Phi-3)
+                    continue
                 joined = concat_linears([getattr(owner, n) for n in names])
                 if joined is not None:
                     setattr(owner, joined_name, joined)

@@ -66,7 +66,7 @@ def tiny_inputs(model, samples=8, seq=32, seed=0):
     ids = torch.randint(0, model.config.vocab_size, (samples, seq), generator=torch.Generator().manual_seed(seed))
     layers = decoder_layers(model)
     with torch.no_grad():
-        return ids, capture_inputs(model, layers, ids, 4, "cpu")
+        return ids, capture_inputs(model, layers, ids, 4, "cpu")[0]
 
 
 def test_awq_scaling_is_exact_in_floating_point():

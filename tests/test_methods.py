@@ -176,7 +176,9 @@ def test_a_new_method_is_one_declaration(monkeypatch):
 def test_one_entry_per_supported_family_and_the_runtime_reads_the_same_list():
     import runtime
 
-    assert runtime.SUPPORTED_MODEL_TYPES == architectures.SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3")
+    assert runtime.SUPPORTED_MODEL_TYPES == architectures.SUPPORTED_MODEL_TYPES
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3"} <= set(
+        architectures.SUPPORTED_MODEL_TYPES)
     with pytest.raises(architectures.UnsupportedModelError, match="model_type 'gpt2' is not supported; lowbit runs "
                                                                   "llama, mistral, qwen2, qwen3"):
         architectures.architecture("gpt2")

@@ -17,7 +17,7 @@ from tiny import save_model, tiny_llama, tiny_model
 
 
 KINDS = ["llama", "llama-untied", "llama3-rope", "llama-bias", "qwen2", "qwen2-sliding", "qwen3", "mistral",
-         "mistral-sliding"]
+         "mistral-sliding", "gemma2", "gemma3", "phi3", "phi3-longrope"]
 
 
 @pytest.fixture(scope="module")

@@ -57,16 +57,17 @@ def save_model(model, tokenizer, path: Path) -> Path:
     return path
 
 
-def perturb(model, seed: int = 0):
+def perturb(model, seed: int = 0, norm_center: float = 1.0):
     """Random biases and norm weights: HF initializes them to 0 and 1, which would let a
-    runtime that drops a bias or a norm pass unnoticed."""
+    runtime that drops a bias or a norm pass unnoticed. ``norm_center`` 0: Gemma's norms, which
+    scale by 1 + weight."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             elif "norm" in name:
-                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(norm_center + torch.randn(p.shape, generator=g) * 0.2)
     return model
 
 
@@ -80,10 +81,13 @@ def tiny_model(kind: str, seed: int = 0):
             extra["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 64}
+            extra["original_max_position_embeddings"] = 64  # Phi-3 keeps it at the top level too (and it wins)
         if kind == "llama-bias":
             extra = {"attention_bias": True, "mlp_bias": True}
         model, tok = tiny_llama(seed=seed, tie=kind != "llama-untied", **extra)
         return perturb(model, seed), tok
+    if kind.startswith(("gemma", "phi3")):
+        return tiny_gemma_or_phi3(kind, seed)
     torch.manual_seed(seed)
     tok = tiny_tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -103,3 +107,43 @@ def tiny_model(kind: str, seed: int = 0):
         "qwen2-sliding": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     }.get(kind, {})
     return perturb(cls(config(**common, **extra)).eval(), seed), tok
+
+
+# Settings that bind at the tiny scale: soft-caps small enough to bend the logits, a window shorter than
+# the test sequences, a query scalar other than head_dim, local and global RoPE that differ.
+GEMMA_SETTINGS = {
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, num_hidden_layers=2),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+}
+
+
+def tiny_gemma_or_phi3(kind: str, seed: int = 0):
+    """Gemma 2 / Gemma 3 text (tied, GeGLU, four norms), Phi-3 (fused q/k/v and gate/up;
+    ``phi3-longrope``: LongRoPE with a 64-token original context)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    if kind.startswith("gemma"):
+        config_cls, model_cls = {"gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+                                 "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[kind]
+        config = config_cls(**common, **GEMMA_SETTINGS[kind])
+        config._attn_implementation = "eager"  # the reference for soft-capping (transformers' own choice for Gemma 2)
+        model = model_cls(config)
+    else:
+        extra = {}
+        if kind == "phi3-longrope":
+            extra["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                        "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                                        "original_max_position_embeddings": 64}
+            extra["original_max_position_embeddings"] = 64  # Phi-3 keeps it at the top level too (and it wins)
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_hidden_layers=2, **extra))
+    return perturb(model.eval(), seed, norm_center=0.0 if kind.startswith("gemma") else 1.0), tok
