@@ -8,8 +8,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,22 +17,34 @@ from click.testing import CliRunner
 
 from lowbit.cli import main
 from quant import checkpoint
-from tiny import save_model, tiny_llama
+from tiny import TEXT, save_model, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread per process (as each forked rank has) is faster on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     model, tokenizer = tiny_llama(hidden=64, layers=3)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
+    where = save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
+    (where.parent / "calibration.txt").write_text(TEXT * 8)  # the bundled novels take the tiny tokenizer long
+    return where
 
 
 def write_recipe(where: Path, model_dir, methods, **calibration) -> Path:
     where.mkdir(parents=True, exist_ok=True)
     recipe = {
         "model": str(model_dir), "output": str(where / "ckpt"), "dtype": "float32",
-        "calibration": {"samples": 8, "seq_len": 32, **calibration},
+        "calibration": {"text": str(Path(model_dir).parent / "calibration.txt"), "samples": 8, "seq_len": 32,
+                        **calibration},
         "weights": {"methods": methods, "bits": 4, "group_size": 32, "symmetric": False, "ignore": ["lm_head"]},
     }
     (where / "r.yaml").write_text(yaml.safe_dump(recipe))
@@ -117,32 +127,37 @@ def _codes(tensors: dict) -> dict:
             for k, v in tensors.items() if k.endswith("weight_packed")}
 
 
-# Measured on this model (3 layers, 21 Linears, 8 samples of 32 tokens): GPTQ on two ranks differs
-# from one process only by the summation order of xᵀx; the bounds leave room for other BLAS builds.
-CODE_CHANGE_SHARE = 0.002  # integer codes that differ (each by one step)
-SCALE_RTOL = 1e-3
+# Measured on this model (3 layers, 21 Linears, 129,024 weights; 8 samples of 32 tokens; pytest -s
+# prints MEASURED lines): two ranks sum xᵀx and AWQ's statistics in another order. GPTQ: the same
+# codes, output_rel_error within 9e-7. AWQ+RTN: the same codes, AWQ's norms within 5e-7. AWQ+GPTQ:
+# AWQ's scales within 4e-7 relative, which GPTQ's error feedback turns into 1,518 flipped codes
+# (1.2%) at the same quality (output_rel_error within 1.1e-3 relative). Bounds: a few times that.
+CODE_CHANGE_SHARE = 0.05  # integer codes that differ
+OUTPUT_ERROR_RTOL = 0.01  # each Linear's output_rel_error (weight_rel_error without GPTQ) in the manifest
+FLOAT_RTOL = 1e-5  # scales, AWQ's rescaled norms, every float tensor
 
 
 @pytest.mark.parametrize("methods", [["gptq"], ["awq", "gptq"], ["awq"]])
 def test_two_ranks_calibrated_within_summation_noise(tmp_path, model_dir, methods):
     """GPTQ, AWQ+GPTQ and AWQ+RTN on two ranks: statistics summed in another order, so a few codes
-    may round the other way; the scales, zero points and AWQ's rescaled norms agree closely."""
+    may round the other way; the errors the manifest records, the scales and AWQ's norms agree."""
     one = quantize_one(write_recipe(tmp_path / "one", model_dir, methods))
     two = quantize_two(write_recipe(tmp_path / "two", model_dir, methods))
     assert one.keys() == two.keys()
-    changed = total = 0
-    for name, codes in _codes(one).items():
-        other = _codes(two)[name]
-        assert (codes.int() - other.int()).abs().max() <= 1, name
-        changed += int((codes != other).sum())
-        total += codes.numel()
+    codes_one, codes_two = _codes(one), _codes(two)
+    changed = sum(int((codes_one[n] != codes_two[n]).sum()) for n in codes_one)
+    total = sum(c.numel() for c in codes_one.values())
+    floats = [n for n in one if not n.endswith(("weight_packed", "weight_zero_point"))]
     worst = max(float(((two[n].float() - one[n].float()).abs() / one[n].float().abs().clamp_min(1e-6)).max())
-                for n in one if not n.endswith("weight_packed"))
-    print(f"MEASURED {methods}: {changed} of {total} codes differ; worst relative difference elsewhere {worst:.2e}")
+                for n in floats)
+    layers = [checkpoint.read_manifest(tmp_path / w / "ckpt")["layers"] for w in ("one", "two")]
+    key = "output_rel_error" if "gptq" in methods else "weight_rel_error"
+    drift = max(abs(layers[1][n][key] / layers[0][n][key] - 1) for n in layers[0])
+    print(f"MEASURED {methods}: {changed} of {total} codes differ; worst relative difference of the float "
+          f"tensors {worst:.1e}; of {key} {drift:.1e}")
     assert changed <= CODE_CHANGE_SHARE * total, f"{changed} of {total} codes differ"
-    for name in one:
-        if not name.endswith("weight_packed"):
-            torch.testing.assert_close(two[name].float(), one[name].float(), rtol=SCALE_RTOL, atol=1e-6, msg=name)
+    assert drift <= OUTPUT_ERROR_RTOL
+    assert worst <= FLOAT_RTOL
 
 
 def test_mismatched_recipes_are_refused(tmp_path, model_dir):
@@ -235,12 +250,13 @@ def test_resume_with_another_number_of_ranks_is_refused(tmp_path, model_dir):
     assert_nothing_written(tmp_path)
 
 
-def test_ranks_option_runs_torchrun(tmp_path, model_dir):
-    """`lowbit quantize --ranks 2` as a user types it: torchrun starts two ranks of `python -m lowbit`."""
+def test_ranks_option_runs_torchrun(tmp_path, model_dir, monkeypatch, capfd):
+    """`lowbit quantize --ranks 2`: torchrun starts two ranks of `python -m lowbit quantize`."""
     recipe = write_recipe(tmp_path, model_dir, ["gptq"])
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "lowbit", "quantize", str(recipe), "--ranks", "2", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "calibrated on 2 ranks" in done.stdout
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = CliRunner().invoke(main, ["quantize", str(recipe), "--ranks", "2", "--device", "cpu"])
+    out = capfd.readouterr()
+    assert result.exit_code == 0, out.out + out.err
+    assert "calibrated on 2 ranks" in out.out
     assert checkpoint.verify(tmp_path / "ckpt")["world_size"] == 2
