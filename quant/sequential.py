@@ -321,7 +321,8 @@ def quantize_sequential(
             layer_q, layer_stats, hidden = method(layer, inputs, local, f"{prefix}.{i}.")
             inputs = LayerInputs(hidden, inputs.kwargs)
             for n in local:
-                quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
+                if distributed.current().main:  # the others write no checkpoint: keep no int8 copy of the model
+                    quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
                 stats[f"{prefix}.{i}.{n}"] = layer_stats[n]
             if work_dir is not None:
                 save_progress(work_dir, i, layer, local, layer_q, inputs.hidden, stats, run_id)
