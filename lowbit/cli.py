@@ -75,8 +75,8 @@ def quantize(recipe, model, output, overwrite, resume, device, ranks):
     if ranks > 1:
         options = {"--model": model, "--output": output, "--device": device, "--overwrite": overwrite, "--resume": resume}
         sys.exit(launch.launch_ranks(ranks, [recipe, *launch.as_arguments(options)], device))
-    r = load_recipe(recipe, model=model, output=str(output) if output else None)
-    with launch.this_rank(device) as (world, device):
+    with launch.this_rank(device) as (world, device):  # a rank's bad recipe is reported to the others too
+        r = load_recipe(recipe, model=model, output=str(output) if output else None)
         path = pipeline.quantize(r, overwrite=overwrite, resume=resume, device=device)
     if world.main:
         click.echo(inspect_text(path))
