@@ -19,6 +19,7 @@ import hashlib
 import math
 import os
 import time
+import zlib
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -186,11 +187,13 @@ class World:
 
     def owners(self, costs: dict[str, float]) -> dict[str, int]:
         """Which rank quantizes each of ``costs`` (name -> work): the largest first, each to the
-        least loaded rank, so Linears quantized together finish together."""
+        least loaded rank, so Linears quantized together finish together. Ties go round from a
+        rank the names choose, so single Linears (o, down) do not all land on rank 0."""
         load = [0.0] * self.size
+        first = zlib.crc32(",".join(sorted(costs)).encode()) % self.size
         owner = {}
         for name in sorted(costs, key=lambda n: -costs[n]):
-            rank = min(range(self.size), key=lambda r: load[r])
+            rank = min(range(self.size), key=lambda r: (load[r], (r - first) % self.size))
             owner[name] = rank
             load[rank] += costs[name]
         return owner

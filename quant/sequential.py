@@ -194,10 +194,10 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     def quantize(name: str) -> None:
         group = [name] + [n for n in partners.get(name, ()) if n in plan and n not in quantized]
         H = hessian_of(name) if hessian else None
-        owner = world.owners({n: layer.get_submodule(n).weight.numel() for n in group})
-        mine = {n: quantize_linear(n, H) for n in group if owner[n] == world.rank}
+        owner = world.owners({where + n: layer.get_submodule(n).weight.numel() for n in group})  # full names
+        mine = {n: quantize_linear(n, H) for n in group if owner[where + n] == world.rank}
         for n in group:  # the same order on every rank
-            qw, stats[n] = world.share_quantized(mine.get(n), owner[n])
+            qw, stats[n] = world.share_quantized(mine.get(n), owner[where + n])
             quantized[n] = qw
             linear = layer.get_submodule(n)
             linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
