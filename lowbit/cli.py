@@ -59,20 +59,28 @@ def main():
 @click.option("--overwrite", is_flag=True, help="Replace the output if it is a lowbit checkpoint (never other files).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted calibrated run from its last finished layer.")
 @click.option("--device", default=None, help="Compute device for calibration (default: cuda if available, else cpu).")
+@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Calibrate on N ranks on this machine (launches torchrun: one rank per GPU, or N CPU processes "
+                   "with gloo). On several machines run torchrun yourself: torchrun ... -m lowbit quantize RECIPE.")
 @_fail_cleanly
-def quantize(recipe, model, output, overwrite, resume, device):
+def quantize(recipe, model, output, overwrite, resume, device, ranks):
     """Quantize a model as RECIPE says and save the checkpoint.
 
     RECIPE is a YAML file (see the bundled ones for every key), or the name of a bundled recipe.
     """
+    from lowbit import launch
+    from lowbit.inspection import inspect_text
     from lowbit.recipe import load_recipe
 
-    from lowbit.inspection import inspect_text
-
-    r = load_recipe(recipe, model=model, output=str(output) if output else None)
-    path = pipeline.quantize(r, overwrite=overwrite, resume=resume, device=device)
-    click.echo(inspect_text(path))
-    click.echo(f"saved {path}")
+    if ranks > 1:
+        options = {"--model": model, "--output": output, "--device": device, "--overwrite": overwrite, "--resume": resume}
+        sys.exit(launch.launch_ranks(ranks, [recipe, *launch.as_arguments(options)], device))
+    with launch.this_rank(device) as (world, device):  # a rank's bad recipe is reported to the others too
+        r = load_recipe(recipe, model=model, output=str(output) if output else None)
+        path = pipeline.quantize(r, overwrite=overwrite, resume=resume, device=device)
+    if world.main:
+        click.echo(inspect_text(path))
+        click.echo(f"saved {path}" + (f" (calibrated on {world.size} ranks)" if world.size > 1 else ""))
 
 
 @main.command("eval")

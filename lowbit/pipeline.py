@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lowbit.recipe import Recipe, RecipeError
-from quant import checkpoint, models
+from quant import checkpoint, distributed, models
 from quant.calibration import calibration_samples, load_calibration_text
 from quant.affine import QuantScheme
 from quant.plan import plan_layers
@@ -37,18 +37,24 @@ def default_device() -> str:
 
 def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, device: str | None = None,
              progress: bool = True) -> Path:
-    """Run a recipe end to end and return the checkpoint directory."""
+    """Run a recipe end to end and return the checkpoint directory. Under torchrun (the world set
+    with ``quant.distributed.use``) every rank runs this with the same recipe; rank 0 writes."""
     import runtime
 
+    world = distributed.current()
     w = recipe.weights
     output = Path(recipe.output)
-    checkpoint.check_output(output, overwrite)  # fail before the slow work, and again at the final move
-    source = models.resolve(recipe.model)
+    run_id = json.dumps(recipe.to_dict(), sort_keys=True)
+    world.agree("the recipe", json.dumps([run_id, overwrite, resume]))
+    if world.main:
+        checkpoint.check_output(output, overwrite)  # fail before the slow work, and again at the final move
+    with world.rank0_first():  # a download or conversion into the shared cache happens once
+        source = models.resolve(recipe.model)
     chain = w.chain
     calibrated = any(m.needs_data for m in chain)
-    # a calibrated run also keeps its finished layers in a work directory beside the output until the save
-    need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
-    checkpoint.check_output(output, overwrite, need_bytes=need)
+    if world.main:  # a calibrated run also keeps its finished layers in a work directory beside the output
+        need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
+        checkpoint.check_output(output, overwrite, need_bytes=need)
     cfg = runtime.check_supported(checkpoint.read_config(source))
     try:
         recipe.kv_cache.check_head_dim(cfg.head_dim)
@@ -64,7 +70,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         warnings.simplefilter("always")
         plan = plan_layers(model, default, w.ignore, w.overrides)
     notes = [str(c.message) for c in caught]
-    for note in notes:
+    for note in notes if world.main else ():
         print(f"warning: {note}")
 
     samples = None
@@ -74,16 +80,16 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     work_dir = work_dir_for(output) if calibrated else None
     if work_dir is not None and work_dir.exists():
         if resume:
-            print(f"resuming from {work_dir}")
+            if world.main:
+                print(f"resuming from {work_dir}")
         else:
             print(f"note: {work_dir} holds progress of an interrupted run; starting over (--resume continues it)")
-            shutil.rmtree(work_dir)
+            shutil.rmtree(work_dir, ignore_errors=world.size > 1)  # ranks sharing a file system race to it
     store_dtype = DTYPES[recipe.dtype]
     quantized, layer_stats = quantize_model(
         model, plan, w.methods, samples=samples, **w.settings,
         scale_dtype=store_dtype or next(model.parameters()).dtype, device=device or default_device(),
-        work_dir=work_dir, resume=resume, run_id=json.dumps(recipe.to_dict(), sort_keys=True), progress=progress,
-        lazy=lazy,
+        work_dir=work_dir, resume=resume, run_id=run_id, progress=progress and world.main, lazy=lazy,
     )
     manifest = {
         "producer": "lowbit",
@@ -93,13 +99,15 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         "source_model": {"spec": recipe.model, "path": str(source)},
         "layers": layer_stats,
         "notes": notes,
+        "world_size": world.size,  # ranks that calibrated it (the result is the same up to summation order)
     }
-    path = checkpoint.save(
-        model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest, overwrite=overwrite
-    )
+    if world.main:
+        checkpoint.save(model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest,
+                        overwrite=overwrite)
+    world.barrier()  # the checkpoint is in place before any rank drops its share of the progress
     if work_dir is not None:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return path
+    return output
 
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1}

@@ -10,6 +10,10 @@ Then search, per group, how far to shrink each Linear's range, and clamp its
 weights there, so whatever rounds them next (RTN or GPTQ) sees the clipped
 range. The float Hessian of a scaled Linear's input transforms exactly:
 ``H' = H / (s sᵀ)``.
+
+Across ranks (``quant.distributed``) each rank scores its own calibration rows; the input
+magnitudes, the grid's losses and the clipping errors are summed over the ranks before any
+choice, so every rank folds the same scales and clamps to the same ranges.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quant import distributed
 from quant.affine import QuantScheme, choose_qparams, dequantize, fake_quantize, quantize
 from quant.architectures import Architecture
 from quant.sequential import LayerInputs, run_layer
@@ -89,9 +94,10 @@ def _weight_magnitude(weights: list[torch.Tensor], scheme: QuantScheme) -> torch
 
 
 def search_scale(layer, mapping: Mapping, plan: dict, xs: dict, kws: dict, config: AWQConfig) -> torch.Tensor:
+    world = distributed.current()
     first = mapping.linears[0]
     x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs[first]]).float()
-    x_mag = x.abs().mean(0)
+    x_mag = world.mean_rows(x.abs())
     linears = [layer.get_submodule(n) for n in mapping.linears]
     originals = [lin.weight.data.clone() for lin in linears]
     w_mag = _weight_magnitude(originals, plan[first])
@@ -99,22 +105,26 @@ def search_scale(layer, mapping: Mapping, plan: dict, xs: dict, kws: dict, confi
     inspect_in = xs[mapping.inspect] if mapping.inspect in xs else xs[first]
     reference = run_layer(inspect, LayerInputs(inspect_in, kws[mapping.inspect]))
 
-    best, best_loss = torch.ones_like(x_mag), float("inf")
+    def scale(step: int) -> torch.Tensor:
+        ratio = step / config.grid
+        s = (x_mag.pow(ratio) / w_mag.pow(1 - ratio).clamp_min(1e-4)).clamp_min(1e-4)
+        return s / (s.max() * s.min()).sqrt()
+
+    losses = torch.zeros(config.grid, dtype=torch.float64)
     try:
         for step in range(config.grid):
-            ratio = step / config.grid
-            s = (x_mag.pow(ratio) / w_mag.pow(1 - ratio).clamp_min(1e-4)).clamp_min(1e-4)
-            s = s / (s.max() * s.min()).sqrt()
+            s = scale(step)
             for lin, w, n in zip(linears, originals, mapping.linears):
                 lin.weight.data = (fake_quantize(w.float() * s, plan[n]) / s).to(w.dtype)
             out = run_layer(inspect, LayerInputs(inspect_in, kws[mapping.inspect]))
-            loss = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
-            if loss < best_loss:
-                best, best_loss = s, loss
+            losses[step] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
     finally:
         for lin, w in zip(linears, originals):
             lin.weight.data = w
-    return best
+    losses = world.sum_(losses).nan_to_num(nan=float("inf"))
+    if not torch.isfinite(losses).any():
+        return torch.ones_like(x_mag)
+    return scale(int(losses.argmin()))  # the first of equal losses, as a strict < over the grid picks
 
 
 def apply_scale(mapping: Mapping, layer, s: torch.Tensor) -> None:
@@ -136,7 +146,7 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, conf
     w = weight.float()
     out, cols = w.shape
     g = scheme.group_len(cols)
-    xg = x.float().view(x.shape[0], -1, g).transpose(0, 1)  # [groups, n, g]
+    xg = x.float().reshape(x.shape[0], cols // g, g).transpose(0, 1)  # [groups, n, g] (this rank may have n = 0)
     wg = w.view(out, -1, g)
     best_ratio = torch.ones(out, cols // g)
     best_err = torch.full((out, cols // g), float("inf"))
@@ -144,7 +154,8 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, conf
         ratio = 1.0 - step / config.clip_steps
         scale, zero = choose_qparams(w, scheme, ratio)
         delta = (w - dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme, torch.float32)).view(out, -1, g)
-        err = torch.einsum("gnk,ogk->ogn", xg, delta).pow(2).mean(-1)  # [out, groups]
+        # [out, groups], summed over every rank's rows (a sum, not a mean: the same choice, one scale fewer)
+        err = distributed.current().sum_(torch.einsum("gnk,ogk->ogn", xg, delta).pow(2).sum(-1))
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
@@ -161,7 +172,8 @@ def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConf
     """Fold searched scales into the layer and clip its Linears; return each Linear's
     input-channel scale (for transforming its Hessian)."""
     mappings = [m for m in scale_mappings(layer, arch) if all(n in plan for n in m.linears)]
-    per_batch = inputs.hidden[0].shape[0]
+    world = distributed.current()
+    per_batch = int(world.total(inputs.hidden[0].shape[0]))  # a global batch: the ranks' first batches together
     keep = max(1, -(-config.search_samples // per_batch))
     subset = LayerInputs(inputs.hidden[:keep], inputs.kwargs[:keep])
     names = sorted({n for m in mappings for n in m.linears} | {m.inspect for m in mappings})
@@ -178,7 +190,9 @@ def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConf
             if n in arch.no_clip or n not in xs:
                 continue
             x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs[n]])
-            x = x[torch.randperm(x.shape[0], generator=generator)[: config.clip_tokens]]
+            # the same rows as one process would draw: drawn from every rank's rows, each rank keeps its own
+            chosen = torch.randperm(int(world.total(x.shape[0])), generator=generator)[: config.clip_tokens]
+            x = x[world.local_rows(chosen, xs[n][0].shape[-2])] if world.size > 1 else x[chosen]
             if n in col_scales:
                 x = x / col_scales[n]
             lin = layer.get_submodule(n)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from quant import distributed
 from quant import methods as registry
 from quant.affine import QuantScheme
 from quant.architectures import Architecture, architecture_of, decoder_layers
@@ -37,15 +38,22 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
 
 
 def round_each(model, plan: dict[str, QuantScheme], method: Method, settings, scale_dtype=None, progress: bool = True):
-    """Each planned Linear rounded on its own, by a method that reads no statistics."""
+    """Each planned Linear rounded on its own, by a method that reads no statistics. Across ranks,
+    each rounds the Linears it owns and rank 0 receives the rest (it alone writes the checkpoint)."""
+    world = distributed.current()
+    owner = world.owners({n: model.get_submodule(n).weight.numel() for n in plan})
     quantized, stats = {}, {}
-    for name in tqdm(list(plan), desc=f"quantizing ({method.name})", unit="layer", disable=not progress):
+    mine = [n for n in plan if owner[n] == world.rank]
+    for name in tqdm(mine, desc=f"quantizing ({method.name})", unit="layer", disable=not progress or not world.main):
         weight = model.get_submodule(name).weight.detach()
         check_finite(name, weight)
         qw = method.round_linear(weight, plan[name], settings, scale_dtype, None, name)
         quantized[name] = qw
         stats[name] = {"scheme": plan[name].describe(),
                        "weight_rel_error": relative_error(weight, qw.dequantize(torch.float32))}
+    if world.size > 1:  # in plan order on every rank
+        shared = {n: world.share_quantized((quantized[n], stats[n]) if n in quantized else None, owner[n]) for n in plan}
+        quantized, stats = {n: q for n, (q, _) in shared.items()}, {n: st for n, (_, st) in shared.items()}
     return quantized, stats
 
 
@@ -55,6 +63,8 @@ def layer_step(chain: list[Method], settings: dict, arch: Architecture, scale_dt
     prepare, rounding = chain[:-1], chain[-1]
     rtn = registry.get("rtn")
     hessian = rounding.statistics == "hessian"
+    # Linears that read one input: the pass quantizes them at once (spread over the ranks)
+    together = tuple(p.linears for p in arch.scale_pairs if len(p.linears) > 1)
 
     def run(layer, inputs, plan, where: str = ""):
         for n in plan:
@@ -84,7 +94,7 @@ def layer_step(chain: list[Method], settings: dict, arch: Architecture, scale_dt
             stats["output_rel_error"] = output_error(weight, approx, H)
             return qw, stats
 
-        return lockstep_pass(layer, inputs, plan, quantize_linear, where, hessian=hessian)
+        return lockstep_pass(layer, inputs, plan, quantize_linear, where, hessian=hessian, together=together)
 
     return run
 

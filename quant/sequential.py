@@ -13,20 +13,20 @@ directory.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from quant import distributed
 from quant.affine import QuantScheme
 from quant.architectures import decoder_layers
 from quant.format import QuantizedWeight
 from quant.models import LazyLayers
+from quant.progress import load_progress, save_progress
 
 
 def _greenlet():
@@ -51,7 +51,8 @@ class LayerInputs:
 
 
 def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device) -> tuple[LayerInputs, list]:
-    """Layer 0's inputs, and every layer's keyword arguments batch by batch: families whose
+    """Layer 0's inputs for this rank's shard of the samples (all of them in one process), and
+    every layer's keyword arguments batch by batch: families whose
     layers differ (Gemma's local and global layers: their own masks and RoPE) get each its own.
     Each layer's forward is swapped for a recorder that passes the hidden states through
     unchanged, so no layer's weights are needed (the arguments do not depend on them)."""
@@ -72,7 +73,7 @@ def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device
     for i, layer in enumerate(layers):
         layer.forward = recorder(i)  # an instance attribute: the class's forward comes back when it is deleted
     try:
-        for batch in samples.split(batch_size):
+        for batch in distributed.current().shard(samples, batch_size):
             try:
                 model(batch.to(device), use_cache=False)
             except StopForward:
@@ -131,7 +132,8 @@ QuantizeLinear = Callable[[str, torch.Tensor | None], tuple[QuantizedWeight, dic
 
 
 def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quantize_linear: QuantizeLinear,
-                  where: str = "", hessian: bool = True) -> tuple[dict, dict, list[torch.Tensor]]:
+                  where: str = "", hessian: bool = True,
+                  together: tuple[tuple[str, ...], ...] = ()) -> tuple[dict, dict, list[torch.Tensor]]:
     """Quantize the planned Linears of ``layer`` in one forward over every calibration batch.
 
     The batches run in lockstep: a hook on each planned Linear adds the batch's input to the
@@ -144,7 +146,17 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     decoder layer works. Returns the quantized weights, their stats and the layer's outputs.
     ``where`` (the layer's module path and a dot) prefixes the Linear names in errors. Without
     ``hessian`` (the rounding method reads no statistics) the pass only pauses at each Linear.
+
+    Across ranks (``quant.distributed``) each rank runs its own batches; a Hessian is summed over
+    the ranks when the batches of all of them have reached its Linear. ``together`` lists Linears
+    that read one input (q/k/v, gate/up): when the batches reach the first, all of them are
+    quantized from its Hessian at once, spread over the ranks, each result broadcast from the rank
+    that made it; the batches then pass the others without pausing (checked: same input tensor).
     """
+    world = distributed.current()
+    partners = {n: [m for m in group if m != n] for group in together for n in group}
+    ahead: dict[str, str] = {}  # Linear quantized with an earlier one -> that one (their input is shared)
+    reduced: set[str] = set()  # gram_sum keys summed over the ranks
     gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx of each distinct input, under the first Linear to read it
     rows: dict[str, int] = {}
     reads: dict[str, set] = {}  # Linear -> the key(s) of gram_sum holding its inputs
@@ -153,7 +165,10 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
 
     def hook(name: str):
         def fn(module, args):
-            if name in quantized:  # a Linear called twice in one forward: already done
+            if name in ahead and args[0] is not batch_of[_greenlet().getcurrent()].last_input:
+                raise RuntimeError(f"{where}{name} was quantized with {where}{ahead.pop(name)} as reading the same "
+                                   "input, but it reads another tensor (quant.architectures' scale pairs are wrong)")
+            if name in quantized:  # a Linear called twice in one forward, or quantized ahead: already done
                 return
             batch = batch_of[_greenlet().getcurrent()]  # hooks run inside a batch's forward
             x_in = args[0]
@@ -176,23 +191,30 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
 
         return fn
 
-    def quantize(name: str) -> None:
-        if not hessian:
-            finish(name, None)
-            return
+    def hessian_of(name: str) -> torch.Tensor:
         if len(reads[name]) > 1:
             raise RuntimeError(f"{where}{name}: calibration batches fed it different tensors ({sorted(reads[name])})")
         key = reads[name].pop()
+        if key not in reduced:  # every rank's batches have arrived: sum their xᵀx and rows
+            world.sum_(gram_sum[key])
+            rows[key] = world.total(rows[key])
+            reduced.add(key)
         H = mirror_upper(gram_sum[key]) * (2.0 / rows[key])
         if not torch.isfinite(H.diagonal()).all():  # diag(xᵀx) = Σ x²: NaN or Inf anywhere in x shows there
             raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
-        finish(name, H)
+        return H
 
-    def finish(name: str, H: torch.Tensor | None) -> None:
-        qw, stats[name] = quantize_linear(name, H)
-        quantized[name] = qw
-        linear = layer.get_submodule(name)
-        linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
+    def quantize(name: str) -> None:
+        group = [name] + [n for n in partners.get(name, ()) if n in plan and n not in quantized]
+        H = hessian_of(name) if hessian else None
+        owner = world.owners({where + n: layer.get_submodule(n).weight.numel() for n in group})  # full names
+        mine = {n: quantize_linear(n, H) for n in group if owner[where + n] == world.rank}
+        for n in group:  # the same order on every rank
+            qw, stats[n] = world.share_quantized(mine.get(n), owner[where + n])
+            quantized[n] = qw
+            linear = layer.get_submodule(n)
+            linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
+        ahead.update(dict.fromkeys(group[1:], name))
 
     handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in plan]
     batches = [_Batch(lambda h=h, kw=kw: layer(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
@@ -300,18 +322,20 @@ def quantize_sequential(
         inputs, layer_kwargs = capture_inputs(model, layers, samples, batch_size, device)
         put_back(0, [])
         done = 0
-        if resume and work_dir is not None and (work_dir / "progress.json").exists():
-            done, stats, hidden = load_progress(work_dir, layers, prefix, plan, quantized, device, run_id)
+        restored = load_progress(work_dir, layers, prefix, plan, quantized, device, run_id) if resume and work_dir else None
+        if restored is not None:
+            done, stats, hidden = restored
             inputs = LayerInputs(hidden, layer_kwargs[done])
-        bar = tqdm(range(done, len(layers)), desc="quantizing layers", unit="layer", disable=not progress,
-                   initial=done, total=len(layers))
+        bar = tqdm(range(done, len(layers)), desc="quantizing layers", unit="layer",
+                   disable=not progress or not distributed.current().main, initial=done, total=len(layers))
         for i in bar:
             layer = fetch(i)
             local = {n[len(f"{prefix}.{i}."):]: s for n, s in plan.items() if n.startswith(f"{prefix}.{i}.")}
             layer_q, layer_stats, hidden = method(layer, inputs, local, f"{prefix}.{i}.")
             inputs = LayerInputs(hidden, layer_kwargs[min(i + 1, len(layers) - 1)])
             for n in local:
-                quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
+                if distributed.current().main:  # the others write no checkpoint: keep no int8 copy of the model
+                    quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
                 stats[f"{prefix}.{i}.{n}"] = layer_stats[n]
             if work_dir is not None:
                 save_progress(work_dir, i, layer, local, layer_q, inputs.hidden, stats, run_id)
@@ -355,54 +379,3 @@ def _move(module: torch.nn.Module, device: torch.device, skip: torch.nn.Module |
     lazily loaded model's layers, released weights) and those inside ``skip`` stay where they are."""
     skipped = {id(t) for t in skip.parameters()} | {id(t) for t in skip.buffers()} if skip is not None else set()
     return module._apply(lambda t: t if t.is_meta or id(t) in skipped else t.to(device))
-
-
-# ------------------------------------------------------------------ resuming
-
-def _layer_file(work_dir: Path, i: int) -> Path:
-    return work_dir / f"layer{i:05d}.safetensors"
-
-
-def save_progress(work_dir: Path, i: int, layer, local_plan: dict, layer_q: dict, hidden: list, stats: dict,
-                  run_id: str) -> None:
-    """After layer ``i``: its float tensors (as the method left them), its quantized
-    weights, the next layer's inputs, and the stats so far. Each file lands by rename."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    skip = {f"{n}.weight" for n in local_plan}
-    tensors = {f"float.{k}": v.detach().contiguous().cpu() for k, v in layer.state_dict().items() if k not in skip}
-    for n, qw in layer_q.items():
-        tensors.update(qw.to_tensors(f"quant.{n}", qw.scale.dtype))
-    for name, payload in ((_layer_file(work_dir, i).name, tensors),
-                          ("hidden.safetensors", {f"h{j}": h.contiguous().cpu() for j, h in enumerate(hidden)})):
-        save_file(payload, work_dir / f"{name}.tmp")
-        (work_dir / f"{name}.tmp").replace(work_dir / name)
-    (work_dir / "progress.json.tmp").write_text(json.dumps({"done": i + 1, "run_id": run_id, "stats": stats}))
-    (work_dir / "progress.json.tmp").replace(work_dir / "progress.json")
-
-
-def load_progress(work_dir: Path, layers, prefix: str, plan: dict, quantized: dict, device,
-                  run_id: str) -> tuple[int, dict, list]:
-    """Restore the finished layers of an interrupted run; return (done, stats, next inputs).
-    The plan comes from the same recipe and model, so it names the same schemes."""
-    state = json.loads((work_dir / "progress.json").read_text())
-    if state.get("run_id") != run_id:
-        raise ValueError(f"{work_dir} was made by a different recipe or model; delete it, or run without --resume")
-    done, stats = state["done"], state["stats"]
-    for i in range(done):
-        tensors = load_file(_layer_file(work_dir, i))
-        floats = {k[len("float."):]: v for k, v in tensors.items() if k.startswith("float.")}
-        lazy = any(p.is_meta for p in layers[i].parameters())  # then the quantized weights stay on disk
-        layers[i].load_state_dict(floats, strict=False, assign=lazy)
-        layer_prefix = f"{prefix}.{i}."
-        for full, scheme in plan.items():
-            if not full.startswith(layer_prefix):
-                continue
-            local = full[len(layer_prefix):]
-            qw = QuantizedWeight.from_tensors(tensors, f"quant.{local}", scheme)
-            quantized[full] = qw
-            linear = layers[i].get_submodule(local)
-            if not lazy:
-                linear.weight.data = qw.dequantize(linear.weight.dtype)
-    hidden_file = load_file(work_dir / "hidden.safetensors")
-    hidden = [hidden_file[f"h{j}"].to(device) for j in range(len(hidden_file))]
-    return done, stats, hidden
