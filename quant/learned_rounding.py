@@ -40,9 +40,9 @@ from quant.sequential import LayerInputs, run_layer
 class SignRoundConfig:
     iters: int = 200  # SignSGD steps per decoder layer
     batch_size: int = 8  # calibration windows per step
-    # step size at the first iteration, decaying linearly to 0; 0 picks AutoRound's: 1/iters, and
-    # 2/iters at 3 bits or fewer (a coarse grid needs the offsets and ranges to move further)
-    lr: float = 0.0
+    # the first step's size, which decays linearly to 0, in units of AutoRound's default: 1/iters,
+    # and 2/iters at 3 bits or fewer (a coarse grid needs the offsets and ranges to move further)
+    lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
     seed: int = 1  # which windows each step draws
@@ -50,11 +50,11 @@ class SignRoundConfig:
     def __post_init__(self):
         if not 0 < self.min_range <= 1:
             raise ValueError(f"signround.min_range must be in (0, 1], got {self.min_range}")
-        if self.lr < 0:
-            raise ValueError(f"signround.lr must be positive (or 0 for 1/iters), got {self.lr}")
+        if self.lr_scale <= 0 or self.iters < 1 or self.batch_size < 1:
+            raise ValueError(f"signround: iters, batch_size and lr_scale must be positive, got {self}")
 
     def step_size(self, bits: int) -> float:
-        return self.lr or (2.0 if bits <= 3 else 1.0) / self.iters
+        return self.lr_scale * (2.0 if bits <= 3 else 1.0) / self.iters
 
 
 class _Rounding:
@@ -161,7 +161,7 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
                 loss = (out.float() - target[idx]).pow(2).mean()
                 if not torch.isfinite(loss):
                     raise ValueError(f"{where.rstrip('.') or 'layer'}: the layer's output error became {float(loss)} at step {step}; "
-                                     "its calibration inputs overflow, or lower signround.lr")
+                                     "its calibration inputs overflow, or lower signround.lr_scale")
                 value = float(loss.detach())
                 first_loss = value if first_loss is None else first_loss
                 if best_loss is None or value < best_loss:
