@@ -8,7 +8,7 @@ and held-out windows (the start of Persuasion) up to each chosen decoder layer; 
 then quantizes that one layer from the calibration windows exactly as the pipeline does
 (``quant.quantize.layer_step``: layer steps, whole-layer rounding, the lockstep pass), and the
 layer's output on the held-out windows is compared with the float layer's:
-``relative error = ||y_q - y|| / ||y||``. Group 64, asymmetric, bf16 scales (as checkpoints
+``||y_q - y|| / ||y||``, and over what the layer adds to its input, ``||y_q - y|| / ||y - x||``. Group 64, asymmetric, bf16 scales (as checkpoints
 store them). Wall time and CPU time of each method are recorded (CPU time is the fairer
 figure on a shared machine). Results are written after every row.
 """
@@ -65,11 +65,14 @@ def quantize_layer(layer, calib: LayerInputs, names: list[str], bits: int, setti
     return quantized
 
 
-def relative_error(layer, held_out: LayerInputs, reference: torch.Tensor) -> float:
-    """The quantized layer (it holds the dequantized weights, and AWQ's scales in its norms) against the float one."""
+def relative_errors(layer, held_out: LayerInputs, reference: torch.Tensor) -> dict:
+    """The quantized layer (it holds the dequantized weights, and AWQ's scales in its norms) against the
+    float one: relative to the float output, and to what the layer adds to the residual stream (the output
+    minus its input, which carries most of the output's norm through every layer)."""
     with torch.no_grad():
-        out = torch.cat(run_layer(layer, held_out))
-    return float((out - reference).norm() / reference.norm())
+        error = (torch.cat(run_layer(layer, held_out)) - reference).norm()
+    update = (reference - torch.cat(held_out.hidden)).norm()
+    return {"relative_error": float(error / reference.norm()), "error_over_update": float(error / update)}
 
 
 def main():
@@ -111,7 +114,7 @@ def main():
                 quantize_layer(layer, calib[i], names, bits, settings, arch)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 row = {"layer": i, "bits": bits, "method": "+".join(names),
-                       "relative_error": relative_error(layer, held[i], reference),
+                       **relative_errors(layer, held[i], reference),
                        "wall_s": wall, "cpu_s": cpu, "load_average": os.getloadavg()}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
