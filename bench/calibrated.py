@@ -9,10 +9,12 @@ non-evaluation Austen novels (seed 0); perplexity on the bundled Persuasion
 (16,384 tokens) and, as a genre the calibration never saw, Python source (8,192
 tokens), each under both protocols of `bench/scoring.py` (sliding 1,024-token
 windows without BOS; disjoint windows of BOS + 511 tokens). A method may carry
-settings: bare keys are GPTQ's (``weights.gptq`` of the recipe), dotted ones
-name their place in the recipe:
-``gptq:actorder=group,dampening=0.01,dtype=float32,calibration.bos=false``.
-The peers read ``dampening`` and ``calibration.bos`` the same way.
+settings: bare keys are the last method's (``weights.gptq`` of the recipe for
+``gptq`` or ``awq+gptq``), dotted ones name their place in the recipe:
+``gptq:actorder=group,dampening=0.01,dtype=float32,calibration.bos=false``,
+``signround:iters=50,batch_size=4,calibration.samples=32``.
+The peers read ``dampening``, ``calibration.*`` and AutoRound's ``iters`` / ``batch_size``
+the same way (``--peer-methods gptq autoround:iters=50``).
 
 Every row runs in a fresh child process, one after another, so its wall time
 and peak RSS are its own. Wall time covers the whole job: loading the model,
@@ -62,8 +64,8 @@ def recipe_dict(method: str, bits: int, output: str) -> dict:
         elif "." in key:
             section, field = key.split(".", 1)
             recipe.setdefault(section, {})[field] = value
-        else:
-            recipe["weights"].setdefault("gptq", {})[key] = value
+        else:  # the last method's: the rounding method of "awq+gptq", AWQ's own for "awq"
+            recipe["weights"].setdefault(name.split("+")[-1], {})[key] = value
     return recipe
 
 

@@ -1,4 +1,5 @@
-"""llm-compressor's GPTQ and AWQ on lowbit's calibration samples and evaluation tokens.
+"""llm-compressor's GPTQ and AWQ, and Intel's AutoRound, on lowbit's calibration samples and
+evaluation tokens.
 
 One row of `bench/calibrated.py`, which runs it in an environment that has
 llm-compressor (never a lowbit dependency), with lowbit importable for the
@@ -12,6 +13,11 @@ It quantizes SmolLM2-135M (4-bit, group 64, asymmetric, lm_head kept; the same
 tokenizer adds one, as lowbit's are; ``calibration.bos`` forces either way), times the whole job (loading, calibrating, quantizing), scores
 the result on the texts and protocols of `bench/scoring.py` and prints one JSON
 line. ``dampening`` sets GPTQ's (llm-compressor's default is 0.01).
+
+``autoround`` runs Intel's ``auto-round`` package (its SignRound algorithm, on CPU) on the
+same windows: ``autoround:iters=50,batch_size=4,calibration.samples=32`` (its defaults: 200
+iterations, batch 8, lr 1/iters; ``calibration.samples`` / ``calibration.seq_len`` cut the
+windows on a busy machine, as lowbit's recipe does). Its fake-quantized model is scored.
 
 It also scores any saved checkpoint as an outside user would, loaded by
 transformers and compressed-tensors (lowbit's loader not involved), in the
@@ -35,8 +41,9 @@ from quant.calibration import calibration_samples, load_calibration_text
 from quant.models import resolve
 
 SCHEME = {"type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
-METHODS = ("gptq", "awq", "awq+gptq")
-SETTINGS = ("dampening", "calibration.bos")
+METHODS = ("gptq", "awq", "awq+gptq", "autoround")
+SETTINGS = ("dampening", "calibration.bos", "calibration.samples", "calibration.seq_len", "iters", "batch_size",
+            "lr")
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -59,6 +66,21 @@ def recipe_for(method: str, bits: int, settings: dict):
     if method == "awq":
         return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     return [AWQModifier(), GPTQModifier(config_groups=groups, ignore=["lm_head"], **gptq)]
+
+
+def run_autoround(model, tokenizer, samples: torch.Tensor, bits: int, settings: dict) -> str:
+    """AutoRound on ``model`` in place (its blocks end up holding the dequantized weights, which
+    is what gets scored); returns its version. ``settings``: iters, batch_size, lr (else its own)."""
+    import auto_round
+    from auto_round import AutoRound
+
+    tuned = {k: settings[k] for k in ("iters", "lr") if k in settings}
+    batch = settings.get("batch_size", 8)
+    rounder = AutoRound(model, tokenizer=tokenizer, bits=bits, group_size=SCHEME["group_size"],
+                        sym=SCHEME["symmetric"], dataset=list(samples.split(batch)), nsamples=samples.shape[0],
+                        seqlen=samples.shape[1], batch_size=batch, device_map="cpu", **tuned)
+    rounder.quantize()
+    return auto_round.__version__
 
 
 def allow_cpu_only():
@@ -108,18 +130,24 @@ def main():
     allow_cpu_only()
     source = resolve("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(source)
-    samples = calibration_samples(tokenizer, load_calibration_text("default"), 128, 512, seed=0,
+    count, seq_len = settings.get("calibration.samples", 128), settings.get("calibration.seq_len", 512)
+    samples = calibration_samples(tokenizer, load_calibration_text("default"), count, seq_len, seed=0,
                                   bos=settings.get("calibration.bos"))
-    ds = datasets.Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
 
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, settings), max_seq_length=512,
-            num_calibration_samples=128)
+    if method == "autoround":
+        tool = f"auto-round {run_autoround(model, tokenizer, samples, args.bits, settings)}"
+    else:
+        ds = datasets.Dataset.from_dict({"input_ids": samples.tolist(),
+                                         "attention_mask": torch.ones_like(samples).tolist()})
+        oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, settings), max_seq_length=seq_len,
+                num_calibration_samples=count)
+        tool = f"llm-compressor {llmcompressor.__version__}"
     seconds = time.perf_counter() - start
     peak = peak_rss_bytes()
     scores = score_texts(hf_logits_fn(model), tokenizer, parse_texts(args.texts))
-    row = {"tool": f"llm-compressor {llmcompressor.__version__}", "method": args.method, "bits": args.bits,
+    row = {"tool": tool, "method": args.method, "bits": args.bits,
            "quantize_s": seconds, "peak_rss_bytes": peak, "scores": scores, "torch": torch.__version__}
     print(json.dumps(row))
 

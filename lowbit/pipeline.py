@@ -51,6 +51,10 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     with world.rank0_first():  # a download or conversion into the shared cache happens once
         source = models.resolve(recipe.model)
     chain = w.chain
+    single = [m.name for m in chain if not m.ranks]
+    if world.size > 1 and single:
+        raise ValueError(f"{', '.join(single)} runs in one process only (its statistics are not summed across "
+                         f"ranks yet): run this recipe without torchrun / --ranks")
     calibrated = any(m.needs_data for m in chain)
     if world.main:  # a calibrated run also keeps its finished layers in a work directory beside the output
         need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)

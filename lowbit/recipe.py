@@ -265,7 +265,10 @@ def _settings(c: _Checker, value, path: str, cls, choices: dict):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 c.fail(where, f"expected a positive number, got {v!r}")
             checked[key] = float(v)
-    return cls(**checked)
+    try:
+        return cls(**checked)
+    except ValueError as e:  # a value the method's settings refuse (a range, a bound)
+        c.fail(path, str(e))
 
 
 def _override(c: _Checker, value, path: str) -> Override:

@@ -102,7 +102,8 @@ def choose_qparams(
     against the scale that is actually saved) and ``zero`` as int8 of the same
     shape, or ``None`` for symmetric schemes. ``clip_ratio`` (scalar, or
     broadcastable to the scale) shrinks the range; search methods pass values
-    below 1.
+    below 1. An asymmetric integer grid also takes a pair ``(lo_ratio, hi_ratio)``
+    that shrinks the two ends apart (learned rounding tunes them separately).
 
     ``float_zero`` (KV caches, as KIVI): the grid spans the group's own min..max
     even when it lies far from zero (key channels carry large offsets), and the
@@ -112,6 +113,9 @@ def choose_qparams(
     """
     xg = _grouped(x.float(), scheme)
     dtype = scale_dtype or x.dtype
+    lo_ratio, hi_ratio = clip_ratio if isinstance(clip_ratio, tuple) else (clip_ratio, clip_ratio)
+    if isinstance(clip_ratio, tuple) and (scheme.symmetric or float_zero):
+        raise ValueError("a (lo, hi) clip_ratio pair needs an asymmetric integer grid; pass one ratio")
     eps = torch.finfo(dtype).tiny  # an all-zero group still gets a scale the stored dtype can hold
     if scheme.symmetric:
         amax = xg.abs().amax(dim=-1) * clip_ratio
@@ -128,7 +132,7 @@ def choose_qparams(
         # and the zero point always fits the signed integer range.
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     if not float_zero:
-        lo, hi = lo * clip_ratio, hi * clip_ratio
+        lo, hi = lo * lo_ratio, hi * hi_ratio
     elif clip_ratio != 1.0:  # about the centre, in the float32 steps the KV kernels' quantize-on-write takes
         mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * clip_ratio)
         lo, hi = mid - half, mid + half
@@ -166,9 +170,13 @@ def choose_qparams_mse(
     return best_scale, best_zero
 
 
-def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme) -> torch.Tensor:
-    """Elementwise rounding onto the integer grid (float result); shapes broadcast."""
+def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,
+            offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Elementwise rounding onto the integer grid (float result); shapes broadcast. ``offset``
+    (learned rounding, in grid steps) is added before rounding: 0.3 turns 1.4 into 2, not 1."""
     q = x.float() / scale.float()
+    if offset is not None:
+        q = q + offset.float()
     if zero is not None:
         q = q + zero.float()
     return torch.round(q).clamp(scheme.qmin, scheme.qmax)
@@ -183,11 +191,14 @@ def from_grid(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -
 
 
 def quantize(
-    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Round ``x`` onto the integer grid: int8 of the same shape as ``x``."""
+    """Round ``x`` onto the integer grid: int8 of the same shape as ``x``; ``offset`` (same shape
+    as ``x``, in grid steps) is added before rounding (:func:`to_grid`)."""
     zero = None if zero is None else zero.unsqueeze(-1)
-    q = to_grid(_grouped(x, scheme), scale.unsqueeze(-1), zero, scheme)
+    offset = None if offset is None else _grouped(offset, scheme)
+    q = to_grid(_grouped(x, scheme), scale.unsqueeze(-1), zero, scheme, offset)
     return q.flatten(-2).to(torch.int8)
 
 

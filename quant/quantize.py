@@ -62,7 +62,9 @@ def layer_step(chain: list[Method], settings: dict, arch: Architecture, scale_dt
     float weights, then one lockstep pass rounds each Linear given the inputs that reach it."""
     prepare, rounding = chain[:-1], chain[-1]
     rtn = registry.get("rtn")
-    hessian = rounding.statistics == "hessian"
+    # whole-layer rounding decides every Linear before the pass; the pass then gathers xᵀx only
+    # for the manifest's output errors and carries the quantized layer's outputs on
+    hessian = rounding.statistics in ("hessian", "layer")
     # Linears that read one input: the pass quantizes them at once (spread over the ranks)
     together = tuple(p.linears for p in arch.scale_pairs if len(p.linears) > 1)
 
@@ -74,12 +76,18 @@ def layer_step(chain: list[Method], settings: dict, arch: Architecture, scale_dt
         col_scales = {}
         for m in prepare:
             col_scales.update(m.prepare_layer(layer, inputs, plan, settings[m.name], arch))
+        learned, record = {}, {}
+        if rounding.round_layer is not None:
+            learned, record = rounding.round_layer(layer, inputs, plan, settings[rounding.name], scale_dtype, where)
 
         def quantize_linear(n: str, H: torch.Tensor | None):
             weight = layer.get_submodule(n).weight.detach()
-            qw = rounding.round_linear(weight, plan[n], settings[rounding.name], scale_dtype, H, where + n)
+            qw = learned.pop(n) if n in learned else rounding.round_linear(
+                weight, plan[n], settings[rounding.name], scale_dtype, H, where + n)
             approx = qw.dequantize(torch.float32)
             stats = {"scheme": plan[n].describe(), "weight_rel_error": relative_error(weight, approx)}
+            if record:
+                stats[rounding.name] = record  # the layer's learning: losses, kept step, seconds
             if H is None:
                 return qw, stats
             original = originals.pop(n, weight)

@@ -174,6 +174,14 @@ def test_mismatched_recipes_are_refused(tmp_path, model_dir):
     assert sorted(p.name for p in other.parent.iterdir()) == ["r.yaml"]
 
 
+def test_a_method_that_does_not_sum_across_ranks_is_refused_before_any_work(tmp_path, model_dir):
+    recipe = write_recipe(tmp_path, model_dir, ["signround"])
+    ranks = run_ranks(["quantize", recipe])
+    assert all(r["code"] not in (0, None) for r in ranks), ranks
+    assert "signround runs in one process only" in ranks[0]["output"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "ranks"]
+
+
 def test_a_failing_rank_stops_every_rank_with_the_rank_named(tmp_path, model_dir):
     recipe = write_recipe(tmp_path, model_dir, ["gptq"])
 

@@ -113,7 +113,7 @@ def test_settings_must_fit_their_method():
 def test_every_method_declares_what_the_pipeline_needs():
     for name, m in registry.REGISTRY.items():
         assert m.name == name and m.stage in registry.STAGES and m.settings() is not None
-        assert (m.prepare_layer if m.stage == "layer" else m.round_linear) is not None
+        assert (m.prepare_layer if m.stage == "layer" else m.round_linear or m.round_layer) is not None
     assert registry.get("rtn").needs_data is False and registry.get("rtn").statistics is None
     assert registry.get("gptq").statistics == "hessian" and registry.get("awq").stage == "layer"
 

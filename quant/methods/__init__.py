@@ -9,9 +9,11 @@ Every module in this package (its name not starting with ``_``) defines ``METHOD
 - ``needs_data``: whether it reads calibration inputs;
 - ``stage``: ``"layer"`` for a step that rewrites a decoder layer's float weights before they
   are rounded (AWQ's scales and clipping; ``prepare_layer``), ``"round"`` for the step that
-  turns one Linear into integers (``round_linear``);
+  turns one Linear into integers (``round_linear``), or all of a decoder layer's Linears at
+  once against the layer's output (``round_layer``: learned rounding);
 - ``statistics``: what the lockstep pass gathers for ``round_linear`` from the inputs that
-  reach each Linear (``"hessian"``: ``H = 2/n Σ xᵀx``; None: nothing, no pass cost).
+  reach each Linear (``"hessian"``: ``H = 2/n Σ xᵀx``; None: nothing, no pass cost;
+  ``"layer"``: the decoder layer's own inputs, for ``round_layer``).
 
 A recipe lists methods in order, layer steps first and at most one rounding method last
 (none: RTN rounds). Adding a method is one file here plus its tests, e.g. ``quant/methods/mine.py``::
@@ -54,17 +56,27 @@ class Method:
     # stage "round": (weight, scheme, settings, scale_dtype, stats, name) -> QuantizedWeight;
     # ``stats`` is what ``statistics`` names for this Linear (None when it names nothing)
     round_linear: Callable | None = None
+    # stage "round", whole layer: (layer, inputs, plan, settings, scale_dtype, where) ->
+    # ({Linear: QuantizedWeight}, a record for the manifest); Linears outside the decoder layers
+    # (a quantized lm_head) are then rounded by RTN
+    round_layer: Callable | None = None
     # stage "round": settings -> the act-order the plan's schemes carry (None: column order)
     actorder: Callable = lambda settings: None
     choices: dict = field(default_factory=dict)  # settings field -> its allowed values
+    # whether its statistics are summed across torchrun ranks (quant.distributed); a method that
+    # learns from its own captures without that would differ with the number of ranks
+    ranks: bool = True
 
     def __post_init__(self):
         if self.stage not in STAGES:
             raise ValueError(f"method {self.name}: stage must be one of {', '.join(STAGES)}, not {self.stage!r}")
-        step = self.prepare_layer if self.stage == "layer" else self.round_linear
+        step = self.prepare_layer if self.stage == "layer" else self.round_linear or self.round_layer
         if step is None:
             raise ValueError(f"method {self.name}: a {self.stage!r} method needs its "
-                             f"{'prepare_layer' if self.stage == 'layer' else 'round_linear'}")
+                             f"{'prepare_layer' if self.stage == 'layer' else 'round_linear or round_layer'}")
+        if self.round_layer is not None and (self.statistics != "layer" or not self.needs_data):
+            raise ValueError(f"method {self.name}: round_layer reads the layer's inputs: needs_data=True, "
+                             f"statistics='layer'")
 
 
 def _discover() -> dict[str, Method]:

@@ -1,0 +1,141 @@
+"""SignRound (learned rounding and ranges per decoder layer): lower layer-output error than
+RTN at 3 and 2 bits, checkpoints that load and run, recipe settings checked."""
+
+import pytest
+import torch
+
+from lowbit.recipe import RecipeError, parse_recipe
+from quant import checkpoint, rtn
+from quant.affine import QuantScheme, choose_qparams
+from quant.learned_rounding import SignRoundConfig, learn_rounding
+from quant.plan import plan_layers
+from quant.quantize import quantize_model
+from quant.sequential import capture_inputs, run_layer
+from quant.architectures import decoder_layers
+from tiny import tiny_llama
+
+FAST = SignRoundConfig(iters=40, batch_size=4)
+
+
+def layer_error(layer, inputs, weights: dict) -> float:
+    """Mean squared difference of the layer's output with ``weights`` swapped in, against its float output."""
+    reference = torch.cat(run_layer(layer, inputs))
+    originals = {n: layer.get_submodule(n).weight.data for n in weights}
+    for n, w in weights.items():
+        layer.get_submodule(n).weight.data = w
+    try:
+        return float((torch.cat(run_layer(layer, inputs)) - reference).pow(2).mean())
+    finally:
+        for n, w in originals.items():
+            layer.get_submodule(n).weight.data = w
+
+
+@pytest.mark.parametrize("bits,symmetric", [(3, False), (2, False), (3, True)])
+def test_learned_rounding_lowers_the_layer_output_error_against_rtn(bits, symmetric):
+    model, _ = tiny_llama(hidden=64, layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(0))
+    layer = decoder_layers(model)[1][0]
+    with torch.no_grad():
+        inputs = capture_inputs(model, decoder_layers(model)[1], ids, 4, "cpu")
+        plan = {n: QuantScheme(bits, 32, symmetric) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        plain = {n: rtn.quantize_weight(layer.get_submodule(n).weight, s, torch.float32).dequantize(torch.float32)
+                 for n, s in plan.items()}
+        learned, record = learn_rounding(layer, inputs, plan, FAST, torch.float32)
+    mine = layer_error(layer, inputs, {n: q.dequantize(torch.float32) for n, q in learned.items()})
+    assert mine < 0.6 * layer_error(layer, inputs, plain)
+    assert record["loss_best"] < record["loss_first"] and record["seconds"] > 0
+    for n, q in learned.items():  # an ordinary affine result: integers on the grid, float weights untouched
+        assert q.q.dtype == torch.int8 and q.q.min() >= plan[n].qmin and q.q.max() <= plan[n].qmax
+        assert layer.get_submodule(n).weight.requires_grad
+
+
+def test_one_step_at_a_negligible_rate_is_rtn():
+    model, _ = tiny_llama(hidden=64, layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
+    layers = decoder_layers(model)[1]
+    with torch.no_grad():
+        inputs = capture_inputs(model, layers, ids, 4, "cpu")
+        plan = {"mlp.down_proj": QuantScheme(3, 32)}
+        learned, _ = learn_rounding(layers[0], inputs, plan, SignRoundConfig(iters=1, lr_scale=1e-9), torch.float32)
+        plain = rtn.quantize_weight(layers[0].mlp.down_proj.weight, plan["mlp.down_proj"], torch.float32)
+    assert torch.equal(learned["mlp.down_proj"].q, plain.q)
+
+
+def test_signround_checkpoint_loads_in_transformers_and_lowbit(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    import runtime
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(2))
+    plan = plan_layers(model, QuantScheme(2, 32, False), ["lm_head"])
+    with torch.no_grad():
+        reference = model(ids).logits
+    rtn_model, _ = tiny_llama(hidden=64, layers=2)
+    plain, _ = quantize_model(rtn_model, plan, ["rtn"], progress=False)
+    for n, q in plain.items():
+        rtn_model.get_submodule(n).weight.data = q.dequantize(torch.float32)
+    quantized, stats = quantize_model(model, plan, ["signround"], samples=ids, signround=FAST, progress=False)
+    assert set(quantized) == set(plan)
+    assert all(s["signround"]["loss_best"] < s["signround"]["loss_first"] for s in stats.values())
+    with torch.no_grad():  # the whole model's output: closer to the float model's than RTN's is
+        assert (model(ids).logits - reference).pow(2).mean() < (rtn_model(ids).logits - reference).pow(2).mean()
+    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
+    test_ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(9))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = theirs(test_ids).logits
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(runtime.load(out).logits(test_ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_awq_then_signround_runs():
+    model, _ = tiny_llama(hidden=64, layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(4))
+    plan = plan_layers(model, QuantScheme(3, 32, False), ["lm_head"])
+    quantized, stats = quantize_model(model, plan, ["awq", "signround"], samples=ids,
+                                      signround=SignRoundConfig(iters=10, batch_size=4), progress=False)
+    assert set(quantized) == set(plan) and all("signround" in s for s in stats.values())
+
+
+def test_recipe_reads_signround_settings_and_refuses_bad_ones():
+    r = parse_recipe({"model": "m", "weights": {"methods": ["signround"], "bits": 2,
+                                                "signround": {"iters": 50, "batch_size": 4, "min_range": 0.7}}})
+    assert r.weights.settings["signround"] == SignRoundConfig(iters=50, batch_size=4, min_range=0.7)
+    assert parse_recipe(r.to_dict()) == r
+    assert parse_recipe({"model": "m", "weights": {"methods": ["awq", "signround"]}}).weights.method == "awq+signround"
+    bad = [({"min_range": 1.5}, "min_range must be in"), ({"iters": 0}, "signround.iters"),
+           ({"lr_scale": -1}, "signround.lr_scale"), ({"steps": 3}, "steps"), ({"tune_range": "yes"}, "tune_range")]
+    for settings, message in bad:
+        with pytest.raises(RecipeError, match=message):
+            parse_recipe({"model": "m", "weights": {"methods": ["signround"], "signround": settings}}, "r.yaml")
+    with pytest.raises(RecipeError, match="signround cannot follow gptq|gptq cannot follow signround"):
+        parse_recipe({"model": "m", "weights": {"methods": ["signround", "gptq"]}}, "r.yaml")
+    with pytest.raises(RecipeError, match="settings for signround"):
+        parse_recipe({"model": "m", "weights": {"methods": ["gptq"], "signround": {"iters": 5}}}, "r.yaml")
+
+
+def test_range_pair_needs_an_asymmetric_integer_grid():
+    w = torch.randn(4, 64)
+    lo_only, _ = choose_qparams(w, QuantScheme(3, 32), (0.5, 1.0))
+    both, _ = choose_qparams(w, QuantScheme(3, 32), 0.5)
+    assert (lo_only >= both).all() and not torch.equal(lo_only, both)
+    with pytest.raises(ValueError, match="asymmetric integer grid"):
+        choose_qparams(w, QuantScheme(3, 32, symmetric=True), (0.5, 1.0))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_scales_from_group_extremes_equal_the_affine_ones(symmetric):
+    """Each step computes the scales from the groups' min and max alone: the same bits as from the weight."""
+    from quant.learned_rounding import _Rounding
+
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(5))
+    rounding = _Rounding(w, QuantScheme(3, 64, symmetric), torch.bfloat16)
+    with torch.no_grad():
+        for r in rounding.ratios:
+            r.uniform_(0.5, 1.0, generator=torch.Generator().manual_seed(6))
+    ratio = rounding.ratios[0] if symmetric else tuple(rounding.ratios)
+    expected = choose_qparams(w, QuantScheme(3, 64, symmetric), ratio, torch.bfloat16)
+    got = rounding.qparams()
+    assert torch.equal(got[0], expected[0]) and (symmetric or torch.equal(got[1], expected[1]))
