@@ -118,7 +118,7 @@ QuantizeLinear = Callable[[str, torch.Tensor | None], tuple[QuantizedWeight, dic
 
 
 def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quantize_linear: QuantizeLinear,
-                  where: str = "", hessian: bool = True) -> tuple[dict, dict, list[torch.Tensor]]:
+                  where: str = "", hessian: bool = True, min_rows: int = 1) -> tuple[dict, dict, list[torch.Tensor]]:
     """Quantize the planned Linears of ``layer`` in one forward over every calibration batch.
 
     The batches run in lockstep: a hook on each planned Linear adds the batch's input to the
@@ -131,6 +131,8 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     decoder layer works. Returns the quantized weights, their stats and the layer's outputs.
     ``where`` (the layer's module path and a dot) prefixes the Linear names in errors. Without
     ``hessian`` (the rounding method reads no statistics) the pass only pauses at each Linear.
+    A Linear whose inputs had fewer than ``min_rows`` rows (a mixture-of-experts expert that the
+    router sent few tokens, ``quant.moe``) gets no Hessian: ``quantize_linear(name, None)``.
     """
     gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx of each distinct input, under the first Linear to read it
     rows: dict[str, int] = {}
@@ -170,6 +172,9 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
         if len(reads[name]) > 1:
             raise RuntimeError(f"{where}{name}: calibration batches fed it different tensors ({sorted(reads[name])})")
         key = reads[name].pop()
+        if rows[key] < min_rows:  # an expert the router sent (almost) no calibration token
+            finish(name, None)
+            return
         H = mirror_upper(gram_sum[key]) * (2.0 / rows[key])
         if not torch.isfinite(H.diagonal()).all():  # diag(xᵀx) = Σ x²: NaN or Inf anywhere in x shows there
             raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")
