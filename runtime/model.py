@@ -24,6 +24,7 @@ from runtime.attention import as_batch
 
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
 from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
+from quant.architectures import MoEShape
 from quant.architectures import unsupported as _unsupported
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -49,6 +50,7 @@ class DecoderConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple  # per layer: None (full causal attention) or the window length
+    moe: MoEShape | None = None  # mixture-of-experts families: the experts (runtime/moe.py)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -80,6 +82,7 @@ class DecoderConfig:
             mlp_bias=arch.mlp_bias(config),
             qk_norm=arch.qk_norm,
             sliding_windows=arch.sliding_windows(config, layers),
+            moe=arch.experts.shape(config, layers) if arch.experts else None,
         )
 
 
@@ -207,25 +210,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
+    """The gated SiLU MLP; also each expert of a mixture-of-experts block (``width``: its
+    intermediate size; ``names``: its gate, up and down Linears, Mixtral's experts say w1, w3, w2)."""
+
+    def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory, width: int | None = None,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
-        b = cfg.mlp_bias
-        self.gate_proj = make_linear(f"{prefix}.gate_proj", cfg.hidden_size, cfg.intermediate_size, b)
-        self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, b)
-        self.down_proj = make_linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, b)
+        b, width = cfg.mlp_bias, width or cfg.intermediate_size
+        self.names = names
+        for name, (n_in, n_out) in zip(names, ((cfg.hidden_size, width), (cfg.hidden_size, width),
+                                               (width, cfg.hidden_size))):
+            self.add_module(name, make_linear(f"{prefix}.{name}", n_in, n_out, b))
 
     kernels = False
 
     def forward(self, x):
+        down = getattr(self, self.names[2])
         if not hasattr(self, "gate_up_proj"):
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = getattr(self, self.names[0]), getattr(self, self.names[1])
+            return down(F.silu(gate(x)) * up(x))
         gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load
         if self.kernels:
             from runtime.kernels.small_ops import silu_mul
 
-            return self.down_proj(silu_mul(gate_up))
+            return down(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -233,7 +243,16 @@ class Block(nn.Module):
         super().__init__()
         prefix = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", make_linear)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
+        # the feed-forward block: a dense MLP, or (runtime/moe.py) the experts under the name
+        # checkpoints give them (Mixtral: block_sparse_moe)
+        self.feed_forward = "mlp"
+        if cfg.moe is not None and cfg.moe.sparse[i]:
+            from runtime.moe import SparseMoE
+
+            self.feed_forward = cfg.moe.block
+            self.add_module(cfg.moe.block, SparseMoE(cfg, f"{prefix}.{cfg.moe.block}", make_linear))
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.index = i
@@ -245,7 +264,7 @@ class Block(nn.Module):
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, batch, self.index)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return getattr(self, self.feed_forward)(h), residual
 
 
 class Body(nn.Module):
@@ -334,12 +353,11 @@ class Decoder(nn.Module):
         (``runtime.linear.concat_linears``) stay apart."""
         from runtime.linear import concat_linears
 
-        for block in self.model.layers:
-            attn, mlp = block.self_attn, block.mlp
-            for owner, names, joined_name in ((attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                              (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
-                joined = concat_linears([getattr(owner, n) for n in names])
-                if joined is not None:
-                    setattr(owner, joined_name, joined)
-                    for n in names:
-                        delattr(owner, n)
+        attention = [(m, ("q_proj", "k_proj", "v_proj"), "qkv_proj") for m in self.modules() if isinstance(m, Attention)]
+        mlps = [(m, m.names[:2], "gate_up_proj") for m in self.modules() if isinstance(m, MLP)]  # experts too
+        for owner, names, joined_name in attention + mlps:
+            joined = concat_linears([getattr(owner, n) for n in names])
+            if joined is not None:
+                setattr(owner, joined_name, joined)
+                for n in names:
+                    delattr(owner, n)
