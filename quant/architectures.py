@@ -244,3 +244,19 @@ def attention_shape(config) -> tuple[int, int, int]:
     kv_heads = int(get("num_key_value_heads", required=False) or heads)
     head_dim = int(get("head_dim", required=False) or int(get("hidden_size")) // heads)
     return layers, kv_heads, head_dim
+
+
+def feed_forward_params(config: dict) -> tuple[int, int]:
+    """``(Linear weights, float gate weights)`` of every decoder layer's feed-forward block, from a
+    config: a gated MLP of ``intermediate_size`` per layer, or a family's experts (each expert's
+    three Linears, Qwen2-MoE's shared expert; the routers and shared-expert gates stay float)."""
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    dense = 3 * hidden * int(config.get("intermediate_size") or 0)
+    arch = ARCHITECTURES.get(config.get("model_type"))
+    if arch is None or arch.experts is None:
+        return layers * dense, 0
+    moe = arch.experts.shape(config, layers)
+    sparse = 3 * hidden * (moe.num_experts * moe.width + moe.shared_width)
+    gates = hidden * (moe.num_experts + (1 if moe.shared_width else 0))
+    n = sum(moe.sparse)
+    return n * sparse + (layers - n) * dense, n * gates
