@@ -70,8 +70,9 @@ def perturb(model, seed: int = 0):
     return model
 
 
-def tiny_model(kind: str, seed: int = 0):
-    """A tiny random model of each supported family, with a tokenizer."""
+def tiny_model(kind: str, seed: int = 0, **overrides):
+    """A tiny random model of each supported family, with a tokenizer (``overrides``: config keys,
+    for the families other than Llama)."""
     import transformers as tf
 
     if kind.startswith("llama"):
@@ -112,4 +113,4 @@ def tiny_model(kind: str, seed: int = 0):
         "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                       "shared_expert_intermediate_size": 96, "norm_topk_prob": False},
     }.get(kind, {})
-    return perturb(cls(config(**common, **extra)).eval(), seed), tok
+    return perturb(cls(config(**{**common, **extra, **overrides})).eval(), seed), tok
