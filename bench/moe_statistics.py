@@ -3,8 +3,9 @@
 A tiny random Mixtral (tests/tiny.py, 8 experts, top 2) whose router is skewed so that a few
 experts are rarely picked, as in real MoE models, GPTQ W3 g32 symmetric calibrated on N random
 tokens with each statistics choice (``quant.moe``), against RTN. Output: relative error of the
-logits on held-out random tokens (the same distribution), and how many calibration tokens the
-rarest expert of each layer received. Deterministic; CPU.
+logits on held-out random tokens (the same distribution), each expert's output error on the
+held-out tokens routed to it (float inputs, that expert's weights only), and how many calibration
+tokens the router sent each expert. Deterministic; CPU.
 
     PYTHONPATH=$PWD python bench/moe_statistics.py   # -> bench/results/moe-statistics-<commit>-cpu.json
 """
@@ -49,6 +50,32 @@ def logits_error(quantized, held_out) -> float:
     return float((got - expected).norm() / expected.norm())
 
 
+def expert_errors(quantized, held_out) -> dict:
+    """Per sparse block, per expert: relative error of the expert's output (quantized weights vs
+    float) on the held-out tokens the float router sends it: how usable each expert's rounding is."""
+    model = skewed_mixtral("routed")
+    inputs = {}
+    blocks = {n: m for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: inputs.setdefault(n, args[0].reshape(-1, args[0].shape[-1])))
+               for n, m in blocks.items()]
+    with torch.no_grad():
+        model(held_out)
+        for h in handles:
+            h.remove()
+        errors = {}
+        for n, block in blocks.items():
+            x = inputs[n]
+            chosen = block.gate(x)[2]
+            errors[n] = []
+            for e, expert in enumerate(block.experts):
+                xe = x[(chosen == e).any(-1)]
+                expected = expert(xe)
+                for p in expert.projections:
+                    getattr(expert, p).weight.data = quantized[f"{n}.experts.{e}.{p}"].dequantize(torch.float32)
+                errors[n].append(round(float((expert(xe) - expected).norm() / expected.norm()), 4))
+    return errors
+
+
 def run(tokens: int, method: str, statistics: str, held_out) -> dict:
     model = skewed_mixtral(statistics)
     g = torch.Generator().manual_seed(tokens)
@@ -59,20 +86,23 @@ def run(tokens: int, method: str, statistics: str, held_out) -> dict:
                                       progress=False)
     return {"tokens": tokens, "method": method, "statistics": statistics if method != "rtn" else None,
             "logits_rel_error": logits_error(quantized, held_out),
+            "expert_output_rel_error": expert_errors(quantized, held_out),
             "routed_tokens_per_expert": counts,
             "rtn_fallbacks": sorted(n for n, s in stats.items() if "rounded_by" in s)}
 
 
 def main() -> None:
     model = skewed_mixtral("all")
-    held_out = torch.randint(0, model.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(99))
+    held_out = torch.randint(0, model.config.vocab_size, (32, 64), generator=torch.Generator().manual_seed(99))
     rows = [run(256, "rtn", "all", held_out)]
     for tokens in (64, 256, 1024):
         for statistics in ("routed", "all"):
             rows.append(run(tokens, "gptq", statistics, held_out))
             r = rows[-1]
             print(f"{tokens:5d} tokens {statistics:6s}: logits error {r['logits_rel_error']:.4f}", flush=True)
-    print(f"  rtn: {rows[0]['logits_rel_error']:.4f}")
+            for block, errs in r["expert_output_rel_error"].items():
+                print(f"    {block}: routed {r['routed_tokens_per_expert'][block]} expert errors {errs}")
+    print(f"  rtn: {rows[0]['logits_rel_error']:.4f} expert errors {rows[0]['expert_output_rel_error']}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     import transformers
 

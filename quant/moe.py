@@ -131,9 +131,8 @@ def routed_counts(model: nn.Module, samples: torch.Tensor) -> dict[str, torch.Te
     counts, handles = {}, []
     for name, m in model.named_modules():
         if isinstance(m, CalibrationMoE):
-            def hook(module, args, out, name=name):
-                counts[name] = counts.get(name, 0) + torch.bincount(
-                    out[2].flatten(), minlength=len(module.experts)).cpu()
+            def hook(router, args, out, name=name, experts=len(m.experts)):
+                counts[name] = counts.get(name, 0) + torch.bincount(out[2].flatten(), minlength=experts).cpu()
             handles.append(m.gate.register_forward_hook(hook))
     try:
         with torch.no_grad():
