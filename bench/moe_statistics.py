@@ -56,8 +56,12 @@ def expert_errors(quantized, held_out) -> dict:
     model = skewed_mixtral("routed")
     inputs = {}
     blocks = {n: m for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: inputs.setdefault(n, args[0].reshape(-1, args[0].shape[-1])))
-               for n, m in blocks.items()]
+    def keep(name):
+        def hook(module, args):
+            inputs[name] = args[0].reshape(-1, args[0].shape[-1])
+        return hook
+
+    handles = [m.register_forward_pre_hook(keep(n)) for n, m in blocks.items()]
     with torch.no_grad():
         model(held_out)
         for h in handles:
