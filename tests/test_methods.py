@@ -176,9 +176,10 @@ def test_a_new_method_is_one_declaration(monkeypatch):
 def test_one_entry_per_supported_family_and_the_runtime_reads_the_same_list():
     import runtime
 
-    assert runtime.SUPPORTED_MODEL_TYPES == architectures.SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3")
+    assert runtime.SUPPORTED_MODEL_TYPES == architectures.SUPPORTED_MODEL_TYPES == (
+        "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
     with pytest.raises(architectures.UnsupportedModelError, match="model_type 'gpt2' is not supported; lowbit runs "
-                                                                  "llama, mistral, qwen2, qwen3"):
+                                                                  "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe"):
         architectures.architecture("gpt2")
     with pytest.raises(runtime.UnsupportedModelError, match="'gpt2'"):  # the runtime raises the same error
         runtime.check_supported({"model_type": "gpt2"})

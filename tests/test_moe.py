@@ -202,3 +202,46 @@ def test_a_moe_config_without_routing_keys_is_named():
     config = {k: v for k, v in MIXTRAL_8X7B.items() if k != "num_experts_per_tok"}
     with pytest.raises(MissingConfigKey, match="num_experts_per_tok"):
         runtime.check_supported(config)
+
+
+def test_quantized_experts_through_the_w4_kernels(tmp_path, monkeypatch):
+    """Each expert's tokens through the Triton W4 kernels (the interpreter on CPU; M = 1 takes the
+    GEMV, more the tl.dot path) give the dense reference's logits."""
+    import triton  # noqa: F401  (tests/conftest.py set TRITON_INTERPRET before any import of it)
+
+    from runtime import linear as linear_module
+    from runtime.kernels import quant_matmul
+
+    if not quant_matmul.interpreting() and not torch.cuda.is_available():
+        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
+    _, _, _, out = quantize_and_save("mixtral", tmp_path)
+    device = "cpu" if quant_matmul.interpreting() else "cuda"
+    loaded = runtime.load(out, device=device, dtype=torch.float16)
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41]])
+    reference = loaded.logits(ids)
+    calls = []
+    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: calls.append(x.shape[0]) or True)
+    through_kernels = loaded.logits(ids)
+    assert calls  # the kernels ran
+    torch.testing.assert_close(through_kernels, reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_moe_entry_matches_the_transformers_model(kind):
+    """Experts, top k, renormalization, widths and which layers are sparse: as transformers builds them."""
+    from quant.architectures import architecture_of
+
+    model, _ = tiny_model(kind)
+    config = model.config.to_dict()
+    moe = architecture_of(model).experts.shape(config, len(model.model.layers))
+    for i, layer in enumerate(model.model.layers):
+        sparse = hasattr(layer.mlp, "experts")
+        assert moe.sparse[i] == sparse
+        if sparse:
+            experts = layer.mlp.experts
+            assert (moe.num_experts, 2 * moe.width) == tuple(experts.gate_up_proj.shape[:2])
+            assert moe.top_k == layer.mlp.gate.top_k
+            assert moe.normalize == getattr(layer.mlp.gate, "norm_topk_prob", True)
+            shared = getattr(layer.mlp, "shared_expert", None)
+            assert moe.shared_width == (shared.gate_proj.out_features if shared else 0)
+    assert any(moe.sparse) and (kind != "qwen3_moe" or not all(moe.sparse))  # tiny qwen3_moe has a dense layer
