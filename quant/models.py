@@ -170,8 +170,11 @@ def load_lazily(path: Path, dtype: torch.dtype = torch.float32):
 
     files = safetensors_index(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    from quant.moe import unfuse_experts
+
     with init_empty_weights():  # parameters on the meta device; buffers (RoPE tables) are computed
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    unfuse_experts(model)  # one Linear per expert (on the meta device), named as the files name them
     tied = bool(getattr(config, "tie_word_embeddings", False))
     needed = {n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta}
     if tied:

@@ -245,3 +245,23 @@ def test_each_moe_entry_matches_the_transformers_model(kind):
             shared = getattr(layer.mlp, "shared_expert", None)
             assert moe.shared_width == (shared.gate_proj.out_features if shared else 0)
     assert any(moe.sparse) and (kind != "qwen3_moe" or not all(moe.sparse))  # tiny qwen3_moe has a dense layer
+
+
+def test_a_moe_model_is_calibrated_layer_by_layer_from_disk(tmp_path):
+    """load_lazily unfuses on the meta device, so the files' per-expert tensors fill one layer at a
+    time: the same quantized weights as the model loaded whole."""
+    from quant import models
+
+    model, tok = tiny_model("mixtral")
+    src = save_model(model, tok, tmp_path / "src")
+    samples = calibration_samples(model, n=8)
+    results = []
+    for lazily in (True, False):
+        loaded = models.load_lazily(src) if lazily else None
+        assert (loaded is not None) == lazily
+        m, _, lazy = loaded or (*models.load_float_model(src), None)
+        plan = plan_layers(m, W4, ["lm_head"])
+        results.append(quantize_model(m, plan, "gptq", samples=samples, progress=False, lazy=lazy)[0])
+    lazy_q, whole_q = results
+    assert set(lazy_q) == set(whole_q) and any(".experts.7.w2" in n for n in lazy_q)
+    assert all(torch.equal(lazy_q[n].q, whole_q[n].q) for n in lazy_q)
