@@ -137,6 +137,7 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx of each distinct input, under the first Linear to read it
     rows: dict[str, int] = {}
     reads: dict[str, set] = {}  # Linear -> the key(s) of gram_sum holding its inputs
+    readers: dict[str, set] = {}  # key of gram_sum -> the Linears that read it
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
 
@@ -156,14 +157,23 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
             if x_in is not batch.last_input:
                 x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
                 if name not in gram_sum:
+                    drop_finished_grams()
                     gram_sum[name] = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
                 add_gram(gram_sum[name], x)
                 rows[name] = rows.get(name, 0) + x.shape[0]
                 batch.last_input, batch.last_reader = x_in, name
             reads.setdefault(name, set()).add(batch.last_reader)
+            readers.setdefault(batch.last_reader, set()).add(name)
             batch.pause(name)
 
         return fn
+
+    def drop_finished_grams() -> None:
+        """Free the xᵀx whose readers are all quantized. Only consecutive Linears share an input
+        (the last one a batch saw), so a new input means no later Linear reads the older ones;
+        a MoE layer holds one expert's statistics at a time, not all of them (quant.moe)."""
+        for key in [k for k, names in readers.items() if k in gram_sum and names <= quantized.keys()]:
+            del gram_sum[key]
 
     def quantize(name: str) -> None:
         if not hessian:

@@ -265,3 +265,28 @@ def test_a_moe_model_is_calibrated_layer_by_layer_from_disk(tmp_path):
     lazy_q, whole_q = results
     assert set(lazy_q) == set(whole_q) and any(".experts.7.w2" in n for n in lazy_q)
     assert all(torch.equal(lazy_q[n].q, whole_q[n].q) for n in lazy_q)
+
+
+def test_a_layer_holds_few_hessians_at_once(monkeypatch):
+    """Each expert's xᵀx is freed once its readers are rounded: at most two are alive at any time
+    (the one being filled and the one just finished), not one per expert."""
+    import weakref
+
+    from quant import sequential
+
+    alive, most = [], [0]
+    original = sequential.add_gram
+
+    def counting(total, x, blocks=4):
+        if not any(ref() is total for ref in alive):
+            alive.append(weakref.ref(total))
+        alive[:] = [ref for ref in alive if ref() is not None]
+        most[0] = max(most[0], len(alive))
+        original(total, x, blocks)
+
+    monkeypatch.setattr(sequential, "add_gram", counting)
+    model, _ = tiny_model("mixtral")
+    unfuse_experts(model)
+    plan = plan_layers(model, W4, ["lm_head"])
+    quantize_model(model, plan, "gptq", samples=calibration_samples(model, n=4), progress=False)
+    assert 1 <= most[0] <= 2  # 8 experts x (gate/up input, down input) per layer without the freeing
