@@ -118,12 +118,13 @@ def _linear_bits(config: dict) -> tuple[float, str] | None:
 
 
 def config_weight_bytes(config: dict) -> tuple[int, str]:
-    """Weights estimated from a Llama-family config: embeddings, attention, gated MLP, norms, head."""
+    """Weights estimated from a Llama-family config: embeddings, attention, gated MLP (or experts), norms, head."""
     layers, kv_heads, head_dim = attention_shape(config)
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
-    heads, inter = int(config["num_attention_heads"]), int(config["intermediate_size"])
-    linear_params = layers * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter)
-    other_params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + (2 * layers + 1) * hidden
+    heads = int(config["num_attention_heads"])
+    mlp_params, gate_params = architectures.feed_forward_params(config)  # a mixture of experts counts every expert
+    linear_params = layers * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2) + mlp_params
+    other_params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + (2 * layers + 1) * hidden + gate_params
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     float_bytes = DTYPE_BYTES.get(str(dtype), 2)
     quantized = _linear_bits(config)

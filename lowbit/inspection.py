@@ -33,12 +33,20 @@ def scheme_label(scheme: QuantScheme) -> str:
     return label + (f" actorder={scheme.actorder}" if scheme.actorder else "")
 
 
-def layer_schemes(config: dict) -> dict[str, str]:
+def layer_schemes(config: dict, packed: list[str] = ()) -> dict[str, str]:
     """Layer name -> scheme label, read from config.json as a load reads it (the same checks, the same
-    errors); a group that targets every ``Linear`` (llm-compressor's way) is listed under that name."""
+    errors); a group that targets every ``Linear`` (llm-compressor's way) is listed under that name.
+    ``packed``: the Linears the safetensors hold packed, which ``re:`` targets (a MoE block's
+    experts) name only as patterns."""
     groups = config_groups(config["quantization_config"])
     targets = [t for group in groups.values() for t in group.get("targets", [])]
-    return {name: scheme_label(s) for name, s in checkpoint.linear_schemes(config, targets).items()}
+    return {name: scheme_label(s) for name, s in checkpoint.linear_schemes(config, [*targets, *packed]).items()}
+
+
+def packed_linears(path) -> list[str]:
+    """The Linears whose ``weight_packed`` the checkpoint's safetensors headers list."""
+    return [k.removesuffix(".weight_packed") for f in checkpoint.safetensors_files(path)
+            for k in checkpoint.read_header(f) if k.endswith(".weight_packed")]
 
 
 def summary_lines(schemes: dict[str, str], layer_stats: dict) -> list[str]:
@@ -109,7 +117,7 @@ def inspect_text(ckpt, layers: bool = False) -> str:
     )
     if not config.get("quantization_config"):
         return "\n".join(lines + ["not quantized"])
-    schemes = layer_schemes(config)
+    schemes = layer_schemes(config, packed_linears(path))
     layer_stats = manifest.get("layers") or {}
     lines += ["", *summary_lines(schemes, layer_stats)]
     ignored = config["quantization_config"].get("ignore")

@@ -93,6 +93,70 @@ def attention_bias_flag(config: dict) -> bool:
     return bool(config.get("attention_bias") or False)
 
 
+def every_layer(config: dict, layers: int) -> tuple:
+    return (True,) * layers
+
+
+def qwen_sparse_layers(config: dict, layers: int) -> tuple:
+    """Qwen2/3-MoE: a layer is sparse unless listed in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th layer (as transformers builds them)."""
+    dense, step = set(config.get("mlp_only_layers") or ()), int(config.get("decoder_sparse_step", 1) or 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts model's experts, read from its config (``Experts.shape``)."""
+
+    block: str  # the sparse block's module name in a decoder layer (as in Hub checkpoints and vLLM)
+    projections: tuple[str, str, str]  # each expert's gate, up and down Linear
+    num_experts: int
+    top_k: int
+    normalize: bool  # the top-k routing weights renormalized to sum to 1
+    width: int  # each expert's intermediate size
+    shared_width: int  # Qwen2-MoE's shared expert (0: none)
+    sparse: tuple[bool, ...]  # per layer: a sparse block (else a dense MLP of intermediate_size)
+
+    def expert_linears(self, layer: int) -> list[str]:
+        """The local names of layer ``layer``'s expert Linears, in forward order ([] for a dense layer)."""
+        if not self.sparse[layer]:
+            return []
+        return [f"{self.block}.experts.{e}.{p}" for e in range(self.num_experts) for p in self.projections]
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a family lays out and routes its experts. transformers 5 holds them fused (3-D
+    ``experts.gate_up_proj`` / ``experts.down_proj``); Hub checkpoints and vLLM name one Linear per
+    expert and projection, and so does lowbit (``quant.moe`` unfuses the transformers model)."""
+
+    block: str
+    projections: tuple[str, str, str]
+    normalize: Callable[[dict], bool]
+    width_key: str  # the config key of an expert's intermediate size
+    shared: bool = False
+    sparse_layers: Callable[[dict, int], tuple] = every_layer
+
+    def shape(self, config: dict, layers: int) -> MoEShape:
+        experts = config.get("num_local_experts") or config.get("num_experts")
+        missing = [k for k, v in (("num_local_experts or num_experts", experts),
+                                  ("num_experts_per_tok", config.get("num_experts_per_tok")),
+                                  (self.width_key, config.get(self.width_key))) if not v]
+        if missing:
+            raise MissingConfigKey(f"a {config.get('model_type')} config needs {', '.join(missing)} to size its experts")
+        return MoEShape(self.block, self.projections, int(experts), int(config["num_experts_per_tok"]),
+                        self.normalize(config), int(config[self.width_key]),
+                        int(config.get("shared_expert_intermediate_size") or 0) if self.shared else 0,
+                        tuple(self.sparse_layers(config, layers)))
+
+
+MIXTRAL_EXPERTS = Experts("block_sparse_moe", ("w1", "w3", "w2"), normalize=lambda config: True,
+                          width_key="intermediate_size")
+QWEN_EXPERTS = Experts("mlp", ("gate_proj", "up_proj", "down_proj"),
+                       normalize=lambda config: bool(config.get("norm_topk_prob")),
+                       width_key="moe_intermediate_size", sparse_layers=qwen_sparse_layers)
+
+
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
@@ -118,6 +182,10 @@ class Architecture:
     text_part: tuple[str, str, tuple[tuple[str, str], ...]] | None = None
     # transformers' defaults for keys a family's config.json may leave out (Gemma 3's do: vocab_size, RoPE bases)
     config_defaults: tuple[tuple[str, object], ...] = ()
+    experts: Experts | None = None  # mixture-of-experts families
+    # Linears that stay in float whatever the recipe says (plan patterns): gates that pick or weigh
+    # experts, whose rounding errors would move whole tokens between experts
+    float_linears: tuple[str, ...] = ()
 
     def check_layer(self, layer: nn.Module, where: str = "") -> None:
         """Raise naming every module this family's layout expects and ``layer`` lacks."""
@@ -167,6 +235,23 @@ ARCHITECTURES = {a.model_type: a for a in (
                  linears=PHI3_LINEARS, scale_pairs=PHI3_SCALE_PAIRS, no_clip=("self_attn.qkv_proj",),
                  fused_projections=True),
 )}
+# Mixture-of-experts families. Their MLPs are left out of AWQ's scale pairs: the norm before the
+# experts also feeds the router (which would have to be scaled too, in float) and each expert's
+# up -> down pair sees only the tokens routed to it (README, "Mixture of experts").
+ATTENTION_SCALE_PAIRS = LLAMA_SCALE_PAIRS[:2]
+ARCHITECTURES.update({a.model_type: a for a in (
+    Architecture("mixtral", qkv_bias=lambda config: False, o_bias=lambda config: False,
+                 sliding_windows=every_layer_slides, linears=ATTENTION, scale_pairs=ATTENTION_SCALE_PAIRS,
+                 experts=MIXTRAL_EXPERTS),
+    Architecture("qwen3_moe", qkv_bias=attention_bias_flag, o_bias=attention_bias_flag, qk_norm=True,
+                 sliding_windows=layers_by_type, linears=ATTENTION, scale_pairs=ATTENTION_SCALE_PAIRS,
+                 experts=QWEN_EXPERTS),
+    Architecture("qwen2_moe", qkv_bias=lambda config: bool(config.get("qkv_bias", True)), o_bias=lambda config: False,
+                 sliding_windows=layers_by_type, linears=ATTENTION, scale_pairs=ATTENTION_SCALE_PAIRS,
+                 experts=Experts("mlp", QWEN_EXPERTS.projections, QWEN_EXPERTS.normalize, "moe_intermediate_size",
+                                 shared=True, sparse_layers=qwen_sparse_layers),
+                 float_linears=("shared_expert_gate",)),
+)})
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
@@ -231,3 +316,19 @@ def attention_shape(config) -> tuple[int, int, int]:
     kv_heads = int(get("num_key_value_heads", required=False) or heads)
     head_dim = int(get("head_dim", required=False) or int(get("hidden_size")) // heads)
     return layers, kv_heads, head_dim
+
+
+def feed_forward_params(config: dict) -> tuple[int, int]:
+    """``(Linear weights, float gate weights)`` of every decoder layer's feed-forward block, from a
+    config: a gated MLP of ``intermediate_size`` per layer, or a family's experts (each expert's
+    three Linears, Qwen2-MoE's shared expert; the routers and shared-expert gates stay float)."""
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    dense = 3 * hidden * int(config.get("intermediate_size") or 0)
+    arch = ARCHITECTURES.get(config.get("model_type"))
+    if arch is None or arch.experts is None:
+        return layers * dense, 0
+    moe = arch.experts.shape(config, layers)
+    sparse = 3 * hidden * (moe.num_experts * moe.width + moe.shared_width)
+    gates = hidden * (moe.num_experts + (1 if moe.shared_width else 0))
+    n = sum(moe.sparse)
+    return n * sparse + (layers - n) * dense, n * gates

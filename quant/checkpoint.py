@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 # linear_schemes is re-exported: runtime.load reads a checkpoint's schemes through this module
 from quant.format import QuantizedWeight, linear_schemes, quantization_config  # noqa: F401
+from quant.moe import routers
 
 MANIFEST = "lowbit_manifest.json"
 MANIFEST_VERSION = 1
@@ -214,7 +215,8 @@ def save(
             config["dtype"] = str(dtype).removeprefix("torch.")
         if "lm_head" in quantized:
             config["tie_word_embeddings"] = False  # the head now differs from the embedding
-        config["quantization_config"] = quantization_config(plan, [n for n in all_linears if n not in plan])
+        ignored = [n for n in all_linears if n not in plan] + routers(model)
+        config["quantization_config"] = quantization_config(plan, ignored)
         (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(stage)

@@ -16,6 +16,7 @@ fast kernels are derived from it at load time in ``runtime/``, never stored.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 
 from quant.affine import QuantScheme, dequantize
 from quant.packing import pack, unpack
+from quant.moe import EXPERT_LINEAR
 from quant.plan import matches
 
 FORMAT = "pack-quantized"
@@ -64,11 +66,30 @@ class QuantizedWeight:
         return cls(q, tensors[f"{prefix}.weight_scale"], zero, scheme, tensors.get(f"{prefix}.weight_g_idx"))
 
 
-def quantization_config(plan: dict[str, QuantScheme], ignored: list[str]) -> dict:
-    """The ``quantization_config`` block of config.json: one config group per scheme."""
-    by_scheme: dict[QuantScheme, list[str]] = defaultdict(list)
+def expert_targets(plan: dict[str, QuantScheme]) -> dict[str, str]:
+    """Expert Linear -> one ``re:`` target covering its block's experts, for the blocks whose
+    quantized experts share one scheme. vLLM's fused MoE layer looks its scheme up under the
+    names ``<block>.experts.0.gate_proj`` / ``up_proj`` / ``down_proj`` whatever the family calls
+    them (Mixtral: w1, w3, w2), so exact per-Linear targets would leave a Mixtral's experts
+    unmatched; and transformers finds the experts' group by a ``re:`` target naming experts."""
+    schemes: dict[str, set] = defaultdict(set)
     for name, scheme in plan.items():
-        by_scheme[scheme].append(name)
+        m = EXPERT_LINEAR.fullmatch(name)
+        if m:
+            schemes[m["experts"]].add(scheme)
+    # numbered children only: transformers' fused experts module has an act_fn child, which a
+    # target matching it would have compressed-tensors try (and refuse) to quantize
+    return {name: f"re:{re.escape(m['experts'])}\\.\\d+\\..*" for name in plan
+            if (m := EXPERT_LINEAR.fullmatch(name)) and len(schemes[m["experts"]]) == 1}
+
+
+def quantization_config(plan: dict[str, QuantScheme], ignored: list[str]) -> dict:
+    """The ``quantization_config`` block of config.json: one config group per scheme (a sparse
+    block's experts under one regex target, :func:`expert_targets`)."""
+    by_scheme: dict[QuantScheme, dict[str, None]] = defaultdict(dict)  # targets, in order, once each
+    regex = expert_targets(plan)
+    for name, scheme in plan.items():
+        by_scheme[scheme][regex.get(name, name)] = None
     groups = {}
     for i, (scheme, names) in enumerate(sorted(by_scheme.items(), key=lambda kv: -len(kv[1]))):
         per_channel = scheme.group_size == -1

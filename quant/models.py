@@ -93,11 +93,14 @@ def _converted_alias(alias: str) -> Path:
 
 
 def load_float_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """The transformers model and tokenizer from a local directory (no remote code)."""
+    """The transformers model and tokenizer from a local directory (no remote code); a
+    mixture-of-experts model with one Linear per expert, as its checkpoint names them (``quant.moe``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from quant.moe import unfuse_experts
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).to(device)
-    model.eval()
+    unfuse_experts(model.eval())
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     return model, tokenizer
 
@@ -167,8 +170,11 @@ def load_lazily(path: Path, dtype: torch.dtype = torch.float32):
 
     files = safetensors_index(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    from quant.moe import unfuse_experts
+
     with init_empty_weights():  # parameters on the meta device; buffers (RoPE tables) are computed
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    unfuse_experts(model)  # one Linear per expert (on the meta device), named as the files name them
     tied = bool(getattr(config, "tie_word_embeddings", False))
     needed = {n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta}
     if tied:

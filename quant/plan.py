@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from quant.affine import QuantScheme, fit_group_size
+from quant.architectures import ARCHITECTURES
+from quant.moe import EXPERT_LINEAR
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -64,7 +66,9 @@ def plan_layers(
     overrides: list[Override] = (),
 ) -> dict[str, QuantScheme]:
     """Resolve the scheme of every Linear in ``model``; warn about patterns that match nothing."""
-    names = linear_names(model)
+    # a family's gates stay in float whatever the recipe says (quant.architectures.float_linears)
+    arch = ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+    names = [n for n in linear_names(model) if not (arch and any(matches(n, p) for p in arch.float_linears))]
     widths = {n: model.get_submodule(n).in_features for n in names}
     for pattern in [*ignore, *(o.match for o in overrides)]:
         if not any(matches(n, pattern) for n in names):
@@ -94,6 +98,12 @@ def plan_layers(
         raise PlanError("nothing to quantize: every Linear layer is ignored or skipped by the recipe")
     for group, layer_widths in requested.items():
         check_group_fits(group, layer_widths)
+    asymmetric = [n for n, s in plan.items() if not s.symmetric and EXPERT_LINEAR.fullmatch(n)]
+    if asymmetric:
+        warnings.warn(
+            f"{len(asymmetric)} expert Linears are asymmetric: lowbit runs them, but transformers 5.23 "
+            "cannot load asymmetric MoE experts (its expert dequantizer drops zero points); "
+            "symmetric: true loads everywhere", stacklevel=2)
     if refitted:
         warnings.warn(
             "input width not divisible by the group size; compressed-tensors cannot store a ragged "

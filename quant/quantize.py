@@ -82,10 +82,15 @@ def layer_step(chain: list[Method], settings: dict, arch: Architecture, scale_dt
 
         def quantize_linear(n: str, H: torch.Tensor | None):
             weight = layer.get_submodule(n).weight.detach()
-            qw = learned.pop(n) if n in learned else rounding.round_linear(
-                weight, plan[n], settings[rounding.name], scale_dtype, H, where + n)
+            if n in learned:  # rounded with the whole layer (round_layer)
+                method, qw = rounding, learned.pop(n)
+            else:  # no Hessian where the method wants one: an expert no calibration token reached (quant.moe)
+                method = rtn if hessian and H is None else rounding
+                qw = method.round_linear(weight, plan[n], settings.get(method.name), scale_dtype, H, where + n)
             approx = qw.dequantize(torch.float32)
             stats = {"scheme": plan[n].describe(), "weight_rel_error": relative_error(weight, approx)}
+            if method is not rounding:
+                stats["rounded_by"] = f"{method.name} (no calibration token reached it)"
             if record:
                 stats[rounding.name] = record  # the layer's learning: losses, kept step, seconds
             if H is None:

@@ -132,8 +132,8 @@ QuantizeLinear = Callable[[str, torch.Tensor | None], tuple[QuantizedWeight, dic
 
 
 def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quantize_linear: QuantizeLinear,
-                  where: str = "", hessian: bool = True,
-                  together: tuple[tuple[str, ...], ...] = ()) -> tuple[dict, dict, list[torch.Tensor]]:
+                  where: str = "", hessian: bool = True, together: tuple[tuple[str, ...], ...] = (),
+                  min_rows: int = 1) -> tuple[dict, dict, list[torch.Tensor]]:
     """Quantize the planned Linears of ``layer`` in one forward over every calibration batch.
 
     The batches run in lockstep: a hook on each planned Linear adds the batch's input to the
@@ -152,6 +152,9 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     that read one input (q/k/v, gate/up): when the batches reach the first, all of them are
     quantized from its Hessian at once, spread over the ranks, each result broadcast from the rank
     that made it; the batches then pass the others without pausing (checked: same input tensor).
+    A Linear whose inputs had fewer than ``min_rows`` rows over all ranks (a mixture-of-experts
+    expert that the router sent few tokens, ``quant.moe``) gets no Hessian:
+    ``quantize_linear(name, None)``.
     """
     world = distributed.current()
     partners = {n: [m for m in group if m != n] for group in together for n in group}
@@ -160,6 +163,7 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     gram_sum: dict[str, torch.Tensor] = {}  # Σ xᵀx of each distinct input, under the first Linear to read it
     rows: dict[str, int] = {}
     reads: dict[str, set] = {}  # Linear -> the key(s) of gram_sum holding its inputs
+    readers: dict[str, set] = {}  # key of gram_sum -> the Linears that read it
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
 
@@ -182,16 +186,25 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
             if x_in is not batch.last_input:
                 x = x_in.detach().reshape(-1, x_in.shape[-1]).float()
                 if name not in gram_sum:
+                    drop_finished_grams()
                     gram_sum[name] = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
                 add_gram(gram_sum[name], x)
                 rows[name] = rows.get(name, 0) + x.shape[0]
                 batch.last_input, batch.last_reader = x_in, name
             reads.setdefault(name, set()).add(batch.last_reader)
+            readers.setdefault(batch.last_reader, set()).add(name)
             batch.pause(name)
 
         return fn
 
-    def hessian_of(name: str) -> torch.Tensor:
+    def drop_finished_grams() -> None:
+        """Free the xᵀx whose readers are all quantized. Only consecutive Linears share an input
+        (the last one a batch saw), so a new input means no later Linear reads the older ones;
+        a MoE layer holds one expert's statistics at a time, not all of them (quant.moe)."""
+        for key in [k for k, names in readers.items() if k in gram_sum and names <= quantized.keys()]:
+            del gram_sum[key]
+
+    def hessian_of(name: str) -> torch.Tensor | None:
         if len(reads[name]) > 1:
             raise RuntimeError(f"{where}{name}: calibration batches fed it different tensors ({sorted(reads[name])})")
         key = reads[name].pop()
@@ -199,6 +212,8 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
             world.sum_(gram_sum[key])
             rows[key] = world.total(rows[key])
             reduced.add(key)
+        if rows[key] < min_rows:  # an expert the router sent (almost) no calibration token, on any rank
+            return None
         H = mirror_upper(gram_sum[key]) * (2.0 / rows[key])
         if not torch.isfinite(H.diagonal()).all():  # diag(xᵀx) = Σ x²: NaN or Inf anywhere in x shows there
             raise ValueError(f"{where}{name}: its calibration inputs contain NaN or Inf (the model overflows before it)")

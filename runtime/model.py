@@ -28,6 +28,7 @@ from runtime.rope import Rope, apply_rope, rope_settings  # noqa: F401 (apply_ro
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
 from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
 from quant.architectures import decoder_config
+from quant.architectures import MoEShape
 from quant.architectures import unsupported as _unsupported
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -61,6 +62,7 @@ class DecoderConfig:
     attn_softcap: float | None = None  # attention scores through cap * tanh(s / cap) (Gemma 2)
     final_softcap: float | None = None  # logits through cap * tanh(l / cap) (Gemma 2)
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored joined
+    moe: MoEShape | None = None  # mixture-of-experts families: the experts (runtime/moe.py)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -104,6 +106,7 @@ class DecoderConfig:
             attn_softcap=config.get("attn_logit_softcapping") if model_type == "gemma2" else None,
             final_softcap=config.get("final_logit_softcapping"),
             fused_projections=arch.fused_projections,
+            moe=arch.experts.shape(config, layers) if arch.experts else None,
         )
 
 
@@ -222,30 +225,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
+    """The gated SiLU MLP; also each expert of a mixture-of-experts block (``width``: its
+    intermediate size; ``names``: its gate, up and down Linears, Mixtral's experts say w1, w3, w2)."""
+
+    def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory, width: int | None = None,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
-        b = cfg.mlp_bias
+        b, width = cfg.mlp_bias, width or cfg.intermediate_size
+        self.names = names
         if cfg.fused_projections:  # Phi-3 stores gate and up as one Linear: run it as stored
-            self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", cfg.hidden_size, 2 * cfg.intermediate_size, b)
+            self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", cfg.hidden_size, 2 * width, b)
+            self.add_module(names[2], make_linear(f"{prefix}.{names[2]}", width, cfg.hidden_size, b))
         else:
-            self.gate_proj = make_linear(f"{prefix}.gate_proj", cfg.hidden_size, cfg.intermediate_size, b)
-            self.up_proj = make_linear(f"{prefix}.up_proj", cfg.hidden_size, cfg.intermediate_size, b)
-        self.down_proj = make_linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, b)
+            for name, (n_in, n_out) in zip(names, ((cfg.hidden_size, width), (cfg.hidden_size, width),
+                                                   (width, cfg.hidden_size))):
+                self.add_module(name, make_linear(f"{prefix}.{name}", n_in, n_out, b))
         self.act_name = cfg.hidden_act
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     kernels = False
 
     def forward(self, x):
+        down = getattr(self, self.names[2])
         if not hasattr(self, "gate_up_proj"):
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = getattr(self, self.names[0]), getattr(self, self.names[1])
+            return down(self.act(gate(x)) * up(x))
         gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load (or stored so)
         if self.kernels and self.act_name == "silu":
             from runtime.kernels.small_ops import silu_mul
 
-            return self.down_proj(silu_mul(gate_up))
+            return down(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return down(self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -253,7 +264,16 @@ class Block(nn.Module):
         super().__init__()
         prefix = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", make_linear)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
+        # the feed-forward block: a dense MLP, or (runtime/moe.py) the experts under the name
+        # checkpoints give them (Mixtral: block_sparse_moe)
+        self.feed_forward = "mlp"
+        if cfg.moe is not None and cfg.moe.sparse[i]:
+            from runtime.moe import SparseMoE
+
+            self.feed_forward = cfg.moe.block
+            self.add_module(cfg.moe.block, SparseMoE(cfg, f"{prefix}.{cfg.moe.block}", make_linear))
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         if cfg.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention's output
@@ -269,11 +289,12 @@ class Block(nn.Module):
         (``RMSNorm.add_forward``), so on the kernels an add and a norm are one launch."""
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, batch, self.index)
+        feed_forward = getattr(self, self.feed_forward)
         if not hasattr(self, "pre_feedforward_layernorm"):
             h, residual = self.post_attention_layernorm.add_forward(h, residual)
-            return self.mlp(h), residual
+            return feed_forward(h), residual
         h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm(feed_forward(h)), residual
 
 
 class Body(nn.Module):
@@ -373,14 +394,13 @@ class Decoder(nn.Module):
         (``runtime.linear.concat_linears``) stay apart."""
         from runtime.linear import concat_linears
 
-        for block in self.model.layers:
-            attn, mlp = block.self_attn, block.mlp
-            for owner, names, joined_name in ((attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                              (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
-                if hasattr(owner, joined_name):  # stored joined (Phi-3)
-                    continue
-                joined = concat_linears([getattr(owner, n) for n in names])
-                if joined is not None:
-                    setattr(owner, joined_name, joined)
-                    for n in names:
-                        delattr(owner, n)
+        attention = [(m, ("q_proj", "k_proj", "v_proj"), "qkv_proj") for m in self.modules() if isinstance(m, Attention)]
+        mlps = [(m, m.names[:2], "gate_up_proj") for m in self.modules() if isinstance(m, MLP)]  # experts too
+        for owner, names, joined_name in attention + mlps:
+            if hasattr(owner, joined_name):  # stored joined (Phi-3)
+                continue
+            joined = concat_linears([getattr(owner, n) for n in names])
+            if joined is not None:
+                setattr(owner, joined_name, joined)
+                for n in names:
+                    delattr(owner, n)

@@ -177,10 +177,10 @@ def test_one_entry_per_supported_family_and_the_runtime_reads_the_same_list():
     import runtime
 
     assert runtime.SUPPORTED_MODEL_TYPES == architectures.SUPPORTED_MODEL_TYPES
-    assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3"} <= set(
-        architectures.SUPPORTED_MODEL_TYPES)
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral", "qwen3_moe",
+            "qwen2_moe"} <= set(architectures.SUPPORTED_MODEL_TYPES)
     with pytest.raises(architectures.UnsupportedModelError, match="model_type 'gpt2' is not supported; lowbit runs "
-                                                                  "llama, mistral, qwen2, qwen3"):
+                                                                  "llama, mistral, qwen2, qwen3, gemma2, "):
         architectures.architecture("gpt2")
     with pytest.raises(runtime.UnsupportedModelError, match="'gpt2'"):  # the runtime raises the same error
         runtime.check_supported({"model_type": "gpt2"})

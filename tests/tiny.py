@@ -71,8 +71,9 @@ def perturb(model, seed: int = 0, norm_center: float = 1.0):
     return model
 
 
-def tiny_model(kind: str, seed: int = 0):
-    """A tiny random model of each supported family, with a tokenizer."""
+def tiny_model(kind: str, seed: int = 0, **overrides):
+    """A tiny random model of each supported family, with a tokenizer (``overrides``: config keys,
+    for the families other than Llama)."""
     import transformers as tf
 
     if kind.startswith("llama"):
@@ -99,14 +100,24 @@ def tiny_model(kind: str, seed: int = 0):
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "mistral-sliding": (tf.MistralConfig, tf.MistralForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
     }[kind]
     extra = {
         "qwen3": {"head_dim": 16},
         # windows shorter than the test sequences, so the window really cuts attention
         "mistral-sliding": {"sliding_window": 8},
         "qwen2-sliding": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+        # experts: 8, two per token; Qwen with a dense layer (mlp_only_layers), renormalized top-k
+        # (Qwen3) or not plus a shared expert (Qwen2); expert widths multiples of 32 (group size)
+        "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+        "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                      "norm_topk_prob": True, "mlp_only_layers": [1]},
+        "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                      "shared_expert_intermediate_size": 96, "norm_topk_prob": False},
     }.get(kind, {})
-    return perturb(cls(config(**common, **extra)).eval(), seed), tok
+    return perturb(cls(config(**{**common, **extra, **overrides})).eval(), seed), tok
 
 
 # Settings that bind at the tiny scale: soft-caps small enough to bend the logits, a window shorter than
