@@ -45,13 +45,13 @@ from quant.sequential import LayerInputs, capture_inputs, run_layer  # noqa: E40
 
 def layer_inputs(model, layers, ids: torch.Tensor, wanted: list[int]) -> dict[int, LayerInputs]:
     """The float model's inputs to each wanted layer (hooks on one forward)."""
-    first = capture_inputs(model, layers, ids, 4, "cpu")
+    first, layer_kwargs = capture_inputs(model, layers, ids, 4, "cpu")  # each layer's own (Gemma's differ)
     found, hidden = {}, first.hidden
     with torch.no_grad():
         for i in range(max(wanted) + 1):
             if i in wanted:
-                found[i] = LayerInputs(list(hidden), first.kwargs)
-            hidden = run_layer(layers[i], LayerInputs(hidden, first.kwargs))
+                found[i] = LayerInputs(list(hidden), layer_kwargs[i])
+            hidden = run_layer(layers[i], LayerInputs(hidden, layer_kwargs[i]))
     return found
 
 

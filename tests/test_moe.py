@@ -195,7 +195,8 @@ def test_plan_counts_every_expert_of_a_mixtral_8x7b_shaped_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
     p = planner.plan(str(tmp_path), memory=120 << 30, context=4096)
     assert p["weights"]["bytes"] == pytest.approx(46.70e9 * 2, rel=0.002)  # Mixtral-8x7B: 46.7 B parameters
-    assert p["attention"] == {"layers": 32, "kv_heads": 8, "head_dim": 128, "max_position_embeddings": 32768}
+    assert p["attention"] == {"layers": 32, "kv_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
+                              "layer_types": [{"layers": 32, "window": None}]}  # no sliding_window set
 
 
 def test_a_moe_config_without_routing_keys_is_named():

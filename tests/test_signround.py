@@ -36,7 +36,7 @@ def test_learned_rounding_lowers_the_layer_output_error_against_rtn(bits, symmet
     ids = torch.randint(0, model.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(0))
     layer = decoder_layers(model)[1][0]
     with torch.no_grad():
-        inputs = capture_inputs(model, decoder_layers(model)[1], ids, 4, "cpu")
+        inputs = capture_inputs(model, decoder_layers(model)[1], ids, 4, "cpu")[0]
         plan = {n: QuantScheme(bits, 32, symmetric) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
         plain = {n: rtn.quantize_weight(layer.get_submodule(n).weight, s, torch.float32).dequantize(torch.float32)
                  for n, s in plan.items()}
@@ -54,7 +54,7 @@ def test_one_step_at_a_negligible_rate_is_rtn():
     ids = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
     layers = decoder_layers(model)[1]
     with torch.no_grad():
-        inputs = capture_inputs(model, layers, ids, 4, "cpu")
+        inputs = capture_inputs(model, layers, ids, 4, "cpu")[0]
         plan = {"mlp.down_proj": QuantScheme(3, 32)}
         learned, _ = learn_rounding(layers[0], inputs, plan, SignRoundConfig(iters=1, lr_scale=1e-9), torch.float32)
         plain = rtn.quantize_weight(layers[0].mlp.down_proj.weight, plan["mlp.down_proj"], torch.float32)
