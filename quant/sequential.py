@@ -114,6 +114,7 @@ class _Batch:
 
 # quantize_linear(name, H) -> (quantized weight, stats): quantize Linear ``name`` of the layer
 # given ``H = 2/n Σ xᵀx`` of the inputs it is about to receive (None when the pass gathers none).
+# A weight of None leaves the Linear as it is: a pass that only measures (quant.budget).
 QuantizeLinear = Callable[[str, torch.Tensor | None], tuple[QuantizedWeight, dict]]
 
 
@@ -178,8 +179,9 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     def finish(name: str, H: torch.Tensor | None) -> None:
         qw, stats[name] = quantize_linear(name, H)
         quantized[name] = qw
-        linear = layer.get_submodule(name)
-        linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
+        if qw is not None:
+            linear = layer.get_submodule(name)
+            linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
 
     handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in plan]
     batches = [_Batch(lambda h=h, kw=kw: layer(h, **kw)) for h, kw in zip(inputs.hidden, inputs.kwargs)]
