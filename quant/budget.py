@@ -189,8 +189,10 @@ def check_budget(target_bits: float, costs: dict, pinned_bits: int, params: int)
     if target_bits < least:
         labels = sorted(set(cheapest.values()))
         raise BudgetError(f"weights.target_bits {target_bits:g} is below the smallest assignment the candidates "
-                          f"allow, {least:.3f} bits per weight (every Linear at {', '.join(labels)}, scales and zero "
-                          f"points included); raise target_bits or add a cheaper candidate to weights.candidates")
+                          f"allow, {least:.3f} bits per weight (every Linear it places at {', '.join(labels)}"
+                          + (", those an override sets as set" if pinned_bits else "")
+                          + ", scales and zero points included); raise target_bits or add a cheaper candidate to "
+                            "weights.candidates")
 
 
 def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target_bits: float,
