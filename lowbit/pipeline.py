@@ -126,6 +126,10 @@ def _spend_budget(recipe: Recipe, model, plan, samples, scale_dtype, lazy, devic
                                              scale_dtype, device, lazy, progress)
     except budget.BudgetError as e:
         raise RecipeError(str(e)) from None
+    if progress:
+        from lowbit.inspection import budget_lines
+
+        print("\n".join(budget_lines(record, layers=False)[:2]))
     data = recipe.to_dict()
     data["weights"]["overrides"] += [{"match": n, "bits": plan[n].bits, "group_size": plan[n].group_size,
                                       "symmetric": None, "skip": False} for n in sorted(record["layers"])]
