@@ -12,7 +12,9 @@ windows without BOS; disjoint windows of BOS + 511 tokens). A method may carry
 settings: bare keys are the last method's (``weights.gptq`` of the recipe for
 ``gptq`` or ``awq+gptq``), dotted ones name their place in the recipe:
 ``gptq:actorder=group,dampening=0.01,dtype=float32,calibration.bos=false``,
-``signround:iters=50,batch_size=4,calibration.samples=32``.
+``signround:iters=50,batch_size=4,calibration.samples=32``; a bits budget
+(``gptq:weights.target_bits=3.297``) replaces ``--bits`` for its row, which then records the
+budget's outcome (the manifest's ``budget``: sensitivities and each Linear's choice).
 The peers read ``dampening``, ``calibration.*`` and AutoRound's ``iters`` / ``batch_size``
 the same way (``--peer-methods gptq autoround:iters=50``).
 
@@ -66,16 +68,20 @@ def recipe_dict(method: str, bits: int, output: str) -> dict:
             recipe.setdefault(section, {})[field] = value
         else:  # the last method's: the rounding method of "awq+gptq", AWQ's own for "awq"
             recipe["weights"].setdefault(name.split("+")[-1], {})[key] = value
+    if "target_bits" in recipe["weights"]:  # a bits budget replaces the row's one width
+        del recipe["weights"]["bits"]
     return recipe
 
 
 def one(method: str, bits: int, texts: dict[str, int]) -> dict:
     """Quantize with lowbit (or load the float model for ``float``) and score it."""
     import runtime
+    from evals.size import weight_stats
     from lowbit import pipeline
     from lowbit.recipe import parse_recipe
     from quant.models import resolve
 
+    budget = None
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         if method == "float":
@@ -84,12 +90,15 @@ def one(method: str, bits: int, texts: dict[str, int]) -> dict:
             recipe = parse_recipe(recipe_dict(method, bits, f"{tmp}/ckpt"))
             path = pipeline.quantize(recipe, device="cpu", progress=False)
             seconds = time.perf_counter() - start
+            budget = json.loads((path / "lowbit_manifest.json").read_text()).get("budget")
         peak = peak_rss_bytes()
         load = os.getloadavg()  # other work on the machine stretches wall time: say how much there was
         model = runtime.load(path)
         scores = score_texts(model.logits, model.tokenizer, texts)
+        bits_per_weight = weight_stats(path).bits_per_weight
     return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "load_average": load,
-            "peak_rss_bytes": peak,
+            "peak_rss_bytes": peak, "bits_per_weight": bits_per_weight,
+            "budget": budget,
             "scores": scores}
 
 

@@ -92,6 +92,27 @@ def layer_lines(schemes: dict[str, str], layer_stats: dict) -> list[str]:
     return lines
 
 
+def budget_lines(budget: dict, layers: bool) -> list[str]:
+    """A bits budget's outcome (``weights.target_bits``, manifest ``budget``): target, result, how many
+    Linears took each candidate, and with ``layers`` every Linear's sensitivities, its choice starred."""
+    counts = defaultdict(int)
+    for entry in budget["layers"].values():
+        counts[entry["choice"]] += 1
+    candidates = budget["candidates"]
+    lines = [f"bits budget: target {budget['target_bits']:g} bits/weight, assigned {budget['bits_per_weight']:.3f}; "
+             f"estimated loss {budget['estimated_loss']:.4g} (no assignment below {budget['lower_bound']:.4g})",
+             "assignment: " + ", ".join(f"{c} x{counts[c]}" for c in candidates if counts[c])
+             + (f"; {len(budget['pinned'])} Linears set by overrides" if budget.get("pinned") else ""),
+             f"sensitivity = {budget['sensitivity']}"]
+    if layers:
+        lines += ["", f"{'layer':<40} " + " ".join(f"{c:>11}" for c in candidates) + "   (* chosen)"]
+        for name in sorted(budget["layers"], key=_natural_key):
+            entry = budget["layers"][name]
+            cells = [f"{entry['loss'][c]:>10.4g}" + ("*" if c == entry["choice"] else " ") for c in candidates]
+            lines.append(f"{name:<40} " + " ".join(cells))
+    return lines
+
+
 def inspect_text(ckpt, layers: bool = False) -> str:
     """What ``ckpt`` is: integrity, producer, sizes, a summary per scheme, and with ``layers`` every layer."""
     from evals import size
@@ -123,6 +144,8 @@ def inspect_text(ckpt, layers: bool = False) -> str:
     ignored = config["quantization_config"].get("ignore")
     if ignored:
         lines.append(f"left in floating point: {', '.join(ignored)}")
+    if manifest.get("budget"):
+        lines += ["", *budget_lines(manifest["budget"], layers)]
     if layers:
         lines += ["", *layer_lines(schemes, layer_stats)]
     else:

@@ -56,6 +56,10 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         raise ValueError(f"{', '.join(single)} runs in one process only (its statistics are not summed across "
                          f"ranks yet): run this recipe without torchrun / --ranks")
     calibrated = any(m.needs_data for m in chain)
+    budgeted = w.target_bits is not None  # its sensitivities read calibration data whatever the method
+    if world.size > 1 and budgeted:
+        raise ValueError("weights.target_bits runs in one process only (its sensitivity pass is not summed across "
+                         "ranks yet): run this recipe without torchrun / --ranks")
     if world.main:  # a calibrated run also keeps its finished layers in a work directory beside the output
         need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
         checkpoint.check_output(output, overwrite, need_bytes=need)
@@ -78,7 +82,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         print(f"warning: {note}")
 
     samples = None
-    if calibrated:
+    if calibrated or budgeted:
         c = recipe.calibration
         samples = calibration_samples(tokenizer, load_calibration_text(c.text), c.samples, c.seq_len, c.seed, c.bos)
     work_dir = work_dir_for(output) if calibrated else None
@@ -90,21 +94,28 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
             print(f"note: {work_dir} holds progress of an interrupted run; starting over (--resume continues it)")
             shutil.rmtree(work_dir, ignore_errors=world.size > 1)  # ranks sharing a file system race to it
     store_dtype = DTYPES[recipe.dtype]
+    scale_dtype = store_dtype or next(model.parameters()).dtype
+    manifest_recipe, budget = recipe.to_dict(), None
+    if budgeted:
+        plan, budget, manifest_recipe = _spend_budget(recipe, model, plan, samples, scale_dtype, lazy,
+                                                      device or default_device(), progress)
     quantized, layer_stats = quantize_model(
         model, plan, w.methods, samples=samples, **w.settings,
-        scale_dtype=store_dtype or next(model.parameters()).dtype, device=device or default_device(),
+        scale_dtype=scale_dtype, device=device or default_device(),
         work_dir=work_dir, resume=resume, run_id=run_id, progress=progress and world.main, lazy=lazy,
     )
     manifest = {
         "producer": "lowbit",
         "versions": versions(),
-        "recipe": recipe.to_dict(),
+        "recipe": manifest_recipe,
         "kv_cache": recipe.kv_cache.to_dict(),  # the runtime's default KV scheme for this checkpoint
         "source_model": {"spec": recipe.model, "path": str(source)},
         "layers": layer_stats,
         "notes": notes,
         "world_size": world.size,  # ranks that calibrated it (the result is the same up to summation order)
     }
+    if budget is not None:
+        manifest["budget"] = budget
     if world.main:
         checkpoint.save(model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest,
                         overwrite=overwrite)
@@ -112,6 +123,34 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     if work_dir is not None:
         shutil.rmtree(work_dir, ignore_errors=True)
     return output
+
+
+def _spend_budget(recipe: Recipe, model, plan, samples, scale_dtype, lazy, device, progress):
+    """``weights.target_bits``: the plan with each Linear's scheme chosen by its sensitivity
+    (``quant.budget``), the record for the manifest, and the recipe the manifest keeps: the
+    choice as one override per Linear, so re-running it makes the same checkpoint without the pass."""
+    from quant import budget
+    from quant.plan import matches
+
+    w = recipe.weights
+    # Linears an override gives bits or a group size keep them; their bits count against the budget
+    pinned = {n for n in plan for o in w.overrides
+              if matches(n, o.match) and (o.bits is not None or o.group_size is not None)}
+    try:
+        plan, record = budget.choose_schemes(model, plan, pinned, w.target_bits, w.budget_candidates, samples,
+                                             scale_dtype, device, lazy, progress)
+    except budget.BudgetError as e:
+        raise RecipeError(str(e)) from None
+    if progress:
+        from lowbit.inspection import budget_lines
+
+        print("\n".join(budget_lines(record, layers=False)[:2]))
+    data = recipe.to_dict()
+    data["weights"]["overrides"] += [{"match": n, "bits": plan[n].bits, "group_size": plan[n].group_size,
+                                      "symmetric": None, "skip": False} for n in sorted(record["layers"])]
+    for key in ("target_bits", "candidates"):  # the record keeps them (manifest["budget"])
+        data["weights"].pop(key)
+    return plan, record, data
 
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
@@ -124,7 +163,8 @@ def checkpoint_size_estimate(source: Path, recipe: Recipe) -> int:
     from quant.plan import matches
 
     w = recipe.weights
-    bits = max([w.bits] + [o.bits for o in w.overrides if o.bits])
+    bits = max([w.bits] + [o.bits for o in w.overrides if o.bits]
+               + ([c.bits for c in w.budget_candidates] if w.target_bits is not None else []))
     group = w.group_size if w.group_size > 0 else 4096  # per channel: one scale per row, a small share
     total = 0
     for file in checkpoint.safetensors_files(source):

@@ -16,6 +16,7 @@ import yaml
 from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
 from quant import methods as registry
 from quant.affine import SUPPORTED_BITS
+from quant.budget import MAX_TARGET_BITS, Candidate, default_candidates
 # A recipe's overrides and patterns are the plan's: one definition of each, re-exported here.
 from quant.plan import Override, matches  # noqa: F401
 
@@ -43,6 +44,9 @@ class Weights:
     symmetric: bool = False
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     overrides: list[Override] = field(default_factory=list)
+    # a bits budget instead of one ``bits``: bits per weight of the quantized Linears (quant.budget)
+    target_bits: float | None = None
+    candidates: list[Candidate] = field(default_factory=list)  # empty: 2, 3, 4, 8 bits at group_size
     # each method's settings by its name (``weights.gptq:`` in YAML), defaults filled in
     settings: dict = field(default_factory=dict)
 
@@ -53,6 +57,12 @@ class Weights:
     def chain(self) -> list:
         """The methods in the order they run (RTN rounds when none listed does)."""
         return registry.chain(self.methods)
+
+    @property
+    def budget_candidates(self) -> list[Candidate]:
+        """The schemes a bits budget chooses from: ``candidates``, or 2/3/4/8 bits at the recipe's group size(s)."""
+        groups = [self.group_size] + [o.group_size for o in self.overrides if o.group_size is not None]
+        return self.candidates or default_candidates(groups)
 
     @property
     def method(self) -> str:
@@ -74,6 +84,9 @@ class Recipe:
         data = asdict(self)
         weights = data["weights"]
         weights.update({name: values for name, values in weights.pop("settings").items() if values})
+        # a budget replaces ``bits``; without one the keys stay out, so today's recipes read as before
+        for key in ("bits",) if self.weights.target_bits is not None else ("target_bits", "candidates"):
+            weights.pop(key)
         return data
 
 
@@ -81,7 +94,8 @@ def default_output(recipe: Recipe) -> str:
     w = recipe.weights
     base = Path(str(recipe.model).rstrip("/")).name
     group = "pc" if w.group_size == -1 else f"g{w.group_size}"
-    return f"out/{base}-{w.method.replace('+', '-')}-w{w.bits}{group}"
+    width = f"w{w.bits}" if w.target_bits is None else f"b{w.target_bits:g}"
+    return f"out/{base}-{w.method.replace('+', '-')}-{width}{group}"
 
 
 # ------------------------------------------------------------------ checks
@@ -196,6 +210,7 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
     if not isinstance(overrides, list):
         c.fail("weights.overrides", "expected a list of {match: ..., bits: ...} entries")
     weights.overrides = [_override(c, o, f"weights.overrides[{i}]") for i, o in enumerate(overrides)]
+    weights.target_bits, weights.candidates = _budget(c, w)
     weights.methods, weights.settings = _methods(c, w)
 
     recipe.kv_cache = _kv_cache(c, top.get("kv_cache"))
@@ -230,6 +245,45 @@ def _methods(c: _Checker, w: dict) -> tuple[list[str], dict]:
                                       f"use; add {name} to weights.methods or remove this section")
         settings[name] = _settings(c, w[name], f"weights.{name}", method.settings, method.choices)
     return names, registry.check_settings(chain, settings)
+
+
+def _budget(c: _Checker, w: dict) -> tuple[float | None, list[Candidate]]:
+    """``weights.target_bits`` (instead of ``bits``) and the ``candidates`` it chooses from."""
+    if w.get("candidates") and w.get("target_bits") is None:
+        c.fail("weights.candidates", "candidates are what a bits budget chooses from; set weights.target_bits "
+                                     "too, or remove weights.candidates")
+    if w.get("target_bits") is None:  # absent, or None as a manifest's recipe writes it
+        return None, []
+    target = w["target_bits"]
+    if "bits" in w:
+        c.fail("weights.target_bits", "give either weights.bits (one width for every Linear) or "
+                                      "weights.target_bits (a bits-per-weight budget lowbit spreads over the "
+                                      "Linears), not both; remove weights.bits")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or target <= 0:
+        c.fail("weights.target_bits", f"expected a positive number of bits per weight such as 3.5, got {target!r}")
+    if target > MAX_TARGET_BITS:
+        c.fail("weights.target_bits", f"{target:g} is above {MAX_TARGET_BITS} bits per weight, the widest "
+                                      "candidate; use weights.bits: 8, or keep Linears in floating point with "
+                                      "weights.ignore")
+    spec = w.get("candidates") or []
+    if not isinstance(spec, list):
+        c.fail("weights.candidates", f"expected a list of {{bits: ..., group_size: ...}} entries, got {spec!r}")
+    group = w.get("group_size", Weights.group_size)
+    candidates = []
+    for i, entry in enumerate(spec):
+        path = f"weights.candidates[{i}]"
+        entry = c.mapping(entry, path, ["bits", "group_size"])
+        if "bits" not in entry:
+            c.fail(f"{path}.bits", "required: 2, 3, 4 or 8")
+        candidate = Candidate(c.bits(entry["bits"], f"{path}.bits"),
+                              c.group_size(entry.get("group_size", group), f"{path}.group_size"))
+        if candidate not in candidates:
+            candidates.append(candidate)
+    smallest = min(cand.bits for cand in candidates) if candidates else min(SUPPORTED_BITS)
+    if target < smallest:
+        c.fail("weights.target_bits", f"{target:g} is below the smallest candidate ({smallest} bits, before "
+                                      "scales); raise target_bits or add a cheaper candidate")
+    return float(target), candidates
 
 
 def _kv_cache(c: _Checker, value, path: str = "kv_cache") -> KVScheme:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from quant.affine import QuantScheme, dequantize
-from quant.packing import pack, unpack
+from quant.packing import pack, packed_length, unpack
 from quant.moe import EXPERT_LINEAR
 from quant.plan import matches
 
@@ -64,6 +64,21 @@ class QuantizedWeight:
         zp = tensors.get(f"{prefix}.weight_zero_point")
         zero = None if scheme.symmetric else unpack(zp, scheme.bits, out, dim=0)
         return cls(q, tensors[f"{prefix}.weight_scale"], zero, scheme, tensors.get(f"{prefix}.weight_g_idx"))
+
+
+def stored_bytes(shape: tuple[int, int], scheme: QuantScheme, scale_dtype: torch.dtype) -> int:
+    """Bytes a quantized Linear of ``shape`` (out, in) stores under ``scheme``: what
+    :meth:`QuantizedWeight.to_tensors` writes (packed values, scales, zero points, g_idx) less the
+    ``weight_shape`` record, which is what ``evals.size.weight_stats`` counts into bits/weight. The
+    bits budget prices its candidates with it before anything is written."""
+    out, inp = shape
+    groups = scheme.num_groups(inp)
+    total = out * packed_length(inp, scheme.bits) * 4 + out * groups * scale_dtype.itemsize
+    if not scheme.symmetric:
+        total += packed_length(out, scheme.bits) * groups * 4
+    if scheme.actorder == "group":
+        total += inp * 4
+    return total
 
 
 def expert_targets(plan: dict[str, QuantScheme]) -> dict[str, str]:

@@ -139,7 +139,11 @@ def gptq_quantize(
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, H: torch.Tensor) -> float:
     """Relative output error ``‖X(W - Ŵ)ᵀ‖ / ‖XWᵀ‖`` from the input Hessian alone."""
-    W, D, H = weight.float(), (weight.float() - approx.float()), H.float()
-    num = torch.einsum("oi,ij,oj->", D, H, D)
-    den = torch.einsum("oi,ij,oj->", W, H, W)
-    return math.sqrt(max(float(num), 0.0) / max(float(den), 1e-30))
+    W, D = weight.float(), weight.float() - approx.float()
+    return math.sqrt(max(output_energy(D, H), 0.0) / max(output_energy(W, H), 1e-30))
+
+
+def output_energy(W: torch.Tensor, H: torch.Tensor) -> float:
+    """``tr(W H Wᵀ)``: with ``H = 2/n Σ xᵀx``, twice the mean over the calibration tokens of
+    ``‖x Wᵀ‖²``. Of a rounding error ``ΔW`` it is the error's energy at the Linear's output."""
+    return float(torch.einsum("oi,ij,oj->", W.float(), H.float(), W.float()))

@@ -128,6 +128,7 @@ class _Batch:
 
 # quantize_linear(name, H) -> (quantized weight, stats): quantize Linear ``name`` of the layer
 # given ``H = 2/n Σ xᵀx`` of the inputs it is about to receive (None when the pass gathers none).
+# A weight of None leaves the Linear as it is: a pass that only measures (quant.budget).
 QuantizeLinear = Callable[[str, torch.Tensor | None], tuple[QuantizedWeight, dict]]
 
 
@@ -227,8 +228,9 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
         for n in group:  # the same order on every rank
             qw, stats[n] = world.share_quantized(mine.get(n), owner[where + n])
             quantized[n] = qw
-            linear = layer.get_submodule(n)
-            linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
+            if qw is not None:  # None: a pass that only measures (the bits budget) leaves the weight float
+                linear = layer.get_submodule(n)
+                linear.weight.data = qw.dequantize(linear.weight.dtype).to(linear.weight.device)
         ahead.update(dict.fromkeys(group[1:], name))
 
     handles = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in plan]

@@ -1,0 +1,239 @@
+"""A bits budget (``weights.target_bits``): each Linear's precision chosen from its measured sensitivity.
+
+1. Sensitivities. One lockstep pass over the calibration data (``quant.sequential``, one decoder
+   layer in memory at a time) gathers ``H = 2/n Σ xᵀx`` of each Linear's inputs, as GPTQ does, and
+   for every candidate scheme rounds the weight to nearest and measures the error's energy at the
+   Linear's output, ``tr(ΔW H ΔWᵀ)`` (``quant.gptq.output_energy``). The pass changes no weight, so
+   every Linear is measured on the float model's activations, whatever the others will get.
+2. Assignment. Each Linear takes one candidate; the summed estimated loss is minimized under the
+   budget, a multiple-choice knapsack solved by its Lagrangian: every Linear's candidates reduced to
+   their lower convex hull of (bits, loss), then the upgrade steps with the most loss saved per bit
+   taken first while they fit (the LP relaxation's order, so the result is within one step of its
+   bound, recorded as ``lower_bound``), and the bits left over spent on whichever single change
+   saves most. Ties break by name: the same inputs give the same assignment.
+3. The pipeline then quantizes as usual with the chosen per-Linear schemes; the choice goes into the
+   manifest's recipe as ordinary per-Linear overrides.
+
+Cost is priced by ``quant.format.stored_bytes``: packed values, scales and zero points, the figure
+``lowbit eval`` reports as bits/weight.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from quant import methods as registry
+from quant.affine import QuantScheme, fit_group_size
+from quant.architectures import decoder_layers
+from quant.format import stored_bytes
+from quant.gptq import output_energy
+from quant.sequential import lockstep_pass, quantize_sequential
+
+DEFAULT_BITS = (2, 3, 4, 8)
+MAX_TARGET_BITS = 8
+
+
+class BudgetError(ValueError):
+    """A budget no assignment meets, or a plan the budget cannot price."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One scheme a Linear may take: bits and group size (-1: per channel)."""
+
+    bits: int
+    group_size: int
+
+    @property
+    def label(self) -> str:
+        return f"w{self.bits} " + ("per-channel" if self.group_size == -1 else f"g{self.group_size}")
+
+
+def default_candidates(group_sizes) -> list[Candidate]:
+    """2, 3, 4 and 8 bits at each of the recipe's group sizes."""
+    return [Candidate(b, g) for g in dict.fromkeys(group_sizes) for b in DEFAULT_BITS]
+
+
+def candidate_schemes(base: QuantScheme, width: int, candidates: list[Candidate]) -> dict[str, QuantScheme]:
+    """Each candidate as a Linear of ``width`` inputs would store it (groups refitted as the plan does)."""
+    return {c.label: replace(base, bits=c.bits, group_size=fit_group_size(width, c.group_size)) for c in candidates}
+
+
+# ------------------------------------------------------------------ sensitivities
+
+def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
+                          scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True) -> dict:
+    """{Linear: {candidate label: tr(ΔW H ΔWᵀ) of round-to-nearest}} for the Linears of ``plan``,
+    from one lockstep pass over ``samples`` that leaves every weight as it was."""
+    rtn = registry.get("rtn")
+    width = {n: model.get_submodule(n).in_features for n in plan}
+
+    def layer_method(layer, inputs, local_plan, where: str):
+        def measure(name: str, H: torch.Tensor):
+            weight = layer.get_submodule(name).weight.detach()
+            if not torch.isfinite(weight).all():
+                raise ValueError(f"{where}{name}.weight contains NaN or Inf; the source model is corrupt")
+            losses = {}
+            for label, scheme in candidate_schemes(local_plan[name], width[where + name], candidates).items():
+                approx = rtn.round_linear(weight, scheme, None, scale_dtype, None, where + name).dequantize(torch.float32)
+                losses[label] = output_energy(weight.float() - approx, H)
+            return None, {"loss": losses}
+
+        return lockstep_pass(layer, inputs, local_plan, measure, where)
+
+    _, stats = quantize_sequential(model, plan, samples, layer_method, device, progress=progress, lazy=lazy)
+    return {name: st["loss"] for name, st in stats.items()}
+
+
+# ------------------------------------------------------------------ assignment
+
+def _hull(options: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
+    """The lower convex hull of (cost, loss, label), cheapest first: the choices a Lagrangian can make."""
+    best = []
+    for cost, loss, label in sorted(options, key=lambda o: (o[0], o[1], o[2])):
+        if best and loss >= best[-1][1]:
+            continue  # costs more and saves nothing
+        while len(best) >= 2:
+            (c0, l0, _), (c1, l1, _) = best[-2], best[-1]
+            # drop the middle point when the line from best[-2] to this one passes below it
+            if (l0 - l1) * (cost - c0) <= (l0 - loss) * (c1 - c0):
+                best.pop()
+            else:
+                break
+        best.append((cost, loss, label))
+    return best
+
+
+def assign(costs: dict[str, dict[str, int]], losses: dict[str, dict[str, float]], budget: int) -> dict:
+    """The candidate of each Linear minimizing the summed loss with the summed cost (bits) within ``budget``.
+
+    Returns {"choice": {Linear: label}, "cost", "loss", "lower_bound"}; a BudgetError when even the
+    cheapest candidates do not fit."""
+    names = sorted(costs)
+    options = {n: [(costs[n][k], losses[n][k], k) for k in sorted(costs[n])] for n in names}
+    hulls = {n: _hull(options[n]) for n in names}
+    step = dict.fromkeys(names, 0)
+    spent = sum(hulls[n][0][0] for n in names)
+    if spent > budget:
+        raise BudgetError(f"the cheapest candidates need {spent} bits, the budget has {budget}")
+    queue = []
+
+    def push(n: str) -> None:
+        i = step[n]
+        if i + 1 < len(hulls[n]):
+            (c0, l0, _), (c1, l1, _) = hulls[n][i], hulls[n][i + 1]
+            heapq.heappush(queue, (-(l0 - l1) / (c1 - c0), n))
+
+    for n in names:
+        push(n)
+    bound = None
+    while queue:
+        _, n = heapq.heappop(queue)
+        (c0, l0, _), (c1, l1, _) = hulls[n][step[n]], hulls[n][step[n] + 1]
+        if spent + c1 - c0 > budget:
+            if bound is None:  # the LP relaxation takes this step in part and stops: no assignment does better
+                total = sum(hulls[m][step[m]][1] for m in names)
+                bound = total - (l0 - l1) * (budget - spent) / (c1 - c0)
+            continue  # this Linear's further hull points cost still more
+        spent += c1 - c0
+        step[n] += 1
+        push(n)
+    choice = {n: hulls[n][step[n]][2] for n in names}
+    spent = _spend_leftover(options, choice, costs, losses, budget, spent)
+    loss = sum(losses[n][choice[n]] for n in names)
+    return {"choice": choice, "cost": spent, "loss": loss, "lower_bound": loss if bound is None else min(bound, loss)}
+
+
+def _spend_leftover(options, choice: dict, costs, losses, budget: int, spent: int) -> int:
+    """Bits the hull steps left unused: make the single change (any candidate) that saves the most
+    loss and still fits, until none does."""
+    while True:
+        best = None
+        for n, opts in options.items():
+            here_cost, here_loss = costs[n][choice[n]], losses[n][choice[n]]
+            for cost, loss, label in opts:
+                if loss < here_loss and spent + cost - here_cost <= budget:
+                    gain = (here_loss - loss, n, label)
+                    best = gain if best is None or gain[0] > best[0] else best
+        if best is None:
+            return spent
+        _, n, label = best
+        spent += costs[n][label] - costs[n][choice[n]]
+        choice[n] = label
+
+
+# ------------------------------------------------------------------ the pipeline's step
+
+def linear_costs(model, plan: dict[str, QuantScheme], candidates: list[Candidate], scale_dtype) -> dict:
+    """{Linear: {candidate label: bits stored}}, as ``lowbit eval`` counts them."""
+    out = {}
+    for name, scheme in plan.items():
+        linear = model.get_submodule(name)
+        shape = (linear.out_features, linear.in_features)
+        out[name] = {label: 8 * stored_bytes(shape, s, scale_dtype)
+                     for label, s in candidate_schemes(scheme, shape[1], candidates).items()}
+    return out
+
+
+def check_budget(target_bits: float, costs: dict, pinned_bits: int, params: int) -> None:
+    """Refuse, before the calibration pass, a target no assignment of these candidates meets."""
+    if target_bits > MAX_TARGET_BITS:
+        raise BudgetError(f"weights.target_bits {target_bits:g} is above {MAX_TARGET_BITS} bits per weight; use "
+                          "weights.bits: 8 for every Linear, or keep Linears in floating point with weights.ignore")
+    cheapest = {n: min(c, key=lambda k: (c[k], k)) for n, c in costs.items()}
+    least = (pinned_bits + sum(costs[n][k] for n, k in cheapest.items())) / params
+    if target_bits < least:
+        labels = sorted(set(cheapest.values()))
+        raise BudgetError(f"weights.target_bits {target_bits:g} is below the smallest assignment the candidates "
+                          f"allow, {least:.3f} bits per weight (every Linear it places at {', '.join(labels)}"
+                          + (", those an override sets as set" if pinned_bits else "")
+                          + ", scales and zero points included); raise target_bits or add a cheaper candidate to "
+                            "weights.candidates")
+
+
+def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target_bits: float,
+                   candidates: list[Candidate], samples: torch.Tensor, scale_dtype, device="cpu", lazy=None,
+                   progress: bool = True) -> tuple[dict[str, QuantScheme], dict]:
+    """The plan with each unpinned Linear's scheme chosen under ``target_bits``, and the record
+    (sensitivities, costs, choice) the manifest keeps. ``pinned`` Linears (an override gave their
+    bits) keep their scheme; their bits count against the budget."""
+    prefix = decoder_layers(model)[0] + "."
+    free = {n: s for n, s in plan.items() if n not in pinned}
+    outside = sorted(n for n in free if not n.startswith(prefix))
+    if outside:
+        raise BudgetError(f"weights.target_bits: {', '.join(outside)} lie outside the decoder layers, where no "
+                          "calibration statistics are gathered; give them bits with an override "
+                          f"({{match: {outside[0]}, bits: 8}}) or list them in weights.ignore")
+    if not free:
+        raise BudgetError("weights.target_bits: every quantized Linear has its bits from an override; "
+                          "nothing is left for the budget to place")
+    params = sum(model.get_submodule(n).weight.numel() for n in plan)
+    pinned_bits = sum(8 * stored_bytes(tuple(model.get_submodule(n).weight.shape), plan[n], scale_dtype)
+                      for n in plan if n in pinned)
+    costs = linear_costs(model, free, candidates, scale_dtype)
+    check_budget(target_bits, costs, pinned_bits, params)
+    start = time.perf_counter()
+    losses = measure_sensitivities(model, free, candidates, samples, scale_dtype, device, lazy, progress)
+    seconds = time.perf_counter() - start
+    result = assign(costs, losses, int(target_bits * params) - pinned_bits)
+    schemes = {n: candidate_schemes(free[n], model.get_submodule(n).in_features, candidates) for n in free}
+    chosen = {n: schemes[n][result["choice"][n]] if n in free else s for n, s in plan.items()}
+    record = {
+        "target_bits": target_bits,
+        "bits_per_weight": (result["cost"] + pinned_bits) / params,
+        "candidates": [c.label for c in candidates],
+        "sensitivity": "tr(ΔW H ΔWᵀ) of round-to-nearest at each candidate, H = 2/n Σ xᵀx of the "
+                       "Linear's calibration inputs (float model)",
+        "estimated_loss": result["loss"],
+        "lower_bound": result["lower_bound"],
+        "sensitivity_s": seconds,
+        "pinned": sorted(pinned & set(plan)),
+        "layers": {n: {"choice": result["choice"][n], "loss": losses[n],
+                       "bits_per_weight": {k: v / model.get_submodule(n).weight.numel() for k, v in costs[n].items()}}
+                   for n in sorted(free)},
+    }
+    return chosen, record
