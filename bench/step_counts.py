@@ -51,14 +51,7 @@ def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:
         fills = any((r.computed + 1) % engine.cache.block_size == 0 for r in engine.scheduler.decoders())
         counts = decode_step_counts(engine)
         steps.setdefault(fills, counts)
-    worst = max(steps.values(), key=lambda c: c["launches"])
-    return dict(kv=kv, batch=batch, runner="Engine", fused_small_ops=fused,
-                syncs=max(c["syncs"] for c in steps.values()),
-                input_copies=max(c["input_copies"] for c in steps.values()), launches_per_step=worst["launches"],
-                launches_per_layer=max(worst["launches_per_layer"]),
-                launches_per_layer_no_fill=max(steps[False]["launches_per_layer"]),
-                launches_per_layer_block_fills=max(steps[True]["launches_per_layer"]),
-                triton_launches=worst["triton_launches"], ops=worst["ops"], ops_no_fill=steps[False]["ops"])
+    return summary(steps, kv=kv, batch=batch, runner="Engine", fused_small_ops=fused)
 
 
 def count_generate(model_dir: Path, kv: str) -> dict:
@@ -71,9 +64,14 @@ def count_generate(model_dir: Path, kv: str) -> dict:
     steps = {}
     for position in range(5, 21):
         steps.setdefault((position + 1) % model.kv_scheme.block_size == 0, generate_step_counts(model, tokens))
+    return summary(steps, kv=kv, batch=1, runner="Model.generate", fused_small_ops=True)
+
+
+def summary(steps: dict, **row) -> dict:
+    """One result row from the counts of a step without and with a block fill (``steps[fills]``):
+    the worst of each count, and the launches per layer of each kind of step."""
     worst = max(steps.values(), key=lambda c: c["launches"])
-    return dict(kv=kv, batch=1, runner="Model.generate", fused_small_ops=True,
-                syncs=max(c["syncs"] for c in steps.values()),
+    return dict(**row, syncs=max(c["syncs"] for c in steps.values()),
                 input_copies=max(c["input_copies"] for c in steps.values()), launches_per_step=worst["launches"],
                 launches_per_layer=max(worst["launches_per_layer"]),
                 launches_per_layer_no_fill=max(steps[False]["launches_per_layer"]),
