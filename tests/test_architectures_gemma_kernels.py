@@ -5,23 +5,14 @@ need no change; Gemma 2's soft-capping has no kernel (tests/test_architectures_g
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_device import DEVICE  # first: it picks the interpreter without a GPU
 
-if not torch.cuda.is_available():  # before the kernels are built (tests/conftest.py does the same)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from kvquant import parse_kv  # noqa: E402
-from runtime.cache import KVCache  # noqa: E402
-from runtime.kernels import attention as kernels  # noqa: E402
-from runtime.model import Decoder, DecoderConfig  # noqa: E402
-
-DEVICE = torch.device("cpu" if kernels.interpreting() else "cuda")
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+from kvquant import parse_kv
+from runtime.cache import KVCache
+from runtime.kernels import attention as kernels
+from runtime.model import Decoder, DecoderConfig
 
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=1, head_dim=16)

@@ -13,26 +13,17 @@ the cast only sees representable values).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_device import DEVICE  # first: it picks the interpreter without a GPU
 
-if not torch.cuda.is_available():  # before the kernels are built (tests/conftest.py does the same)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from bench.correctness import same_cache  # noqa: E402
-from kvquant import KVScheme, parse_kv, quantize_kv  # noqa: E402
-from runtime.cache import KVCache  # noqa: E402
-from runtime.kernels import attention as kernels  # noqa: E402
-from runtime.kernels import kv_reference as ref  # noqa: E402
-from runtime.kernels.kv_reference import PagedKV  # noqa: E402
-from runtime.attention import attention_mask  # noqa: E402
-
-DEVICE = torch.device("cpu" if kernels.interpreting() else "cuda")
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+from bench.correctness import same_cache
+from kvquant import KVScheme, parse_kv, quantize_kv
+from runtime.cache import KVCache
+from runtime.kernels import attention as kernels
+from runtime.kernels import kv_reference as ref
+from runtime.kernels.kv_reference import PagedKV
+from runtime.attention import attention_mask
 
 B = 32  # block (residual) size of the small test caches; KIVI groups of 16 tokens / channels
 SCHEMES = ["fp16-r32", "int8-r32", "int4-g16-r32", "int2-g16-r32", "fp8-r32"]
