@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import as_batch
+from runtime.norms import RMSNorm, make_norm  # noqa: F401 (RMSNorm: callers read runtime.model.RMSNorm)
 from runtime.rope import Rope, apply_rope, rope_settings  # noqa: F401 (apply_rope: the kernels' tests read it here)
 
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
@@ -113,50 +114,6 @@ class DecoderConfig:
 def check_supported(config: dict) -> DecoderConfig:
     """Raise UnsupportedModelError unless the runtime can run this HF config."""
     return DecoderConfig.from_hf(config)
-
-
-class RMSNorm(nn.Module):
-    kernels = False  # the fused Triton kernel (Decoder.use_kernels), else PyTorch
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in float32 (as HF does), scale in the compute dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
-        """``(norm(x + residual), x + residual)``: the residual stream's add and the next norm,
-        one launch on the kernels (``residual`` None: no add)."""
-        if self.kernels:
-            from runtime.kernels.small_ops import add_rmsnorm
-
-            return add_rmsnorm(x, residual, self.weight, self.eps)
-        s = x if residual is None else x + residual
-        return self(s), s
-
-
-class OffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by ``1 + weight``, in float32, rounded once (as transformers does).
-    The fused add + RMSNorm kernel rounds before it scales by ``weight``, so these norms always run
-    as PyTorch (two launches more per norm on a GPU; a kernel with the offset is later work)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
-        s = x if residual is None else x + residual
-        return self(s), s
-
-
-def make_norm(cfg: "DecoderConfig", dim: int) -> RMSNorm:
-    return OffsetRMSNorm(dim, cfg.rms_norm_eps) if cfg.norm_offset else RMSNorm(dim, cfg.rms_norm_eps)
 
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
