@@ -10,6 +10,7 @@ import torch
 import runtime
 from kvquant import parse_kv
 from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.engine import Engine, EngineClosedError
 from runtime.attention import kernels_for
 from runtime.units import parse_bytes
@@ -62,7 +63,7 @@ def greedy(n):
 def test_cache_sequences_have_their_own_lengths_and_blocks():
     scheme = parse_kv(INT4)
     cache = KVCache(2, 3, 2, 16, 64, torch.float32, "cpu", scheme=scheme, num_blocks=4)
-    together = KVCache(2, 1, 2, 16, 64, torch.float32, "cpu", scheme=scheme)
+    together = LockstepCache(2, 1, 2, 16, 64, torch.float32, "cpu", scheme=scheme)
     k, v = torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
     a, b = cache.add_sequence(), cache.add_sequence()
     assert cache.reserve(a, 37) and cache.free_blocks == 2  # 37 positions fill two blocks of 16
