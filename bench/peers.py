@@ -149,6 +149,7 @@ def main():
     peak = peak_rss_bytes()
     scores = score_texts(hf_logits_fn(model), tokenizer, parse_texts(args.texts))
     row = {"tool": tool, "method": args.method, "bits": args.bits,
+           "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),  # AutoRound's amp may change it
            "quantize_s": seconds, "quantize_cpu_s": cpu_seconds, "load_average": os.getloadavg(),
            "peak_rss_bytes": peak, "scores": scores, "torch": torch.__version__}
     print(json.dumps(row))

@@ -40,8 +40,9 @@ from quant.sequential import LayerInputs, run_layer
 class SignRoundConfig:
     iters: int = 200  # SignSGD steps per decoder layer
     batch_size: int = 8  # calibration windows per step
-    # the first step's size, which decays linearly to 0, in units of AutoRound's default: 1/iters,
-    # and 2/iters at 3 bits or fewer (a coarse grid needs the offsets and ranges to move further)
+    # the first step's size, which decays linearly to 0, in units of 1/iters (AutoRound's default),
+    # doubled at 3 bits or fewer (a coarse grid needs the offsets and ranges to move further;
+    # auto-round 0.15.1 doubles it there only from 1,000 steps on)
     lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
