@@ -44,14 +44,16 @@ def points(files: list[Path]) -> tuple[list[dict], dict]:
                 "tool": row.get("tool", "lowbit"),
                 "method": row["method"], "bits": row["bits"], "bits_per_weight": row.get("bits_per_weight"),
                 "target_bits": budget and budget["target_bits"],
+                "estimator": budget and budget.get("estimator", "output"),  # records before the Fisher had none
                 "assignment": budget and _counts(budget), "estimated_loss": budget and budget["estimated_loss"],
                 "quantize_s": row["quantize_s"], "commit": data["commit"], "file": os.path.relpath(file, ROOT),
                 "ppl": {p: {t: s["ppl"] for t, s in texts.items()} for p, texts in row["scores"].items()},
             })
     _peer_bits_per_weight(out)
     records = [r["budget"] for f in files for r in json.loads(f.read_text())["rows"] if r.get("budget")]
+    one_estimator = len({r.get("estimator", "output") for r in records}) == 1  # else the estimates do not compare
     for pt in out:  # the sensitivity pass's estimate for a uniform row too: does the estimate order the rows?
-        if pt["kind"] == "uniform" and records:
+        if pt["kind"] == "uniform" and records and one_estimator:
             pt["estimated_loss"] = _uniform_estimate(records[0], pt)
     return sorted(out, key=lambda p: p["bits_per_weight"]), protocols
 
@@ -86,8 +88,10 @@ def table(pts: list[dict]) -> str:
              + " | estimated loss | Linears per scheme |",
              "|---|---|" + "---|" * len(keys) + "---|---|"]
     for pt in pts:
+        method = pt["method"].partition(":")[0]
         name = "float" if pt["kind"] == "float" else (
-            f"budget {pt['target_bits']:.3f}" if pt["kind"] == "budget" else f"uniform W{pt['bits']}")
+            f"budget {pt['target_bits']:.3f} {method} ({pt['estimator']})" if pt["kind"] == "budget"
+            else f"uniform W{pt['bits']} {method}")
         mix = ", ".join(f"{k}: {v}" for k, v in sorted(pt["assignment"].items())) if pt["assignment"] else ""
         lines.append(f"| {name} | {pt['bits_per_weight']:.3f} | "
                      + " | ".join(f"{pt['ppl'][p][t]:.3f}" for p, t in keys)

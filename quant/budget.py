@@ -70,18 +70,34 @@ def candidate_schemes(base: QuantScheme, width: int, candidates: list[Candidate]
 
 # ------------------------------------------------------------------ sensitivities
 
+def fisher(x: torch.Tensor, grad: torch.Tensor, error: torch.Tensor) -> float:
+    """Σ_t Σ_j g_tj² e_tj²: the diagonal empirical Fisher's weight on an error ``e`` at a Linear's output."""
+    return float((grad ** 2 * error ** 2).sum())
+
+
 def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
                           scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True) -> dict:
     """{Linear: {candidate label: estimated rise of the mean next-token loss, nats per token}} of
     rounding that Linear alone to nearest at each candidate, from the diagonal empirical Fisher at its
-    output: ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j² / tokens``, with ``x_t`` the Linear's input and ``g_t`` the
-    gradient of the calibration loss at its output (token t), both from the float model. One forward
-    and backward pass per sample; each Linear's candidates are rounded and weighed inside the backward
-    hook, so nothing but one Linear's rounding error is held besides autograd's own activations. The
-    weights are left as they were (the whole model takes part: a lazily loaded one is filled for the
-    pass and its decoder layers emptied again after)."""
+    output: ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j² / tokens`` (:func:`weigh_rounding`)."""
+    sums, tokens = weigh_rounding(model, plan, candidates, samples, scale_dtype, device, lazy, progress)
+    return {n: {k: v / (2 * tokens) for k, v in by_label.items()} for n, by_label in sums["fisher"].items()}
+
+
+def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
+                   scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True,
+                   measures: dict | None = None) -> tuple[dict, int]:
+    """({measure: {Linear: {candidate label: Σ over the calibration batches}}}, tokens) where each of
+    ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
+    output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
+
+    One float forward and backward pass per sample; each Linear's candidates are rounded and weighed
+    inside the backward hook on its output, so nothing but one Linear's rounding error is held besides
+    autograd's own activations. The weights are left as they were; the whole model takes part (a
+    lazily loaded one is filled for the pass and its decoder layers emptied again after)."""
+    measures = measures or {"fisher": fisher}
     rtn = registry.get("rtn")
-    losses = {n: {c.label: 0.0 for c in candidates} for n in plan}
+    sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in measures}
     prefix, layers = decoder_layers(model)
     home = next(p.device for p in model.parameters() if not p.is_meta)
     for i, layer in enumerate(layers if lazy is not None else ()):
@@ -90,11 +106,13 @@ def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[
 
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
         weight = linear.weight.detach().float()
-        x, g2 = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float() ** 2
+        x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
         for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
             delta = weight - rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None,
                                               name).dequantize(torch.float32)
-            losses[name][label] += float((g2 * (x @ delta.T) ** 2).sum())
+            error = x @ delta.T
+            for measure, fn in measures.items():
+                sums[measure][name][label] += fn(x, grad, error)
 
     def watch(name: str, linear: torch.nn.Linear):
         def forward_hook(module, args, out):
@@ -130,7 +148,7 @@ def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[
                     if param is not None:
                         module._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
         _move(model, home)
-    return {n: {k: v / (2 * tokens) for k, v in by_label.items()} for n, by_label in losses.items()}
+    return sums, tokens
 
 
 # ------------------------------------------------------------------ assignment
@@ -264,6 +282,7 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
         "target_bits": target_bits,
         "bits_per_weight": (result["cost"] + pinned_bits) / params,
         "candidates": [c.label for c in candidates],
+        "estimator": "fisher",
         "sensitivity": "rise of the mean next-token loss (nats/token) estimated for rounding the Linear alone "
                        "to nearest at each candidate: ½ Σ g² (ΔW x)² over the calibration tokens, x its input and "
                        "g the loss gradient at its output (diagonal empirical Fisher, float model)",
