@@ -174,7 +174,8 @@ def test_sensitivities_follow_what_the_loss_reads_not_the_output_scale():
 
 def test_the_linear_whose_rounding_hurts_the_loss_most_gets_more_bits():
     """Measured, not estimated: round each Linear alone to 2 bits and take the calibration loss; under a
-    budget that lets few Linears rise above 2 bits, the one that hurt most is among them."""
+    budget that lets about three Linears rise above 2 bits, the two that hurt most are among them (the
+    output energy gave the second, layer 1's o_proj, 2 bits: it upgraded q/k/v instead)."""
     from quant import rtn
 
     model, tok = tiny_llama(hidden=64, layers=2)
@@ -195,10 +196,11 @@ def test_the_linear_whose_rounding_hurts_the_loss_most_gets_more_bits():
         hurt[name] = calibration_loss() - base
         with torch.no_grad():
             linear.weight.copy_(kept)
-    worst = max(hurt, key=hurt.get)
+    worst = sorted(hurt, key=hurt.get, reverse=True)[:2]
     costs = {n: {c.label: model.get_submodule(n).weight.numel() * c.bits for c in candidates} for n in losses}
     budget = sum(c["w2 g32"] for c in costs.values()) + 3 * 64 * 64 * 2  # about three Linears at 4 bits
-    assert assign(costs, losses, budget)["choice"][worst] == "w4 g32", sorted(hurt.items(), key=lambda kv: -kv[1])[:4]
+    choice = assign(costs, losses, budget)["choice"]
+    assert [choice[n] for n in worst] == ["w4 g32"] * 2, sorted(hurt.items(), key=lambda kv: -kv[1])[:4]
 
 
 # ------------------------------------------------------------------ end to end
