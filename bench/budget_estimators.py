@@ -143,14 +143,18 @@ def main():
         print(row["row"], {p: {t: round(s["ppl"], 3) for t, s in d.items()} for p, d in row["scores"].items()},
               flush=True)
 
+    tool = "lowbit, fake-quantized in process"  # rows in bench/calibrated.py's format: budget_curve.py, plot.py
     for bits in args.uniform:
-        score(dict.fromkeys(plan, f"w{bits} g64"), {"row": f"uniform W{bits}"})
+        score(dict.fromkeys(plan, f"w{bits} g64"), {"row": f"uniform W{bits}", "tool": tool, "method": "rtn",
+                                                      "bits": bits, "quantize_s": None})
     for target in args.targets:
         for estimator in args.estimators:
-            chosen = assign(costs, estimated[estimator], int(target * params))["choice"]
-            counts = {k: list(chosen.values()).count(k) for k in sorted(set(chosen.values()))}
-            score(chosen, {"row": f"budget {target:g} ({estimator})", "estimator": estimator, "target_bits": target,
-                           "assignment": counts, "choice": chosen})
+            chosen = assign(costs, estimated[estimator], int(target * params))
+            budget = {"target_bits": target, "estimator": estimator, "estimated_loss": chosen["loss"],
+                      "layers": {n: {"choice": k, "loss": estimated[estimator][n]} for n, k in chosen["choice"].items()}}
+            score(chosen["choice"], {"row": f"budget {target:g} ({estimator})", "tool": tool,
+                                     "method": f"rtn:weights.target_bits={target:g},weights.sensitivity={estimator}",
+                                     "bits": 4, "quantize_s": None, "budget": budget})
 
 
 if __name__ == "__main__":
