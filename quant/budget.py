@@ -6,7 +6,7 @@
    ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j²`` per token, the loss that rounding is estimated to add. The plain
    output energy ``tr(ΔW H ΔWᵀ)`` ranked wrongly (bench/results/budget-curve-cpu.txt: it does not
    compare across layers whose outputs differ in scale and in how much the loss reads them); measured
-   against it and the relative output error in bench/results/budget-fisher-cpu.json. The pass changes
+   against it and the relative output error in bench/results/budget-estimators-cpu.json. The pass changes
    no weight, so every Linear is measured on the float model, whatever the others will get. It needs
    the whole model at once (a backward pass): for an 8B model its float weights plus one sample's
    activations, not one layer as the quantization pass does.
@@ -30,13 +30,13 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from quant import methods as registry
 from quant.affine import QuantScheme, fit_group_size
 from quant.architectures import decoder_layers
 from quant.format import stored_bytes
 from quant.sequential import _move
-from tqdm.auto import tqdm
 
 DEFAULT_BITS = (2, 3, 4, 8)
 MAX_TARGET_BITS = 8
