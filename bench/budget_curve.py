@@ -91,7 +91,7 @@ def table(pts: list[dict]) -> str:
         method = pt["method"].partition(":")[0]
         name = "float" if pt["kind"] == "float" else (
             f"budget {pt['target_bits']:.3f} {method} ({pt['estimator']})" if pt["kind"] == "budget"
-            else f"uniform W{pt['bits']} {method}")
+            else f"uniform W{pt['bits']} {method}") + ("" if pt.get("tool", "lowbit") == "lowbit" else f" [{pt['tool']}]")
         mix = ", ".join(f"{k}: {v}" for k, v in sorted(pt["assignment"].items())) if pt["assignment"] else ""
         lines.append(f"| {name} | {pt['bits_per_weight']:.3f} | "
                      + " | ".join(f"{pt['ppl'][p][t]:.3f}" for p, t in keys)
