@@ -32,7 +32,8 @@ def series_name(pt: dict) -> str:
     name, _, options = pt["method"].partition(":")
     kept = [o for o in options.split(",") if o and not o.startswith("weights.target_bits=")]
     method = name + (":" + ",".join(kept) if kept else "")
-    return f"{pt['tool']} {method}" + (" (bits budget)" if pt["kind"] == "budget" else "")
+    estimator = f", {pt['estimator']}" if pt.get("estimator") else ""
+    return f"{pt['tool']} {method}" + (f" (bits budget{estimator})" if pt["kind"] == "budget" else "")
 
 
 def svg(pts: list[dict], protocol: str, text: str) -> str:

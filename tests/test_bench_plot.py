@@ -71,6 +71,7 @@ def test_budget_rows_of_one_method_form_one_series():
     a = {"tool": "lowbit", "kind": "budget", "method": "rtn:weights.target_bits=3.297,weights.sensitivity=fisher"}
     b = dict(a, method="rtn:weights.sensitivity=fisher,weights.target_bits=4.3125")
     assert series_name(a) == series_name(b) == "lowbit rtn:weights.sensitivity=fisher (bits budget)"
+    assert series_name(dict(a, estimator="output")) == "lowbit rtn:weights.sensitivity=fisher (bits budget, output)"
     assert series_name(dict(a, kind="uniform", method="gptq")) == "lowbit gptq"
 
 
