@@ -215,8 +215,9 @@ def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
 
 
 def _axes(title: str, xlabel: str, ylabel: str, xs: tuple[float, float], ys: tuple[float, float], kind: str,
-          legend_lines: int = 0) -> list[str]:
-    """An SVG with axes, ticks and labels; ``legend_lines`` rows of legend go below the x-axis label."""
+          legend_lines: int = 0, ylog: bool = False) -> list[str]:
+    """An SVG with axes, ticks and labels; ``legend_lines`` rows of legend go below the x-axis label.
+    With ``ylog`` the y range is log10 of the values and the ticks are labelled with the values."""
     sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
     height = H + LEGEND_ROW * legend_lines
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="{kind}" width="{W}" height="{height}" '
@@ -230,7 +231,8 @@ def _axes(title: str, xlabel: str, ylabel: str, xs: tuple[float, float], ys: tup
     for v in _ticks(*xs):
         out.append(f'<text x="{sx(v):.1f}" y="{H - PAD + 16}" text-anchor="middle" font-size="10">{v:.3g}</text>')
     for v in _ticks(*ys):
-        out.append(f'<text x="{PAD - 4}" y="{sy(v) + 3:.1f}" text-anchor="end" font-size="10">{v:.3g}</text>')
+        label = 10 ** v if ylog else v
+        out.append(f'<text x="{PAD - 4}" y="{sy(v) + 3:.1f}" text-anchor="end" font-size="10">{label:.3g}</text>')
         out.append(f'<line x1="{PAD}" y1="{sy(v):.1f}" x2="{W - 16}" y2="{sy(v):.1f}" stroke="#eee"/>')
     return out
 
