@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.budget_curve import points  # noqa: E402
 from bench.scoring import PROTOCOLS  # noqa: E402
-from evals.report import COLORS, H, PAD, W, _axes, _esc, _legend, _padded, _scale  # noqa: E402
+from evals.svg import COLORS, H, PAD, W, axes, esc, legend, padded, scale  # noqa: E402
 
 
 def series_name(pt: dict) -> str:
@@ -44,10 +44,10 @@ def svg(pts: list[dict], protocol: str, text: str) -> str:
     for p in sorted(quantized, key=lambda p: p["bits_per_weight"]):
         series.setdefault(series_name(p), []).append(p)
     labels = list(series) + [f"float: {v:.2f}" for v in floats]
-    xs = _padded([p["bits_per_weight"] for p in quantized])
-    ys = _padded([math.log10(p["ppl"][protocol][text]) for p in quantized] + [math.log10(v) for v in floats])
-    sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    out = _axes(f"{protocol} protocol, {text}", "bits per weight (quantized Linears)", "perplexity (log scale)",
+    xs = padded([p["bits_per_weight"] for p in quantized])
+    ys = padded([math.log10(p["ppl"][protocol][text]) for p in quantized] + [math.log10(v) for v in floats])
+    sx, sy = scale(*xs, PAD, W - 16), scale(*ys, H - PAD, 24)
+    out = axes(f"{protocol} protocol, {text}", "bits per weight (quantized Linears)", "perplexity (log scale)",
                 xs, ys, f"ppl-vs-bits-{protocol}-{text}", len(labels), ylog=True)
     for i, (name, members) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
@@ -59,13 +59,13 @@ def svg(pts: list[dict], protocol: str, text: str) -> str:
         for p, (x, y) in zip(members, coords):
             mark = (f'<rect class="point" x="{x - 4:.1f}" y="{y - 4:.1f}" width="8" height="8"' if p["kind"] == "budget"
                     else f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="4"')
-            out.append(f'{mark} fill="{color}"><title>{_esc(name)}: {p["ppl"][protocol][text]:.3f} at '
-                       f'{p["bits_per_weight"]:.3f} bits/weight ({_esc(p["file"])})</title></{mark.split()[0][1:]}>')
+            out.append(f'{mark} fill="{color}"><title>{esc(name)}: {p["ppl"][protocol][text]:.3f} at '
+                       f'{p["bits_per_weight"]:.3f} bits/weight ({esc(p["file"])})</title></{mark.split()[0][1:]}>')
     for j, value in enumerate(floats):
         color = COLORS[(len(series) + j) % len(COLORS)]
         y = sy(math.log10(value))
         out.append(f'<line x1="{PAD}" y1="{y:.1f}" x2="{W - 16}" y2="{y:.1f}" stroke="{color}" stroke-dasharray="2 3"/>')
-    out += _legend(labels) + ["</svg>"]
+    out += legend(labels) + ["</svg>"]
     return "\n".join(out)
 
 
