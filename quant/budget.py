@@ -36,7 +36,7 @@ from quant import methods as registry
 from quant.affine import QuantScheme, fit_group_size
 from quant.architectures import decoder_layers
 from quant.format import stored_bytes
-from quant.sequential import _move
+from quant.sequential import move_data
 
 DEFAULT_BITS = (2, 3, 4, 8)
 MAX_TARGET_BITS = 8
@@ -102,7 +102,7 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     home = next(p.device for p in model.parameters() if not p.is_meta)
     for i, layer in enumerate(layers if lazy is not None else ()):
         lazy.fill(layer, f"{prefix}.{i}.", device)
-    _move(model, torch.device(device))
+    move_data(model, torch.device(device))
 
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
         weight = linear.weight.detach().float()
@@ -147,7 +147,7 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
                 for key, param in module._parameters.items():
                     if param is not None:
                         module._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
-        _move(model, home)
+        move_data(model, home)
     return sums, tokens
 
 

@@ -319,17 +319,17 @@ def quantize_sequential(
     home = torch.device("cpu") if lazy else next(layers[0].parameters()).device
     for name, module in model.named_children():  # embeddings and friends join the first step
         if module is not getattr(model, "lm_head", None) and module is not layers:
-            _move(module, device, skip=layers)
+            move_data(module, device, skip=layers)
 
     def fetch(i: int) -> torch.nn.Module:
         if lazy:
             lazy.fill(layers[i], f"{prefix}.{i}.", device)
-        return _move(layers[i], device)
+        return move_data(layers[i], device)
 
     def put_back(i: int, quantized_here) -> None:
         if lazy:
             lazy.release(layers[i], quantized_here)
-        _move(layers[i], home)
+        move_data(layers[i], home)
 
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
@@ -391,7 +391,7 @@ class _HeapTrim:
             self.trim(0)
 
 
-def _move(module: torch.nn.Module, device: torch.device, skip: torch.nn.Module | None = None) -> torch.nn.Module:
+def move_data(module: torch.nn.Module, device: torch.device, skip: torch.nn.Module | None = None) -> torch.nn.Module:
     """``module.to(device)`` for the tensors that hold data: those left on the meta device (a
     lazily loaded model's layers, released weights) and those inside ``skip`` stay where they are."""
     skipped = {id(t) for t in skip.parameters()} | {id(t) for t in skip.buffers()} if skip is not None else set()
