@@ -44,9 +44,9 @@ from quant.sequential import LayerInputs, run_layer
 class SignRoundConfig:
     iters: int = 200  # SignSGD steps per decoder layer
     batch_size: int = 8  # calibration windows per step
-    # the first step's size, which decays linearly to 0, in units of 1/iters (AutoRound's default),
-    # doubled at 3 bits or fewer (a coarse grid needs the offsets and ranges to move further;
-    # auto-round 0.15.1 doubles it there only from 1,000 steps on)
+    # the first step's size, which decays linearly to 0, in units of 1/iters (AutoRound's default; it
+    # was doubled at 3 bits or fewer until measured: bench/results/signround-layer-variants-cpu.json,
+    # w3-signround-lr05-cpu.json)
     lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
@@ -61,8 +61,6 @@ class SignRoundConfig:
         if self.lr_scale <= 0 or self.iters < 1 or self.batch_size < 1:
             raise ValueError(f"signround: iters, batch_size and lr_scale must be positive, got {self}")
 
-    def step_size(self, bits: int) -> float:
-        return self.lr_scale * (2.0 if bits <= 3 else 1.0) / self.iters
 
 
 class _Rounding:
@@ -149,8 +147,7 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
     windows = hidden.shape[0]
     linears = {n: layer.get_submodule(n) for n in plan}
     rounding = {n: _Rounding(linears[n].weight, plan[n], scale_dtype or linears[n].weight.dtype) for n in plan}
-    bits = min(s.bits for s in plan.values())
-    lr = config.step_size(bits)
+    lr = config.lr_scale / config.iters
     params = [p for r in rounding.values() for p in (r.params() if config.tune_range else [r.offset])]
     generator = torch.Generator().manual_seed(config.seed)
     first_loss = best_loss = None
