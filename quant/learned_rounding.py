@@ -65,7 +65,6 @@ class SignRoundConfig:
             raise ValueError(f"signround: iters, batch_size and lr_scale must be positive, got {self}")
 
 
-
 class _Rounding:
     """One Linear's learned parameters and its fake-quantized weight."""
 
