@@ -22,6 +22,13 @@ From the SASS it reads what decides whether a kernel can keep up with memory:
   (weights, elements) the whole CTA covers in that iteration, i.e.
   ``loop_instructions * 32 * num_warps / units_per_iteration``. This is the number an issue
   budget is about (an SM issues 4 warp-instructions = 128 thread-instructions per clock).
+* ``dequant`` (loops with tensor-core instructions): the instructions on a register path from
+  the loop's data loads (packed weights, scales, zero points) to the tensor-core operands, a
+  dataflow chop explained in ``bench/sass_dataflow.py``, and ``per_unit``: that count over the
+  weights one thread dequantizes per iteration (``units_per_iteration / (32 * num_warps)``).
+  This is what the prefill budget "dequantization <= 3 instructions per element" is about; the
+  whole loop's count stays reported beside it. ``max_registers`` gives the register count that
+  still lets a number of CTAs share an SM (for a ``max_registers`` budget).
 
 Instruction counts are deterministic for a given Triton/ptxas version; they are not timings.
 
@@ -59,6 +66,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from bench.sass_dataflow import Instruction, dequant_report, parse_sass  # noqa: E402
+
 ARCHS = {"sm_90a": 90, "sm_80": 80}  # Triton compiles capability 90 as sm_90a
 # Per-SM limits of the GPUs these targets stand for (H100, A100): registers, shared memory a
 # CTA may use, shared memory per SM (each CTA also reserves 1 KiB), warps.
@@ -67,7 +76,6 @@ SM_LIMITS = {90: dict(registers=65536, smem_per_cta=227 * 1024, smem_per_sm=228 
 MIN_LOOP = 8  # shorter backward-branch ranges are spin/wait loops, not a kernel's main loop
 ASYNC_COPY_OPCODES = ("LDGSTS", "UTMALDG", "UBLKCP")
 BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
 @dataclass
@@ -86,21 +94,6 @@ class KernelCase:
     notes: str = ""  # how the runtime picks this configuration
     budgets: dict = field(default_factory=dict)  # see BUDGET_CHECKS; met or not, the JSON says which
     divisible_by_16: tuple | None = None  # arguments Triton would specialize; None: every pointer
-
-
-@dataclass
-class Instruction:
-    address: int
-    predicate: str
-    opcode: str  # with modifiers, e.g. "LOP3.LUT"
-    operands: str
-
-    @property
-    def base(self) -> str:
-        return self.opcode.split(".")[0]
-
-    def text(self) -> str:
-        return f"/*{self.address:04x}*/ {self.predicate}{self.opcode} {self.operands}".rstrip()
 
 
 @dataclass
@@ -147,11 +140,7 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 
 def disassemble(cubin: bytes) -> list[Instruction]:
     """The kernel's SASS, one Instruction per line of ``cuobjdump -sass``."""
-    out = []
-    for m in _SASS_LINE.finditer(_cuobjdump(cubin, "-sass")):
-        out.append(Instruction(int(m.group(1), 16), (m.group(2) or "").strip() + (" " if m.group(2) else ""),
-                               m.group(3), m.group(4).strip()))
-    return out
+    return parse_sass(_cuobjdump(cubin, "-sass"))
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -247,6 +236,13 @@ def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int, capability: i
     return min(by_regs, by_warps, by_smem)
 
 
+def max_registers(ctas: int, num_warps: int, capability: int) -> int:
+    """The most registers per thread that still let ``ctas`` CTAs of ``num_warps`` warps share
+    one SM's register file (allocated per warp in units of 256; 255 is the hardware's cap)."""
+    warp_units = SM_LIMITS[capability]["registers"] // (ctas * num_warps * 256)
+    return min(255, warp_units * 256 // 32)
+
+
 def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: str,
                   units_per_iteration: int | None = None, divisible_by_16: tuple | None = None) -> dict:
     """Compile one kernel configuration for ``arch`` and read its SASS (see the module docstring)."""
@@ -283,6 +279,9 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
         "loop_instructions_per_unit": (None if not units_per_iteration
                                        else round(count * 32 * num_warps / units_per_iteration, 3)),
         "loop_sass": [ins.text() for ins in loop.instructions],
+        # instructions between the loop's loads and its tensor-core operands (bench/sass_dataflow.py)
+        "dequant": dequant_report(loop.instructions, units_per_iteration / (32 * num_warps)
+                                  if units_per_iteration else None),
     }
     return report
 
@@ -290,6 +289,9 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
 # budget name -> (what it reads from a report, whether the value passes)
 BUDGET_CHECKS = {
     "max_loop_instructions_per_unit": lambda r, v: (r["main_loop"] or {}).get("loop_instructions_per_unit", 1e9) <= v,
+    "max_dequant_instructions_per_unit": lambda r, v: ((r["main_loop"] or {}).get("dequant") or {}).get(
+        "per_unit", 1e9) <= v,
+    "max_registers": lambda r, v: r["registers"] <= v,
     "max_spill_instructions": lambda r, v: r["spill_instructions"] <= v,
     "min_ctas_per_sm": lambda r, v: r["ctas_per_sm"] >= v,
     "max_loop_barriers": lambda r, v: (r["main_loop"] or {}).get("barriers", 1e9) <= v,
@@ -345,9 +347,11 @@ def summary_line(r: dict) -> str:
     per_unit = loop.get("loop_instructions_per_unit")
     per = f"{per_unit:.2f}/{r['unit']}" if per_unit is not None else "-"
     missed = [name for name, b in r["budgets"].items() if not b["met"]]
+    dequant = (loop.get("dequant") or {}).get("per_unit")
     return (f"{r['name']:<40} {r['arch']:<7} regs {r['registers']:>3}  spills {r['spill_instructions']:>3}  "
             f"smem {r['shared_bytes']:>6}  ctas/sm {r['ctas_per_sm']}  loop {loop.get('instructions', '-')!s:>4} "
-            f"({per})  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}"
+            f"({per})" + (f"  dequant {dequant:.2f}/{r['unit']}" if dequant is not None else "")
+            + f"  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}"
             + (f"  MISSED {','.join(missed)}" if missed else ""))
 
 
