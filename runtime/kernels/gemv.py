@@ -4,7 +4,8 @@ Layout: ``weight_layout.KernelWeight`` (words ``[K/pack, N]``, 16 word rows per 
 ``p Q + q`` of row ``4 a + b`` is input ``8 (a Q + q) + 2 b + p`` of the tile, ``Q = pack / 2``).
 Each thread owns ``BLOCK_N / 32`` whole output columns and sums K inside itself: a main-loop iteration gives each warp of the CTA its
 own K tile (warp ``w`` takes tiles ``w, w + warps, ...``) and the tile's 16 word rows are loaded
-as plain vectors (adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
+as 16-byte vectors, rows ``4 a .. 4 a + 3`` of one column each (the layout stores them side by
+side; adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
 through shared memory, one loop iteration ahead of their use (software pipelining in
 registers). The warps' sums meet once, after the loop.
 
@@ -97,11 +98,23 @@ def _field_params(s_ptr, z_ptr, k_field, cols, N, K, HAS_ZERO: tl.constexpr, GRO
 
 
 @triton.jit
-def _load_words(qw_ptr, t, cols, N):
-    """The 16 word rows of each warp's tile ``t``, one ``[warps, BLOCK_N]`` tensor per row."""
+def _load_words(qw_ptr, t, cols, N, ASM: tl.constexpr):
+    """The 16 word rows of each warp's tile ``t``, one ``[warps, BLOCK_N]`` tensor per row. Rows
+    ``4 a .. 4 a + 3`` of a column lie side by side (weight_layout): one 16-byte load per column
+    and ``a`` (an inline ``ld.global.v4``: a ``[warps, BLOCK_N, 4]`` load split into rows put the
+    columns in another layout, re-laid through shared memory every tile). The interpreter loads
+    the same words one at a time."""
     rows = ()
-    for r in tl.static_range(16):
-        rows = rows + (tl.load(qw_ptr + (t * _SUBTILE + r) * N + cols),)
+    for a in tl.static_range(4):
+        quad = qw_ptr + (t * _SUBTILE + 4 * a) * N + 4 * cols  # [warps, BLOCK_N]: the row 4 a word
+        if ASM:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [quad],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            rows = rows + (r0, r1, r2, r3)
+        else:
+            for b in tl.static_range(4):
+                rows = rows + (tl.load(quad + b),)
     return rows
 
 
@@ -227,11 +240,11 @@ def _gemv_kernel(
     acc = tl.zeros((WARPS, BLOCK_N), dtype=tl.float32)
     # Software pipelined: the words of a warp's next tile are loaded (into registers) before the
     # math on this one. A warp past the end re-reads the last tile, counted as 0.
-    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N)
+    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N, ASM)
     for t0 in range(t_begin, t_end, WARPS):
         t = t0 + warp_tile
         t_read = tl.minimum(t, t_end - 1)
-        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N)
+        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N, ASM)
         if PAIR != tl.float32:
             part = _tile_packed(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
                                 EVEN_K, ASM)
