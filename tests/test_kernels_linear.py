@@ -112,9 +112,9 @@ CASES = [
     (4, 64, False, False, torch.bfloat16, 9, 48, 704, False, Config(16, 64, split_k=2, step_tiles=2)),
     (8, 32, True, False, torch.float16, 16, 40, 320, True, Config(16, 32, num_stages=2, step_tiles=2)),
     (4, 32, False, True, torch.float16, 12, 40, 640, False, Config(16, 32, step_tiles=4)),  # 5 tiles: 4 + 1
-    # 8 bits, group 128: an iteration's two tiles share one group (STEP_GROUP); 7 tiles in 3
-    # splits of 3 would start split 1 mid-group: the launcher rounds splits to 4 tiles; ragged K
-    (8, 128, False, False, torch.float16, 16, 40, 440, False, Config(16, 32, split_k=3, step_tiles=2)),
+    # 8 bits, group 128: an iteration's two tiles share one group (STEP_GROUP); 10 tiles in 4
+    # splits of 3 would start split 1 mid-group: the launcher makes them 3 splits of 4 tiles
+    (8, 128, False, False, torch.float16, 16, 40, 640, False, Config(16, 32, split_k=4, step_tiles=2)),
     # prefill row tiles (>= 64 rows): activations by TMA descriptor, zero-filled past M and K (the
     # interpreter runs the same descriptor path); act-order with split-K; 8 bits
     (4, 64, False, False, torch.float16, 70, 64, 576, True, Config(64, 32)),
