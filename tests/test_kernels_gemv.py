@@ -152,7 +152,10 @@ for c in json.loads(sys.argv[1]):
     constexprs = dict(N=c["N"], BITS=c["bits"], GROUP=c["group"], HAS_ZERO=c["zero"], HAS_BIAS=True, SPLIT=c["split"],
                       PAIR=pair_type(c["bits"], TORCH_DTYPES[dtype]), ASM=True, EVEN_K=c["even_k"],
                       BLOCK_N=c["block_n"], WARPS=c["warps"])
-    r = static_report(_gemv_kernel, signature, constexprs, c["warps"], 1, "sm_90a", None, ("x_ptr", "qw_ptr", "K"))
+    # what Triton specializes for the launcher's tensors (fresh allocations: 16-byte aligned), as
+    # bench/sass_weights.py compiles it: the aligned scale loads decide the word tiles' layout
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "K")
+    r = static_report(_gemv_kernel, signature, constexprs, c["warps"], 1, "sm_90a", None, aligned)
     loop = r["main_loop"]
     out.append({"spills": r["spill_instructions"], "barriers": loop["barriers"], "shared_stores": loop["shared_stores"],
                 "packed_fma": loop["opcodes"].get("HFMA2", 0), "prefetched": loop["prefetched_loads"]})

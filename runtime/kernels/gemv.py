@@ -98,18 +98,29 @@ def _field_params(s_ptr, z_ptr, k_field, cols, N, K, HAS_ZERO: tl.constexpr, GRO
 
 
 @triton.jit
-def _load_words(qw_ptr, t, cols, N):
-    """The 16 word rows of each warp's tile ``t``, one ``[C, warps, 32]`` tensor per row (see
-    _gemv_kernel). Rows ``4 a .. 4 a + 3`` of a column lie side by side (weight_layout): one
-    16-byte load per column and ``a``, split into its 4 rows (register renaming)."""
+def _load_words(qw_ptr, t, cols, N, ASM: tl.constexpr):
+    """The 16 word rows of each warp's tile ``t``, one ``[warps, BLOCK_N]`` tensor per row. Rows
+    ``4 a .. 4 a + 3`` of a column lie side by side (weight_layout): one 16-byte load per column
+    and ``a`` (an inline ``ld.global.v4``: a ``[warps, BLOCK_N, 4]`` load split into rows put the
+    columns in another layout, re-laid through shared memory every tile). The interpreter loads
+    the same words one at a time.
+
+    The asm result takes its layout from the tile's other loads: the scale and zero rows (vector
+    loads of a thread's adjacent columns, for the aligned tensors the launcher passes) give each
+    warp its own K tile. Without such a load (a ragged N, clamped columns) the default layout
+    puts the warps on the columns instead, each thread then reading 4 tiles' activations: still
+    correct, and no worse than the unvectorized row loads were there."""
     rows = ()
     for a in tl.static_range(4):
-        quad = qw_ptr + (t * _SUBTILE + 4 * a) * N + 4 * cols  # [C, warps, 32]: the row 4 a word
-        w4 = tl.load(quad[:, :, :, None] + tl.arange(0, 4)[None, None, None, :])  # [..., b]
-        even, odd = tl.split(tl.reshape(w4, (quad.shape[0], quad.shape[1], quad.shape[2], 2, 2)))
-        r0, r2 = tl.split(even)
-        r1, r3 = tl.split(odd)
-        rows = rows + (r0, r1, r2, r3)
+        quad = qw_ptr + (t * _SUBTILE + 4 * a) * N + 4 * cols  # [warps, BLOCK_N]: the row 4 a word
+        if ASM:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [quad],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            rows = rows + (r0, r1, r2, r3)
+        else:
+            for b in tl.static_range(4):
+                rows = rows + (tl.load(quad + b),)
     return rows
 
 
@@ -117,7 +128,7 @@ def _load_words(qw_ptr, t, cols, N):
 def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, PAIR: tl.constexpr,
                  EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """fp32 ``[C, warps, 32]``: each warp's tile ``t`` times x, two weights per instruction
+    """fp32 ``[warps, BLOCK_N]``: each warp's tile ``t`` times x, two weights per instruction
     (``ASM=False``: the interpreter's emulation of the same instructions)."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
@@ -221,25 +232,15 @@ def _gemv_kernel(
 ):
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
-    C: tl.constexpr = BLOCK_N // 32  # columns a thread owns
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    # The tile math runs on [C, warps, 32] tensors: lane l of warp w holds columns 32 c + l of its
-    # warp's tile. Triton's default layout for this shape is exactly that (lanes on the last
-    # dimension, warps on the middle one), so no load or asm result picks another: laid out as
-    # [warps, BLOCK_N], warps went to the columns and each thread held 4 tiles of one column,
-    # loading 4 times the activations (8-bit bf16 spilled).
-    col = 32 * tl.arange(0, C)[:, None] + tl.arange(0, 32)[None, :]  # [C, 32]
-    offs_n = pid_n * BLOCK_N + col[:, None, :]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     # out-of-range columns read column N - 1 (valid memory, no predicated loads); never stored
     if N % BLOCK_N == 0:
-        cols = offs_n
+        cols = offs_n[None, :]
     else:
-        cols = tl.minimum(offs_n, N - 1)
-    # A thread's columns are 32 apart, so its scales and zeros are read one by one anyway; an
-    # index the compiler cannot see through (``K >> 31`` is 0) keeps it from giving those loads a
-    # vector layout of their own, which would re-lay the tile through shared memory.
-    param_cols = cols ^ (K >> 31)
-    warp_tile = tl.arange(0, WARPS)[None, :, None]
+        cols = tl.minimum(offs_n, N - 1)[None, :]
+    warp_tile = tl.arange(0, WARPS)[:, None]
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, tl.cdiv(K, TILE_K))
     # The field masks of the packed path, (1 << BITS) - 1 in both halves (and shifted by 4), and
@@ -248,31 +249,28 @@ def _gemv_kernel(
     # but opaque to the compiler.
     mask = (((1 << BITS) - 1) * 0x10001) ^ (K >> 31)
     masks = (mask, mask << 4, 0x64646464 ^ (K >> 31))
-    acc = tl.zeros((C, WARPS, 32), dtype=tl.float32)
+    acc = tl.zeros((WARPS, BLOCK_N), dtype=tl.float32)
     # Software pipelined: the words of a warp's next tile are loaded (into registers) before the
     # math on this one. A warp past the end re-reads the last tile, counted as 0.
-    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N)
+    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N, ASM)
     for t0 in range(t_begin, t_end, WARPS):
         t = t0 + warp_tile
         t_read = tl.minimum(t, t_end - 1)
-        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N)
+        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N, ASM)
         if PAIR != tl.float32:
-            part = _tile_packed(x_ptr, words, s_ptr, z_ptr, t_read, param_cols, N, K, masks, BITS, GROUP, HAS_ZERO,
-                                PAIR, EVEN_K, ASM)
+            part = _tile_packed(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
+                                EVEN_K, ASM)
         else:
-            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, param_cols, N, K, BITS, GROUP, HAS_ZERO, EVEN_K,
-                                ASM)
+            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO, EVEN_K, ASM)
         acc += tl.where(t < t_end, part, 0.0)
         words = next_words
-    total = tl.sum(acc, axis=1)  # [C, 32]: the warps' K tiles meet once, in a fixed order
-    offs_n = pid_n * BLOCK_N + col
-    n_mask = offs_n < N
+    total = tl.sum(acc, axis=0)  # the warps' K tiles meet once, in a fixed order
     if SPLIT:
         tl.store(part_ptr + pid_k * N + offs_n, total, mask=n_mask)
         tl.debug_barrier()  # every thread's partial sums are written before the count says so
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:  # the last split of this column block adds them all
-            total = tl.zeros((C, 32), dtype=tl.float32)
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in range(0, tl.num_programs(1)):
                 total += tl.load(part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
             _store(total, bias_ptr, out_ptr, offs_n, n_mask, HAS_BIAS)
