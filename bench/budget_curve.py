@@ -25,10 +25,15 @@ from bench.scoring import PROTOCOLS, commit  # noqa: E402
 
 
 def points(files: list[Path]) -> tuple[list[dict], dict]:
-    """One point per row of every file; the files' protocols, which must agree."""
+    """One point per row of every file; the files' protocols, which must agree. A peer's row
+    (``bench/peers.py`` records no bits/weight) takes the bits/weight of lowbit's rows of its width
+    in the same files: the same scheme (group 64, asymmetric) in the same format."""
     out, protocols = [], None
     for file in files:
         data = json.loads(file.read_text())
+        if "protocols" not in data:
+            raise SystemExit(f"{file}: no 'protocols' record; it was written before bench/ scored both protocols "
+                             "(issue 17 §0): re-run it with bench/calibrated.py")
         if protocols not in (None, data["protocols"]):
             raise SystemExit(f"{file}: scored on other tokens than the files before it ({data['protocols']})")
         protocols = data["protocols"]
@@ -36,17 +41,31 @@ def points(files: list[Path]) -> tuple[list[dict], dict]:
             budget = row.get("budget")
             out.append({
                 "kind": "float" if row["method"] == "float" else "budget" if budget else "uniform",
-                "method": row["method"], "bits": row["bits"], "bits_per_weight": row["bits_per_weight"],
+                "tool": row.get("tool", "lowbit"),
+                "method": row["method"], "bits": row["bits"], "bits_per_weight": row.get("bits_per_weight"),
                 "target_bits": budget and budget["target_bits"],
+                "estimator": budget and budget.get("estimator", "output"),  # records before the Fisher had none
                 "assignment": budget and _counts(budget), "estimated_loss": budget and budget["estimated_loss"],
                 "quantize_s": row["quantize_s"], "commit": data["commit"], "file": os.path.relpath(file, ROOT),
                 "ppl": {p: {t: s["ppl"] for t, s in texts.items()} for p, texts in row["scores"].items()},
             })
+    _peer_bits_per_weight(out)
     records = [r["budget"] for f in files for r in json.loads(f.read_text())["rows"] if r.get("budget")]
+    one_estimator = len({r.get("estimator", "output") for r in records}) == 1  # else the estimates do not compare
     for pt in out:  # the sensitivity pass's estimate for a uniform row too: does the estimate order the rows?
-        if pt["kind"] == "uniform" and records:
+        if pt["kind"] == "uniform" and records and one_estimator:
             pt["estimated_loss"] = _uniform_estimate(records[0], pt)
     return sorted(out, key=lambda p: p["bits_per_weight"]), protocols
+
+
+def _peer_bits_per_weight(pts: list[dict]) -> None:
+    known = {p["bits"]: p["bits_per_weight"] for p in pts if p["kind"] == "uniform" and p["bits_per_weight"]}
+    for p in pts:
+        if p["bits_per_weight"] is None and p["kind"] != "float":
+            if p["bits"] not in known:
+                raise SystemExit(f"{p['file']}: row {p['tool']} {p['method']} records no bits/weight and no lowbit "
+                                 f"row of {p['bits']} bits in these files gives one; add such a file")
+            p["bits_per_weight"] = known[p["bits"]]
 
 
 def _uniform_estimate(record: dict, pt: dict) -> float | None:
@@ -69,8 +88,10 @@ def table(pts: list[dict]) -> str:
              + " | estimated loss | Linears per scheme |",
              "|---|---|" + "---|" * len(keys) + "---|---|"]
     for pt in pts:
+        method = pt["method"].partition(":")[0]
         name = "float" if pt["kind"] == "float" else (
-            f"budget {pt['target_bits']:.3f}" if pt["kind"] == "budget" else f"uniform W{pt['bits']}")
+            f"budget {pt['target_bits']:.3f} {method} ({pt['estimator']})" if pt["kind"] == "budget"
+            else f"uniform W{pt['bits']} {method}") + ("" if pt.get("tool", "lowbit") == "lowbit" else f" [{pt['tool']}]")
         mix = ", ".join(f"{k}: {v}" for k, v in sorted(pt["assignment"].items())) if pt["assignment"] else ""
         lines.append(f"| {name} | {pt['bits_per_weight']:.3f} | "
                      + " | ".join(f"{pt['ppl'][p][t]:.3f}" for p, t in keys)

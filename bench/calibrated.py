@@ -19,7 +19,8 @@ The peers read ``dampening``, ``calibration.*`` and AutoRound's ``iters`` / ``ba
 the same way (``--peer-methods gptq autoround:iters=50``).
 
 Every row runs in a fresh child process, one after another, so its wall time
-and peak RSS are its own. Wall time covers the whole job: loading the model,
+and peak RSS are its own; its CPU time (all threads) is recorded beside the wall time, as the
+steadier figure when other work shares the machine. Wall time covers the whole job: loading the model,
 calibrating, quantizing and (lowbit) saving the checkpoint. The peers' rows
 run `bench/peers.py` under ``--peer-python``, an environment with
 llm-compressor (never a lowbit dependency):
@@ -81,22 +82,24 @@ def one(method: str, bits: int, texts: dict[str, int]) -> dict:
     from lowbit.recipe import parse_recipe
     from quant.models import resolve
 
-    budget = None
+    budget = cpu_seconds = None
     with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if method == "float":
             path, seconds = resolve("smollm2-135m"), None
         else:
             recipe = parse_recipe(recipe_dict(method, bits, f"{tmp}/ckpt"))
             path = pipeline.quantize(recipe, device="cpu", progress=False)
             seconds = time.perf_counter() - start
+            cpu_seconds = time.process_time() - cpu_start
             budget = json.loads((path / "lowbit_manifest.json").read_text()).get("budget")
         peak = peak_rss_bytes()
         load = os.getloadavg()  # other work on the machine stretches wall time: say how much there was
         model = runtime.load(path)
         scores = score_texts(model.logits, model.tokenizer, texts)
         bits_per_weight = weight_stats(path).bits_per_weight
-    return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "load_average": load,
+    return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "quantize_cpu_s": cpu_seconds,
+            "load_average": load,
             "peak_rss_bytes": peak, "bits_per_weight": bits_per_weight,
             "budget": budget,
             "scores": scores}

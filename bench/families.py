@@ -5,7 +5,7 @@ tiny random models the tests build.
 
 * ``lowbit plan`` (``evals.planner``) on google/gemma-3-27b-it's and a Phi-3-mini-128k-shaped
   config.json: bytes per token per KV scheme at 32k context in 80 GB;
-* per family, a tiny random model (``tests/tiny.py``) with a few outlier input channels (as trained
+* per family, a tiny random model (``quant/tiny_models.py``) with a few outlier input channels (as trained
   models have, ``with_outlier_channels``): logit mean squared error against the float model, through
   W4 g32 checkpoints of RTN, AWQ (then RTN), GPTQ and AWQ+GPTQ (16 calibration samples of 32 random
   tokens, 2 x 32 held-out tokens);
@@ -26,17 +26,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the tiny models and the test configs, one copy
 
 from evals.provenance import commit, provenance  # noqa: E402
 
 FAMILIES = ["gemma2", "gemma3", "phi3"]
 METHODS = ["rtn", "awq", "gptq", "awq+gptq"]
+# the tests assert these tolerances on what quality() measures (tests/test_architectures_gemma.py)
+KV_SCHEMES = {  # scheme: largest logit error of a cached forward against the plain one, as a share of the logits' range
+    "fp16-r16": 1e-5, "int8-r16": 0.02, "fp8-r16": 0.1, "int4-g16-r16": 0.25, "int2-g16-r16": 0.6}
+
+# google/gemma-3-27b-it's config.json (transformers 4.50): the text part leaves most keys to the defaults
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+    "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "num_hidden_layers": 27,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "patch_size": 14}}
+# microsoft/Phi-3-mini-128k-instruct's shape (LongRoPE factors shortened to their length, 48)
+PHI3_MINI_128K = {
+    "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 262144,
+    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48},
+    "tie_word_embeddings": False, "vocab_size": 32064, "torch_dtype": "bfloat16", "hidden_act": "silu"}
 
 
 def plans() -> dict:
     from evals import planner
-    from test_architectures_gemma import GEMMA3_27B, PHI3_MINI_128K
 
     out = {}
     for name, config in (("gemma-3-27b-it", GEMMA3_27B), ("phi-3-mini-128k-shaped", PHI3_MINI_128K)):
@@ -53,8 +72,7 @@ def quality(kind: str, work: Path) -> dict:
     import torch
 
     import runtime
-    from test_architectures_gemma import KV_SCHEMES, ids_for, quantized_checkpoint, with_outlier_channels
-    from tiny import tiny_model
+    from quant.tiny_models import ids_for, quantized_checkpoint, tiny_model, with_outlier_channels
 
     model = with_outlier_channels(tiny_model(kind, seed=4)[0])
     held_out = ids_for(model, n=2, length=32, seed=11)

@@ -1,6 +1,7 @@
 """Each method's error at a real decoder layer's output, on windows it never calibrated on.
 
-    python bench/layer_error.py [--layers 15 2] [--bits 2 3 4] [--out bench/results/signround-layer-cpu.json]
+    python bench/layer_error.py [--layers 15 2] [--bits 2 3 4] [--methods rtn gptq "signround:min_range=0.7"]
+                                [--out bench/results/signround-layer-cpu.json]
 
 A cheap stand-in for perplexity on a machine too busy for whole-model runs: SmolLM2-135M's
 float model runs the calibration windows (the bundled non-evaluation Austen novels, seed 0)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -29,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.calibrated import method_settings  # noqa: E402
 from bench.scoring import commit  # noqa: E402
 from evals.provenance import versions  # noqa: E402
 from evals.texts import load_text  # noqa: E402
@@ -55,11 +58,16 @@ def layer_inputs(model, layers, ids: torch.Tensor, wanted: list[int]) -> dict[in
     return found
 
 
-def quantize_layer(layer, calib: LayerInputs, names: list[str], bits: int, settings: dict, arch) -> dict:
-    """``layer`` (a copy) quantized in place by the chain ``names``; returns the quantized weights."""
+def quantize_layer(layer, calib: LayerInputs, spec: str, bits: int, settings: dict, arch) -> dict:
+    """``layer`` (a copy) quantized in place by the chain ``spec`` names (``awq+signround``, bare
+    settings after a colon for its last method: ``signround:min_range=0.7``); returns the
+    quantized weights."""
     plan = {n: QuantScheme(bits, 64, False) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    chain_name, overrides = method_settings(spec)
+    names = chain_name.split("+")
     chain = registry.chain(names)
     done = registry.check_settings(chain, {n: s for n, s in settings.items() if n in names})
+    done[chain[-1].name] = dataclasses.replace(done[chain[-1].name], **overrides) if overrides else done[chain[-1].name]
     with torch.no_grad():
         quantized, _, _ = layer_step(chain, done, arch, torch.bfloat16)(layer, calib, plan)
     return quantized
@@ -84,6 +92,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=32, help="SignRound steps per layer")
     ap.add_argument("--batch-size", type=int, default=2, help="SignRound windows per step")
+    ap.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq+gptq", "signround", "awq+signround"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "signround-layer-cpu.json")
     args = ap.parse_args()
 
@@ -96,7 +105,6 @@ def main():
     held = layer_inputs(model, layers, held_ids, args.layers)
     arch = architecture_of(model)
     settings = {"gptq": GPTQConfig(), "signround": SignRoundConfig(iters=args.iters, batch_size=args.batch_size)}
-    methods = [["rtn"], ["gptq"], ["awq", "gptq"], ["signround"], ["awq", "signround"]]
     result = {"commit": commit(), "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
               "versions": versions(), "load_average_at_start": os.getloadavg(),
               "protocol": (f"SmolLM2-135M decoder layers {args.layers}, w{{bits}} g64 asym, bf16 scales; "
@@ -108,12 +116,12 @@ def main():
         for i in args.layers:
             with torch.no_grad():
                 reference = torch.cat(run_layer(layers[i], held[i])).float()
-            for names in methods:
+            for spec in args.methods:
                 layer = copy.deepcopy(layers[i])
                 wall, cpu = time.perf_counter(), time.process_time()
-                quantize_layer(layer, calib[i], names, bits, settings, arch)
+                quantize_layer(layer, calib[i], spec, bits, settings, arch)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                row = {"layer": i, "bits": bits, "method": "+".join(names),
+                row = {"layer": i, "bits": bits, "method": spec,
                        **relative_errors(layer, held[i], reference),
                        "wall_s": wall, "cpu_s": cpu, "load_average": os.getloadavg()}
                 result["rows"].append(row)

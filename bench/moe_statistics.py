@@ -1,6 +1,6 @@
 """Which tokens should an expert's Hessian see? ``all`` tokens (statistics only) or the ``routed`` ones.
 
-A tiny random Mixtral (tests/tiny.py, 8 experts, top 2) whose router is skewed so that a few
+A tiny random Mixtral (quant/tiny_models.py, 8 experts, top 2) whose router is skewed so that a few
 experts are rarely picked, as in real MoE models, GPTQ W3 g32 symmetric calibrated on N random
 tokens with each statistics choice (``quant.moe``), against RTN. Output: relative error of the
 logits on held-out random tokens (the same distribution), each expert's output error on the
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from quant.affine import QuantScheme  # noqa: E402
 from quant.moe import routed_counts, unfuse_experts  # noqa: E402
 from quant.plan import plan_layers  # noqa: E402
 from quant.quantize import quantize_model  # noqa: E402
-from tiny import tiny_model  # noqa: E402
+from quant.tiny_models import tiny_model  # noqa: E402
 
 SCHEME = QuantScheme(3, 32, True)
 SKEW = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, -0.5, -1.5, -3.0])  # router logit offsets: experts 6, 7 rare

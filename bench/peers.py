@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -134,7 +135,7 @@ def main():
     samples = calibration_samples(tokenizer, load_calibration_text("default"), count, seq_len, seed=0,
                                   bos=settings.get("calibration.bos"))
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     if method == "autoround":
         tool = f"auto-round {run_autoround(model, tokenizer, samples, args.bits, settings)}"
@@ -144,11 +145,13 @@ def main():
         oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, settings), max_seq_length=seq_len,
                 num_calibration_samples=count)
         tool = f"llm-compressor {llmcompressor.__version__}"
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = peak_rss_bytes()
     scores = score_texts(hf_logits_fn(model), tokenizer, parse_texts(args.texts))
     row = {"tool": tool, "method": args.method, "bits": args.bits,
-           "quantize_s": seconds, "peak_rss_bytes": peak, "scores": scores, "torch": torch.__version__}
+           "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),  # AutoRound's amp may change it
+           "quantize_s": seconds, "quantize_cpu_s": cpu_seconds, "load_average": os.getloadavg(),
+           "peak_rss_bytes": peak, "scores": scores, "torch": torch.__version__}
     print(json.dumps(row))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
-from evals.perplexity import Protocol, perplexity, tokenize_text
+from evals.perplexity import Protocol, bos_for, perplexity, tokenize_text
 from evals.provenance import commit  # noqa: F401  (the benches' one definition)
 from evals.texts import load_text
 
@@ -51,10 +51,9 @@ def score_texts(logits_fn, tokenizer, texts: dict[str, int] = TEXTS) -> dict[str
     for name in PROTOCOLS:
         out[name] = {}
         for text, protocol in protocols(name, texts).items():
-            if protocol.bos and tokenizer.bos_token_id is None:
-                raise ValueError(f"the {name} protocol needs a BOS token; this tokenizer has none")
+            bos_id = bos_for(tokenizer, "on" if protocol.bos else "off")  # the protocol's own choice
             ids = tokenize_text(tokenizer, load_text(text), protocol)
-            result = perplexity(logits_fn, ids, protocol, bos_id=tokenizer.bos_token_id, progress=False)
+            result = perplexity(logits_fn, ids, protocol, bos_id=bos_id, progress=False)
             out[name][text] = {"ppl": result.ppl, "protocol": protocol.describe()}
     return out
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--kv", default="fp16-r16,int4-g16-r16")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    from tiny import save_model, tiny_llama
+    from quant.tiny_models import save_model, tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = tiny_llama(hidden=128, layers=args.layers)  # head_dim 32: the attention kernels take it

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     import runtime
-    from tiny import save_model, tiny_llama
+    from quant.tiny_models import save_model, tiny_llama
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 150, (n,), generator=g).tolist() for n in range(5, 5 + 3 * args.batch, 3)]

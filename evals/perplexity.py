@@ -8,7 +8,10 @@ the first window is passed.
 With ``bos`` the tokenizer's BOS is prepended to each window and every token is
 scored, the first of a window predicted from the BOS alone. That also allows
 ``stride == window``: disjoint windows that each begin as a prompt does, the
-protocol of most GPTQ papers and of llm-compressor's examples.
+protocol of most GPTQ papers and of llm-compressor's examples. :func:`bos_for`
+decides it from the tokenizer (``lowbit eval --bos auto|on|off``): ``auto``
+prepends the BOS when the tokenizer adds one to what it encodes, as the model is
+used (Llama, Gemma), and none when it does not (SmolLM2).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
+
+from quant.calibration import adds_bos
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -35,8 +40,9 @@ class Protocol:
         # tail (stride < window) or, with bos, the BOS (stride == window: disjoint windows).
         widest = self.window if self.bos else self.window - 1
         if not 0 < self.stride <= widest:
+            hint = "; disjoint windows (stride = window) need the BOS first" if self.stride == self.window else ""
             raise ValueError(f"stride must be in 1..{widest} ({'at most' if self.bos else 'below'} the window), "
-                             f"got {self.stride}")
+                             f"got {self.stride}{hint}")
         if self.tokens < 2:
             raise ValueError(f"tokens must be at least 2, got {self.tokens}")
 
@@ -59,6 +65,20 @@ class PerplexityResult:
     nll: float  # mean negative log-likelihood per scored token, in nats
     tokens_scored: int
     protocol: Protocol
+
+
+BOS_MODES = ("auto", "on", "off")
+
+
+def bos_for(tokenizer, mode: str = "auto") -> int | None:
+    """The BOS id each window begins with, or None for no BOS: ``on``, the tokenizer's BOS; ``off``,
+    none; ``auto``, the BOS when the tokenizer adds one to a prompt (``quant.calibration.adds_bos``,
+    as calibration decides it)."""
+    if mode not in BOS_MODES:
+        raise ValueError(f"bos must be one of {', '.join(BOS_MODES)}, got {mode!r}")
+    if mode == "on" and tokenizer.bos_token_id is None:
+        raise ValueError("BOS 'on' needs a BOS token and this tokenizer has none; use BOS 'off' (or 'auto')")
+    return tokenizer.bos_token_id if mode == "on" or (mode == "auto" and adds_bos(tokenizer)) else None
 
 
 def tokenize_text(tokenizer, text: str, protocol: Protocol) -> torch.Tensor:

@@ -10,11 +10,11 @@ nothing fetched).
 
 from __future__ import annotations
 
-import html
 import json
 from pathlib import Path
 
 from evals.provenance import RUN_FORMAT, describe_device
+from evals.svg import COLORS, H, PAD, W, axes, esc, legend, padded, scale
 
 REQUIRED = ("format", "model", "ppl", "bits_per_weight", "protocol", "device", "versions", "commit")
 KV_REFERENCE_CONTEXT = 4096  # the memory plot shows one sequence's KV cache at this context
@@ -194,62 +194,7 @@ def _task_rows(runs) -> list[tuple[str, str, str, float]]:
     return rows
 
 
-# ------------------------------------------------------------------------ SVG
-
-W, H, PAD = 520, 300, 56
-LEGEND_ROW = 15
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
-
-
-def _esc(x) -> str:
-    return html.escape(str(x), quote=True)
-
-
-def _scale(lo: float, hi: float, a: float, b: float):
-    span = (hi - lo) or 1.0
-    return lambda v: a + (v - lo) / span * (b - a)
-
-
-def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
-    return [lo + (hi - lo) * i / n for i in range(n + 1)]
-
-
-def _axes(title: str, xlabel: str, ylabel: str, xs: tuple[float, float], ys: tuple[float, float], kind: str,
-          legend_lines: int = 0) -> list[str]:
-    """An SVG with axes, ticks and labels; ``legend_lines`` rows of legend go below the x-axis label."""
-    sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    height = H + LEGEND_ROW * legend_lines
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="{kind}" width="{W}" height="{height}" '
-           f'viewBox="0 0 {W} {height}" role="img" aria-label="{_esc(title)}">',
-           f'<rect x="0" y="0" width="{W}" height="{height}" fill="#fff"/>',
-           f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">{_esc(title)}</text>',
-           f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 16}" y2="{H - PAD}" stroke="#333"/>',
-           f'<line x1="{PAD}" y1="{H - PAD}" x2="{PAD}" y2="24" stroke="#333"/>',
-           f'<text x="{(PAD + W - 16) / 2}" y="{H - 14}" text-anchor="middle" font-size="12">{_esc(xlabel)}</text>',
-           f'<text x="14" y="{H / 2}" text-anchor="middle" font-size="12" transform="rotate(-90 14 {H / 2})">{_esc(ylabel)}</text>']
-    for v in _ticks(*xs):
-        out.append(f'<text x="{sx(v):.1f}" y="{H - PAD + 16}" text-anchor="middle" font-size="10">{v:.3g}</text>')
-    for v in _ticks(*ys):
-        out.append(f'<text x="{PAD - 4}" y="{sy(v) + 3:.1f}" text-anchor="end" font-size="10">{v:.3g}</text>')
-        out.append(f'<line x1="{PAD}" y1="{sy(v):.1f}" x2="{W - 16}" y2="{sy(v):.1f}" stroke="#eee"/>')
-    return out
-
-
-def _padded(values: list[float]) -> tuple[float, float]:
-    lo, hi = min(values), max(values)
-    pad = (hi - lo) * 0.1 or abs(hi) * 0.1 or 1.0
-    return lo - pad, hi + pad
-
-
-def _legend(labels: list[str]) -> list[str]:
-    """One row per label under the plot (long labels never cover the data)."""
-    out = []
-    for i, label in enumerate(labels):
-        y = H + 4 + LEGEND_ROW * i
-        out.append(f'<rect x="{PAD}" y="{y - 9}" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>')
-        out.append(f'<text x="{PAD + 14}" y="{y}" font-size="11">{_esc(label)}</text>')
-    return out
-
+# ------------------------------------------------------------------------ SVG plots
 
 def svg_ppl_vs_bits(rep: dict) -> str:
     points = [(s["bits_per_weight"], s["ppl"], s["label"]) for s in rep["summary"]]
@@ -258,14 +203,14 @@ def svg_ppl_vs_bits(rep: dict) -> str:
     seen = {(round(x, 3), round(y, 4)) for x, y, _ in points}  # a baseline that is also a run is drawn once
     points += [(bits, ppl, f"{name} (baseline)") for name, ppl, bits in sorted(bases, key=str)
                if (round(bits, 3), round(ppl, 4)) not in seen]
-    xs, ys = _padded([p[0] for p in points]), _padded([p[1] for p in points])
-    sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    out = _axes("Perplexity vs bits per weight", "bits per weight (quantized Linears)", "perplexity", xs, ys,
+    xs, ys = padded([p[0] for p in points]), padded([p[1] for p in points])
+    sx, sy = scale(*xs, PAD, W - 16), scale(*ys, H - PAD, 24)
+    out = axes("Perplexity vs bits per weight", "bits per weight (quantized Linears)", "perplexity", xs, ys,
                 "ppl-vs-bits", len(points))
     for i, (x, y, label) in enumerate(points):
         out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{COLORS[i % len(COLORS)]}">'
-                   f'<title>{_esc(label)}: {y:.4f} at {x:.2f} bits</title></circle>')
-    out += _legend([p[2] for p in points]) + ["</svg>"]
+                   f'<title>{esc(label)}: {y:.4f} at {x:.2f} bits</title></circle>')
+    out += legend([p[2] for p in points]) + ["</svg>"]
     return "\n".join(out)
 
 
@@ -278,23 +223,23 @@ def svg_memory(rep: dict) -> str:
         rows.append((_label(r), [mem.get("quantized_weight_bytes", 0), mem.get("other_weight_bytes", 0), _kv_bytes(r)]))
     top = max(sum(v) for _, v in rows) or 1.0
     bar_h = min(28, (H - PAD - 40) / max(len(rows), 1) - 6)
-    sx = _scale(0, top, 150, W - 60)  # room for the total after the longest bar
+    sx = scale(0, top, 150, W - 60)  # room for the total after the longest bar
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="memory" width="{W}" height="{H}" '
            f'viewBox="0 0 {W} {H}" role="img" aria-label="Memory breakdown">',
            f'<rect x="0" y="0" width="{W}" height="{H}" fill="#fff"/>',
            f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">Memory breakdown (MB)</text>']
     for i, (label, values) in enumerate(rows):
         y, x = 36 + i * (bar_h + 6), 150.0
-        out.append(f'<text x="144" y="{y + bar_h / 2 + 4:.1f}" text-anchor="end" font-size="10">{_esc(label)}</text>')
+        out.append(f'<text x="144" y="{y + bar_h / 2 + 4:.1f}" text-anchor="end" font-size="10">{esc(label)}</text>')
         for j, v in enumerate(values):
             w = sx(v) - 150
             out.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{bar_h:.1f}" '
-                       f'fill="{COLORS[j]}"><title>{_esc(parts[j])}: {v / 1e6:.1f} MB</title></rect>')
+                       f'fill="{COLORS[j]}"><title>{esc(parts[j])}: {v / 1e6:.1f} MB</title></rect>')
             x += w
         out.append(f'<text x="{x + 4:.1f}" y="{y + bar_h / 2 + 4:.1f}" font-size="10">{sum(values) / 1e6:.1f}</text>')
     for j, part in enumerate(parts):
         out.append(f'<rect x="{60 + j * 150}" y="{H - 24}" width="10" height="10" fill="{COLORS[j]}"/>')
-        out.append(f'<text x="{74 + j * 150}" y="{H - 15}" font-size="10">{_esc(part)}</text>')
+        out.append(f'<text x="{74 + j * 150}" y="{H - 15}" font-size="10">{esc(part)}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -307,26 +252,26 @@ def svg_speed(rep: dict, key: str, title: str) -> str | None:
         series.setdefault(name, []).append((t["batch"], t[key] * 1e3))
     if not series:
         return None
-    xs = _padded([b for pts in series.values() for b, _ in pts])
+    xs = padded([b for pts in series.values() for b, _ in pts])
     ys = (0.0, max(v for pts in series.values() for _, v in pts) * 1.15 or 1.0)
-    sx, sy = _scale(*xs, PAD, W - 16), _scale(*ys, H - PAD, 24)
-    out = _axes(title, "batch size", "ms", xs, ys, key, len(series))
+    sx, sy = scale(*xs, PAD, W - 16), scale(*ys, H - PAD, 24)
+    out = axes(title, "batch size", "ms", xs, ys, key, len(series))
     for i, (name, pts) in enumerate(series.items()):
         pts = sorted(pts)
         color = COLORS[i % len(COLORS)]
         coords = " ".join(f"{sx(b):.1f},{sy(v):.1f}" for b, v in pts)
         out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
-        out += [f'<circle cx="{sx(b):.1f}" cy="{sy(v):.1f}" r="3.5" fill="{color}"><title>{_esc(name)} batch {b}: '
+        out += [f'<circle cx="{sx(b):.1f}" cy="{sy(v):.1f}" r="3.5" fill="{color}"><title>{esc(name)} batch {b}: '
                 f'{v:.1f} ms</title></circle>' for b, v in pts]
-    out += _legend(list(series)) + ["</svg>"]
+    out += legend(list(series)) + ["</svg>"]
     return "\n".join(out)
 
 
 # ----------------------------------------------------------------------- HTML
 
 def _table(headers: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -346,7 +291,7 @@ def report_html(rep: dict) -> str:
              "<h1>lowbit report</h1>",
              _table(["run", "perplexity", "Δ vs baseline", "bits/weight", "weights", "on disk", "KV cache", "device", "commit"], summary),
              "<div class='plots'>" + "".join(p for p in plots if p) + "</div>",
-             "<p class='note'>Perplexity protocols: " + "; ".join(_esc(f"{s['label']}: {s['protocol']}") for s in rep["summary"])
+             "<p class='note'>Perplexity protocols: " + "; ".join(esc(f"{s['label']}: {s['protocol']}") for s in rep["summary"])
              + f". The memory plot shows weights as stored and one sequence of {KV_REFERENCE_CONTEXT} tokens in the "
                "run's KV scheme (its unquantized part in 16 bits); peak memory in the speed table is measured (CPU: the "
                "process's peak resident set, which includes any dequantized weight copies).</p>"]
@@ -354,7 +299,7 @@ def report_html(rep: dict) -> str:
     if speed:
         parts += ["<h2>Speed by phase</h2>",
                   _table(SPEED_HEADERS, [_speed_cells(label, t) for label, t in speed]),
-                  f"<p class='note'>Speed protocol: {_esc(_speed_protocol(rep['runs']))}</p>"]
+                  f"<p class='note'>Speed protocol: {esc(_speed_protocol(rep['runs']))}</p>"]
     tasks = _task_rows(rep["runs"])
     if tasks:
         parts += ["<h2>Tasks (lm-eval)</h2>", _table(["run", "task", "metric", "value"],

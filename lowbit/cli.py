@@ -91,6 +91,10 @@ def quantize(recipe, model, output, overwrite, resume, device, ranks):
 @click.option("--tokens", type=int, default=pipeline.DEFAULT_PROTOCOL.tokens, show_default=True, help="Tokens of the text to score.")
 @click.option("--window", type=int, default=pipeline.DEFAULT_PROTOCOL.window, show_default=True)
 @click.option("--stride", type=int, default=pipeline.DEFAULT_PROTOCOL.stride, show_default=True)
+@click.option("--bos", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Begin each window with the tokenizer's BOS: auto when the tokenizer adds one to what it encodes "
+                   "(as the model is used: Gemma, Llama), on, off. With BOS, --stride equal to --window gives "
+                   "disjoint windows.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write a Markdown report.")
 @click.option("--tasks", help="Also run lm-eval tasks, comma-separated (offline: lowbit_offline).")
@@ -102,20 +106,21 @@ def quantize(recipe, model, output, overwrite, resume, device, ranks):
 @click.option("--kv-chunk", type=int, default=32, show_default=True,
               help="KV-perplexity: tokens per forward after each window's prefill.")
 @_fail_cleanly
-def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, json_out, report, tasks, limit, speed_batches,
-          speed_prompt_len, speed_output_len, kv, kv_chunk):
+def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, bos, json_out, report, tasks, limit,
+          speed_batches, speed_prompt_len, speed_output_len, kv, kv_chunk):
     """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight; KV-perplexity with a quantized
     cache; optionally tasks and speed."""
     from evals.kv import ChunkProtocol
 
-    protocol = pipeline.make_protocol(window=window, stride=stride, tokens=tokens)
+    # checked as if a BOS may come (disjoint windows need one); evaluate decides it on the tokenizer
+    protocol = pipeline.make_protocol(window=window, stride=stride, tokens=tokens, bos=bos != "off")
     kv_chunks = ChunkProtocol(chunk=kv_chunk)
     if tasks:  # a mistyped task or an unreachable dataset fails now, not after the perplexity run
         from evals.lm_eval_tasks import prepare_tasks, run_tasks, tasks_table
 
         prepare_tasks(_names(tasks))
     result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol,
-                               kv=kv, kv_chunks=kv_chunks)
+                               kv=kv, kv_chunks=kv_chunks, bos=bos)
     md = pipeline.report_markdown(result)
     task_result = speed = None
     if tasks:

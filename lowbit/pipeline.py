@@ -197,17 +197,17 @@ def _default_protocol():
 DEFAULT_PROTOCOL = _default_protocol()
 
 
-def _perplexity(model_dir: Path, token_ids, protocol, label: str, progress: bool) -> float:
+def _perplexity(model_dir: Path, token_ids, protocol, bos_id, label: str, progress: bool) -> float:
     import runtime
     from evals.perplexity import perplexity
 
     model = runtime.load(model_dir)
     if progress:
         print(f"perplexity of {label}")
-    return perplexity(model.logits, token_ids, protocol, progress=progress).ppl
+    return perplexity(model.logits, token_ids, protocol, bos_id=bos_id, progress=progress).ppl
 
 
-def _kv_results(ckpt_dir: Path, scheme, token_ids, protocol, chunks, progress: bool) -> dict:
+def _kv_results(ckpt_dir: Path, scheme, token_ids, protocol, bos_id, chunks, progress: bool) -> dict:
     """KV-perplexity of the checkpoint with ``scheme`` and with an fp16 cache, through the same chunked path."""
     import runtime
     from evals.kv import kv_perplexity, runtime_session
@@ -218,7 +218,8 @@ def _kv_results(ckpt_dir: Path, scheme, token_ids, protocol, chunks, progress: b
     for label, s in (("kv", scheme), ("kv_baseline", KVScheme())):
         if progress:
             print(f"KV-perplexity with a {s.name} cache")
-        ppl[label] = kv_perplexity(runtime_session(model, s), token_ids, protocol, chunks, progress=progress).ppl
+        ppl[label] = kv_perplexity(runtime_session(model, s), token_ids, protocol, chunks, bos_id=bos_id,
+                                   progress=progress).ppl
     cfg = model.decoder.cfg
     size = lambda s: bytes_per_token(s, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float16)  # noqa: E731
     return {
@@ -245,15 +246,21 @@ def evaluate(
     progress: bool = True,
     kv: str | None = None,
     kv_chunks=None,
+    bos: str = "auto",
 ) -> dict:
     """Perplexity of ``ckpt`` and of its baseline on the same tokens, plus sizes.
+
+    ``bos`` (``auto``, ``on``, ``off``: :func:`evals.perplexity.bos_for` on the checkpoint's
+    tokenizer) decides whether each window begins with the BOS; it sets ``protocol.bos``.
 
     With a quantized KV scheme (``kv``, e.g. ``"int4"``, else the one saved with the checkpoint),
     also the KV-perplexity of ``ckpt`` with that cache and with an fp16 cache, same tokens, same path.
     """
     import runtime
+    from dataclasses import replace
+
     from evals import size
-    from evals.perplexity import tokenize_text
+    from evals.perplexity import bos_for, tokenize_text
     from evals.texts import load_text
 
     protocol = protocol or DEFAULT_PROTOCOL
@@ -262,15 +269,17 @@ def evaluate(
     if use_baseline and baseline is None and manifest is not None:
         baseline = manifest.get("source_model", {}).get("spec")
     tokenizer = runtime.load_tokenizer(ckpt_dir)
+    bos_id = bos_for(tokenizer, bos)
+    protocol = replace(protocol, bos=bos_id is not None)
     token_ids = tokenize_text(tokenizer, load_text(text), protocol)
 
     stats = size.weight_stats(ckpt_dir)
     result = {
         "model": str(ckpt),
         "text": text,
-        "protocol": {**protocol.to_dict(), "description": protocol.describe()},
+        "protocol": {**protocol.to_dict(), "bos_mode": bos, "bos_token_id": bos_id, "description": protocol.describe()},
         "tokens": int(token_ids.numel()),
-        "ppl": _perplexity(ckpt_dir, token_ids, protocol, str(ckpt), progress),
+        "ppl": _perplexity(ckpt_dir, token_ids, protocol, bos_id, str(ckpt), progress),
         "bytes_on_disk": size.bytes_on_disk(ckpt_dir),
         "bits_per_weight": stats.bits_per_weight,
         "quantized_params": stats.quantized_params,
@@ -286,10 +295,11 @@ def evaluate(
     kv_scheme = kv_scheme_of(manifest, kv)
     result.update(dict.fromkeys(KV_KEYS))
     if kv_scheme.quantized:
-        result.update(_kv_results(ckpt_dir, kv_scheme, token_ids, protocol, kv_chunks or ChunkProtocol(), progress))
+        result.update(_kv_results(ckpt_dir, kv_scheme, token_ids, protocol, bos_id, kv_chunks or ChunkProtocol(),
+                                  progress))
     if use_baseline and baseline:
         base_dir = models.resolve(baseline)
-        base_ppl = _perplexity(base_dir, token_ids, protocol, f"baseline {baseline}", progress)
+        base_ppl = _perplexity(base_dir, token_ids, protocol, bos_id, f"baseline {baseline}", progress)
         result.update(
             baseline=str(baseline),
             baseline_ppl=base_ppl,
@@ -307,7 +317,8 @@ def report_markdown(r: dict) -> str:
     lines = [
         f"## lowbit eval: {r['model']}",
         "",
-        f"Protocol: {r['protocol']['description']} ({r['tokens']} tokens).",
+        f"Protocol: {r['protocol']['description']} ({r['tokens']} tokens"
+        + (f"; --bos {r['protocol']['bos_mode']}" if r["protocol"].get("bos_mode") else "") + ").",
         "",
         "| model | perplexity | Δ vs baseline | bytes on disk | bits/weight |",
         "|---|---|---|---|---|",

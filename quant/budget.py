@@ -1,10 +1,15 @@
 """A bits budget (``weights.target_bits``): each Linear's precision chosen from its measured sensitivity.
 
-1. Sensitivities. One lockstep pass over the calibration data (``quant.sequential``, one decoder
-   layer in memory at a time) gathers ``H = 2/n Σ xᵀx`` of each Linear's inputs, as GPTQ does, and
-   for every candidate scheme rounds the weight to nearest and measures the error's energy at the
-   Linear's output, ``tr(ΔW H ΔWᵀ)`` (``quant.gptq.output_energy``). The pass changes no weight, so
-   every Linear is measured on the float model's activations, whatever the others will get.
+1. Sensitivities. One float forward and backward pass of the language-model loss per calibration
+   sample; at each Linear, for every candidate scheme, the weight is rounded to nearest and the error
+   at the Linear's output weighed by the squared loss gradient there (the diagonal empirical Fisher):
+   ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j²`` per token, the loss that rounding is estimated to add. The plain
+   output energy ``tr(ΔW H ΔWᵀ)`` ranked wrongly (bench/results/budget-curve-cpu.txt: it does not
+   compare across layers whose outputs differ in scale and in how much the loss reads them); measured
+   against it and the relative output error in bench/results/budget-estimators-cpu.json. The pass changes
+   no weight, so every Linear is measured on the float model, whatever the others will get. It needs
+   the whole model at once (a backward pass): for an 8B model its float weights plus one sample's
+   activations, not one layer as the quantization pass does.
 2. Assignment. Each Linear takes one candidate; the summed estimated loss is minimized under the
    budget, a multiple-choice knapsack solved by its Lagrangian: every Linear's candidates reduced to
    their lower convex hull of (bits, loss), then the upgrade steps with the most loss saved per bit
@@ -25,13 +30,13 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from quant import methods as registry
 from quant.affine import QuantScheme, fit_group_size
 from quant.architectures import decoder_layers
 from quant.format import stored_bytes
-from quant.gptq import output_energy
-from quant.sequential import lockstep_pass, quantize_sequential
+from quant.sequential import move_data
 
 DEFAULT_BITS = (2, 3, 4, 8)
 MAX_TARGET_BITS = 8
@@ -65,28 +70,85 @@ def candidate_schemes(base: QuantScheme, width: int, candidates: list[Candidate]
 
 # ------------------------------------------------------------------ sensitivities
 
+def fisher(x: torch.Tensor, grad: torch.Tensor, error: torch.Tensor) -> float:
+    """Σ_t Σ_j g_tj² e_tj²: the diagonal empirical Fisher's weight on an error ``e`` at a Linear's output."""
+    return float((grad ** 2 * error ** 2).sum())
+
+
 def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
                           scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True) -> dict:
-    """{Linear: {candidate label: tr(ΔW H ΔWᵀ) of round-to-nearest}} for the Linears of ``plan``,
-    from one lockstep pass over ``samples`` that leaves every weight as it was."""
+    """{Linear: {candidate label: estimated rise of the mean next-token loss, nats per token}} of
+    rounding that Linear alone to nearest at each candidate, from the diagonal empirical Fisher at its
+    output: ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j² / tokens`` (:func:`weigh_rounding`)."""
+    sums, tokens = weigh_rounding(model, plan, candidates, samples, scale_dtype, device, lazy, progress)
+    return {n: {k: v / (2 * tokens) for k, v in by_label.items()} for n, by_label in sums["fisher"].items()}
+
+
+def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
+                   scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True,
+                   measures: dict | None = None) -> tuple[dict, int]:
+    """({measure: {Linear: {candidate label: Σ over the calibration batches}}}, tokens) where each of
+    ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
+    output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
+
+    One float forward and backward pass per sample; each Linear's candidates are rounded and weighed
+    inside the backward hook on its output, so nothing but one Linear's rounding error is held besides
+    autograd's own activations. The weights are left as they were; the whole model takes part (a
+    lazily loaded one is filled for the pass and its decoder layers emptied again after)."""
+    measures = measures or {"fisher": fisher}
     rtn = registry.get("rtn")
-    width = {n: model.get_submodule(n).in_features for n in plan}
+    sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in measures}
+    prefix, layers = decoder_layers(model)
+    home = next(p.device for p in model.parameters() if not p.is_meta)
+    for i, layer in enumerate(layers if lazy is not None else ()):
+        lazy.fill(layer, f"{prefix}.{i}.", device)
+    move_data(model, torch.device(device))
 
-    def layer_method(layer, inputs, local_plan, where: str):
-        def measure(name: str, H: torch.Tensor):
-            weight = layer.get_submodule(name).weight.detach()
-            if not torch.isfinite(weight).all():
-                raise ValueError(f"{where}{name}.weight contains NaN or Inf; the source model is corrupt")
-            losses = {}
-            for label, scheme in candidate_schemes(local_plan[name], width[where + name], candidates).items():
-                approx = rtn.round_linear(weight, scheme, None, scale_dtype, None, where + name).dequantize(torch.float32)
-                losses[label] = output_energy(weight.float() - approx, H)
-            return None, {"loss": losses}
+    def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
+        weight = linear.weight.detach().float()
+        x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
+        for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
+            delta = weight - rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None,
+                                              name).dequantize(torch.float32)
+            error = x @ delta.T
+            for measure, fn in measures.items():
+                sums[measure][name][label] += fn(x, grad, error)
 
-        return lockstep_pass(layer, inputs, local_plan, measure, where)
+    def watch(name: str, linear: torch.nn.Linear):
+        def forward_hook(module, args, out):
+            x = args[0].detach()
+            out.register_hook(lambda grad: weigh(name, module, x, grad.detach()))
+        return linear.register_forward_hook(forward_hook)
 
-    _, stats = quantize_sequential(model, plan, samples, layer_method, device, progress=progress, lazy=lazy)
-    return {name: st["loss"] for name, st in stats.items()}
+    def track(module, args, out):  # the embeddings' output needs a gradient for any to flow back
+        return out.detach().requires_grad_(True)
+
+    hooks = [watch(n, model.get_submodule(n)) for n in plan]
+    hooks.append(model.get_input_embeddings().register_forward_hook(track))
+    wanted = {p: p.requires_grad for p in model.parameters()}
+    tokens = 0
+    try:
+        for p in wanted:
+            p.requires_grad_(False)
+        with torch.enable_grad():
+            for ids in tqdm(samples.split(1), desc="sensitivities", unit="sample", disable=not progress):
+                ids = ids.to(device)
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+                loss.backward()
+                tokens += ids.shape[1] - 1
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, flag in wanted.items():
+            p.requires_grad_(flag)
+        for layer in layers if lazy is not None else ():  # emptied again: the quantization pass reads each anew
+            for module in layer.modules():
+                for key, param in module._parameters.items():
+                    if param is not None:
+                        module._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        move_data(model, home)
+    return sums, tokens
 
 
 # ------------------------------------------------------------------ assignment
@@ -201,13 +263,7 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
     """The plan with each unpinned Linear's scheme chosen under ``target_bits``, and the record
     (sensitivities, costs, choice) the manifest keeps. ``pinned`` Linears (an override gave their
     bits) keep their scheme; their bits count against the budget."""
-    prefix = decoder_layers(model)[0] + "."
     free = {n: s for n, s in plan.items() if n not in pinned}
-    outside = sorted(n for n in free if not n.startswith(prefix))
-    if outside:
-        raise BudgetError(f"weights.target_bits: {', '.join(outside)} lie outside the decoder layers, where no "
-                          "calibration statistics are gathered; give them bits with an override "
-                          f"({{match: {outside[0]}, bits: 8}}) or list them in weights.ignore")
     if not free:
         raise BudgetError("weights.target_bits: every quantized Linear has its bits from an override; "
                           "nothing is left for the budget to place")
@@ -226,8 +282,10 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
         "target_bits": target_bits,
         "bits_per_weight": (result["cost"] + pinned_bits) / params,
         "candidates": [c.label for c in candidates],
-        "sensitivity": "tr(ΔW H ΔWᵀ) of round-to-nearest at each candidate, H = 2/n Σ xᵀx of the "
-                       "Linear's calibration inputs (float model)",
+        "estimator": "fisher",
+        "sensitivity": "rise of the mean next-token loss (nats/token) estimated for rounding the Linear alone "
+                       "to nearest at each candidate: ½ Σ g² (ΔW x)² over the calibration tokens, x its input and "
+                       "g the loss gradient at its output (diagonal empirical Fisher, float model)",
         "estimated_loss": result["loss"],
         "lower_bound": result["lower_bound"],
         "sensitivity_s": seconds,

@@ -11,9 +11,13 @@ layer it learns
   clipping a few.
 
 It minimizes the mean squared difference between the layer's output with the fake-quantized
-weights and with its float weights, on the same inputs (the outputs of the already quantized
-layers before it), with SignSGD: each step moves every parameter by ``lr`` times the sign of
-its gradient, ``lr`` decaying linearly to zero; rounding passes its gradient straight through.
+weights, on the outputs of the already quantized layers before it, and a reference: with
+``target: layer`` the layer's float output on those same inputs (each layer matches its own
+float self), with ``target: model`` the float model's output of the layer, from the float
+model's own activations (AutoRound's reference: each layer also learns to undo the error of
+the layers before it, on text like the calibration's). It descends with SignSGD: each step
+moves every parameter by ``lr`` times the sign of its gradient, ``lr`` decaying linearly to
+zero; rounding passes its gradient straight through.
 Each step draws ``batch_size`` calibration windows at random, and the parameters of the step
 with the lowest loss are kept (AutoRound's "best" iteration). The result is rounded by
 ``quant.affine`` with the learned offsets and ranges, so the checkpoint is an ordinary
@@ -40,21 +44,23 @@ from quant.sequential import LayerInputs, run_layer
 class SignRoundConfig:
     iters: int = 200  # SignSGD steps per decoder layer
     batch_size: int = 8  # calibration windows per step
-    # the first step's size, which decays linearly to 0, in units of AutoRound's default: 1/iters,
-    # and 2/iters at 3 bits or fewer (a coarse grid needs the offsets and ranges to move further)
+    # the first step's size, which decays linearly to 0, in units of 1/iters (AutoRound's default; it
+    # was doubled at 3 bits or fewer until measured: bench/results/signround-layer-variants-cpu.json,
+    # w3-signround-lr05-cpu.json)
     lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
+    target: str = "layer"  # the reference output: "layer" (float layer, same inputs) or "model" (float model)
     seed: int = 1  # which windows each step draws
 
     def __post_init__(self):
         if not 0 < self.min_range <= 1:
             raise ValueError(f"signround.min_range must be in (0, 1], got {self.min_range}")
+        if self.target not in ("layer", "model"):
+            raise ValueError(f"signround.target must be 'layer' or 'model', got {self.target!r}")
         if self.lr_scale <= 0 or self.iters < 1 or self.batch_size < 1:
             raise ValueError(f"signround: iters, batch_size and lr_scale must be positive, got {self}")
 
-    def step_size(self, bits: int) -> float:
-        return self.lr_scale * (2.0 if bits <= 3 else 1.0) / self.iters
 
 
 class _Rounding:
@@ -136,13 +142,12 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
     the kept step, which step that was, and the seconds it took."""
     start = time.perf_counter()
     with torch.no_grad():
-        target = torch.cat(run_layer(layer, inputs)).float()
+        target = torch.cat(inputs.target if inputs.target is not None else run_layer(layer, inputs)).float()
     hidden, kwargs = _all_windows(inputs)
     windows = hidden.shape[0]
     linears = {n: layer.get_submodule(n) for n in plan}
     rounding = {n: _Rounding(linears[n].weight, plan[n], scale_dtype or linears[n].weight.dtype) for n in plan}
-    bits = min(s.bits for s in plan.values())
-    lr = config.step_size(bits)
+    lr = config.lr_scale / config.iters
     params = [p for r in rounding.values() for p in (r.params() if config.tune_range else [r.offset])]
     generator = torch.Generator().manual_seed(config.seed)
     first_loss = best_loss = None

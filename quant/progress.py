@@ -28,13 +28,15 @@ def _hidden_file(work_dir: Path, i: int, world) -> Path:
 
 
 def save_progress(work_dir: Path, i: int, layer, local_plan: dict, layer_q: dict, hidden: list, stats: dict,
-                  run_id: str) -> None:
+                  run_id: str, reference: list | None = None) -> None:
     """After layer ``i``: its float tensors (as the method left them) and quantized weights (rank
-    0), each rank's shard of the next layer's inputs, then, once every rank has saved, the stats
-    so far and the count of finished layers (rank 0). Each file lands by rename."""
+    0), each rank's shard of the next layer's inputs (and of the float model's, ``reference``,
+    when the method carries them), then, once every rank has saved, the stats so far and the
+    count of finished layers (rank 0). Each file lands by rename."""
     world = distributed.current()
     work_dir.mkdir(parents=True, exist_ok=True)
-    files = [(_hidden_file(work_dir, i + 1, world), {f"h{j}": h.contiguous().cpu() for j, h in enumerate(hidden)})]
+    streams = {f"h{j}": h for j, h in enumerate(hidden)} | {f"f{j}": h for j, h in enumerate(reference or [])}
+    files = [(_hidden_file(work_dir, i + 1, world), {k: h.contiguous().cpu() for k, h in streams.items()})]
     if world.main:
         skip = {f"{n}.weight" for n in local_plan}
         tensors = {f"float.{k}": v.detach().contiguous().cpu() for k, v in layer.state_dict().items() if k not in skip}
@@ -69,9 +71,10 @@ def _read_state(work_dir: Path, run_id: str, size: int) -> dict | None:
 
 
 def load_progress(work_dir: Path, layers, prefix: str, plan: dict, quantized: dict, device,
-                  run_id: str) -> tuple[int, dict, list] | None:
-    """Restore the finished layers of an interrupted run; return (done, stats, next inputs), or
-    None when ``work_dir`` holds no progress. The plan comes from the same recipe and model, so it
+                  run_id: str) -> tuple[int, dict, list, list | None] | None:
+    """Restore the finished layers of an interrupted run; return (done, stats, next inputs, the
+    float model's next inputs or None when the run carried none), or None when ``work_dir``
+    holds no progress. The plan comes from the same recipe and model, so it
     names the same schemes. Only rank 0 restores the finished layers (it alone writes the
     checkpoint); every rank reads its own shard of the inputs."""
     world = distributed.current()
@@ -100,6 +103,7 @@ def load_progress(work_dir: Path, layers, prefix: str, plan: dict, quantized: di
     if not hidden_path.exists():
         raise ValueError(f"rank {world.rank}: {hidden_path} is missing, so this rank cannot resume at layer {done}; "
                          "resume on the same machines with the same ranks, or run without --resume")
-    hidden_file = load_file(hidden_path)
-    hidden = [hidden_file[f"h{j}"].to(device) for j in range(len(hidden_file))]
-    return done, stats, hidden
+    streams = load_file(hidden_path)
+    hidden = [streams[f"h{j}"].to(device) for j in range(sum(k.startswith("h") for k in streams))]
+    reference = [streams[f"f{j}"].to(device) for j in range(sum(k.startswith("f") for k in streams))]
+    return done, stats, hidden, reference or None

@@ -152,7 +152,8 @@ def quantize_model(
     outside = {n: s for n, s in plan.items() if not n.startswith(prefix)}
     step = layer_step(chain, settings, arch, scale_dtype)
     quantized, stats = quantize_sequential(model, layer_plan, samples, step, device, work_dir=work_dir,
-                                           resume=resume, run_id=run_id, progress=progress, lazy=lazy)
+                                           resume=resume, run_id=run_id, progress=progress, lazy=lazy,
+                                           float_stream=rounding.float_stream(settings[rounding.name]))
     if outside:
         plain = rounding if rounding.statistics is None else registry.get("rtn")
         q, st = round_each(model, outside, plain, settings.get(plain.name, plain.settings()), scale_dtype, progress=False)

@@ -48,6 +48,9 @@ class LayerInputs:
 
     hidden: list[torch.Tensor]
     kwargs: list[dict]
+    # the float model's output of this layer batch by batch (its own stream, from float inputs),
+    # when the method learns against it; None: the float layer on ``hidden`` is the reference
+    target: list[torch.Tensor] | None = None
 
 
 def capture_inputs(model, layers, samples: torch.Tensor, batch_size: int, device) -> tuple[LayerInputs, list]:
@@ -302,8 +305,13 @@ def quantize_sequential(
     run_id: str = "",
     progress: bool = True,
     lazy: LazyLayers | None = None,
+    float_stream: bool = False,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, dict]]:
     """Quantize the planned Linears inside the decoder layers, one layer at a time.
+
+    With ``float_stream`` the float model's own hidden states are carried beside the quantized
+    ones (one more copy of the calibration activations), and each layer's method gets the
+    float model's output of that layer as ``inputs.target`` (AutoRound's reference).
 
     With ``work_dir``, progress is saved after every layer; ``resume`` continues
     from it if it was made by the same ``run_id`` (the recipe), else refuses.
@@ -319,17 +327,17 @@ def quantize_sequential(
     home = torch.device("cpu") if lazy else next(layers[0].parameters()).device
     for name, module in model.named_children():  # embeddings and friends join the first step
         if module is not getattr(model, "lm_head", None) and module is not layers:
-            _move(module, device, skip=layers)
+            move_data(module, device, skip=layers)
 
     def fetch(i: int) -> torch.nn.Module:
         if lazy:
             lazy.fill(layers[i], f"{prefix}.{i}.", device)
-        return _move(layers[i], device)
+        return move_data(layers[i], device)
 
     def put_back(i: int, quantized_here) -> None:
         if lazy:
             lazy.release(layers[i], quantized_here)
-        _move(layers[i], home)
+        move_data(layers[i], home)
 
     quantized: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict] = {}
@@ -339,15 +347,21 @@ def quantize_sequential(
         inputs, layer_kwargs = capture_inputs(model, layers, samples, batch_size, device)
         put_back(0, [])
         done = 0
+        reference = list(inputs.hidden) if float_stream else None  # the float model's inputs to layer ``done``
         restored = load_progress(work_dir, layers, prefix, plan, quantized, device, run_id) if resume and work_dir else None
         if restored is not None:
-            done, stats, hidden = restored
+            done, stats, hidden, reference = restored
+            if float_stream and reference is None:
+                raise ValueError(f"{work_dir} holds no float-model activations (made without signround.target: model?); "
+                                 "run without --resume")
             inputs = LayerInputs(hidden, layer_kwargs[done])
         bar = tqdm(range(done, len(layers)), desc="quantizing layers", unit="layer",
                    disable=not progress or not distributed.current().main, initial=done, total=len(layers))
         for i in bar:
             layer = fetch(i)
             local = {n[len(f"{prefix}.{i}."):]: s for n, s in plan.items() if n.startswith(f"{prefix}.{i}.")}
+            if reference is not None:  # the layer is still float here: its output on the float stream
+                inputs.target = reference = run_layer(layer, LayerInputs(reference, inputs.kwargs))
             layer_q, layer_stats, hidden = method(layer, inputs, local, f"{prefix}.{i}.")
             inputs = LayerInputs(hidden, layer_kwargs[min(i + 1, len(layers) - 1)])
             for n in local:
@@ -355,7 +369,7 @@ def quantize_sequential(
                     quantized[f"{prefix}.{i}.{n}"] = layer_q[n]
                 stats[f"{prefix}.{i}.{n}"] = layer_stats[n]
             if work_dir is not None:
-                save_progress(work_dir, i, layer, local, layer_q, inputs.hidden, stats, run_id)
+                save_progress(work_dir, i, layer, local, layer_q, inputs.hidden, stats, run_id, reference)
             put_back(i, local)
             heap.after_layer()
     return quantized, stats
@@ -391,7 +405,7 @@ class _HeapTrim:
             self.trim(0)
 
 
-def _move(module: torch.nn.Module, device: torch.device, skip: torch.nn.Module | None = None) -> torch.nn.Module:
+def move_data(module: torch.nn.Module, device: torch.device, skip: torch.nn.Module | None = None) -> torch.nn.Module:
     """``module.to(device)`` for the tensors that hold data: those left on the meta device (a
     lazily loaded model's layers, released weights) and those inside ``skip`` stay where they are."""
     skipped = {id(t) for t in skip.parameters()} | {id(t) for t in skip.buffers()} if skip is not None else set()

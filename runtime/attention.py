@@ -10,7 +10,7 @@ so for ``Model.generate``; at start-up for an Engine (:func:`kernels_for`, by de
 model's choice), which then hands the same choice to every forward.
 
 * :class:`NoCache`: a plain forward from position 0 (perplexity): causal SDPA;
-* :class:`WholeCache`: a ``KVCache`` whose rows advance together (``Model.generate``, evals);
+* :class:`WholeCache`: a ``LockstepCache``, whose rows advance together (evals, the speed bench);
 * :class:`SequenceBatch`: the engine's decode rows, each sequence at its own position;
 * :class:`PackedBatch`: the engine's prefill chunks of several sequences, packed end to end.
 
@@ -31,6 +31,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kvquant import KVScheme
 from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.kernels import kv_reference as ref
 
 
@@ -103,14 +104,14 @@ def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: tor
 
 def as_batch(cache, start: int | torch.Tensor, length: int, kernels: bool):
     """The batch a ``Decoder.forward`` hands its layers: ``cache`` itself when it is one, else a
-    view of a ``KVCache`` (or of none) at ``start`` for ``length`` new tokens."""
+    view of a ``LockstepCache`` (or of none) at ``start`` for ``length`` new tokens."""
     if cache is None:
         if isinstance(start, torch.Tensor) or start:
             raise ValueError("a forward from a position other than 0 needs the KV cache")
         return NoCache(length)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, LockstepCache):
         if isinstance(start, torch.Tensor):
-            raise ValueError("a KVCache advances all its rows together: per-sequence starts need a SequenceBatch")
+            raise ValueError("a LockstepCache advances all its rows together: per-sequence starts need a SequenceBatch")
         return WholeCache(cache, start, length, kernels)
     return cache
 
@@ -135,12 +136,12 @@ class NoCache(Batch):
 
 
 class WholeCache(Batch):
-    """Every row of a ``KVCache`` at one ``start``: the kernels store and attend in place
-    (``kv_reference.cache_attention`` on their ops), or ``KVCache.update`` + SDPA. The kernels
+    """Every row of a ``LockstepCache`` at one ``start``: the kernels store and attend in place
+    (``kv_reference.cache_attention`` on their ops), or ``LockstepCache.update`` + SDPA. The kernels
     serve the caches they support (dtype, head_dim, block and group sizes); others take the
     reference, decided here once per forward."""
 
-    def __init__(self, cache: KVCache, start: int, length: int, kernels: bool):
+    def __init__(self, cache: LockstepCache, start: int, length: int, kernels: bool):
         self.cache, self.start, self.length = cache, start, length
         if kernels:
             from runtime.kernels.attention import supported
@@ -166,7 +167,7 @@ class SequenceBatch(Batch):
 
     ``kernels``: the Triton ops over views of the cache tensors. Otherwise each sequence stores
     its keys and values, reads back all of its cache dequantized and runs SDPA, exactly as the
-    plain runtime (``KVCache.update`` + SDPA) does. ``starts_tensor`` and ``lengths``: ``starts``
+    lockstep cache (``LockstepCache.update`` + SDPA) does. ``starts_tensor`` and ``lengths``: ``starts``
     on the device, and ``starts + T`` (decode: given by the caller, so no layer computes them).
 
     On the kernels a decode step writes its keys and values in the RoPE launch
@@ -331,7 +332,7 @@ def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, w
 
 def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k, v, window, softcap=None):
     """One sequence (``q`` [1, Hq, T, D], ``k``/``v`` [Hk, T, D]): store, read its cache back
-    dequantized, SDPA, as the plain runtime (``KVCache.update`` + SDPA) does."""
+    dequantized, SDPA, as the lockstep cache (``LockstepCache.update`` + SDPA) does."""
     T = k.shape[1]
     keys, values = cache.write_sequence(layer, slot, start, k, v)
     return sdpa(q, keys[None], values[None], attention_mask(T, start + T, window, q.device), softcap)

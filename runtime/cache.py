@@ -1,9 +1,12 @@
 """The runtime's KV cache: preallocated, paged blocks of quantized keys and values.
 
-Two calls serve attention: ``update(layer, start, k, v)`` writes new positions and
-returns every key and value up to them (dequantized, the CPU reference path), and
-``read(layer, length)``. A fused GPU decode-attention kernel reads the same tensors
-directly; this docstring is the contract.
+One layout, two ways to fill it. :class:`KVCache` (here): each row is a slot that sequences
+come and go from, each at its own length (the serving engine, ``Model.generate``);
+:class:`runtime.cache_lockstep.LockstepCache`: every row advances together, one length per
+layer (``decoder(ids, cache, position)``: evals, the speed bench). Both are a
+:class:`PagedCache`, which stores and reads back (dequantized, the CPU reference path). A
+fused GPU decode-attention kernel reads the same tensors directly; this docstring is the
+contract.
 
 Layout
 ------
@@ -47,7 +50,7 @@ layer: a page is then a block over all layers, and the table below has one colum
   it changes go to the device in one copy.
 * sliding layers keep a ring: a write from position ``start`` reads nothing before
   ``start - W + 1``, so the pages of group ``g`` (window ``W``) wholly before it go back to the
-  pool when the sequence's next write is prepared (``reserve``, ``update``), and a write does
+  pool when the sequence's next write is prepared (``reserve``, ``LockstepCache.update``), and a write does
   not take pages for blocks it fills that are already out of the window when it ends (their
   entries stay ``-1``; the writers skip them). A sliding layer so holds at most
   ``ceil(W / B)`` pages per sequence while decoding (``kvquant.memory.ring_blocks``), and the
@@ -56,20 +59,20 @@ layer: a page is then a block over all layers, and the table below has one colum
 * ``residual_k[layer]``, ``residual_v[layer]``: ``[S, H, B, D]`` in the model dtype:
   the newest ``length % B`` positions of each sequence (the partial block), never
   quantized. A block is quantized and moved into the pool when it fills.
-* ``lengths[layer]``: positions written in that layer when all sequences of the batch
-  advance together (``update``; ``seq_lens(layer)`` gives it as ``[S]`` int32).
-* ``seq_lengths[s]``: positions held by sequence ``s`` when sequences are used one by one
-  (the serving engine: ``add_sequence``, ``reserve``, ``write_sequence``, ``advance``,
-  ``free_sequence``, ``swap_sequences``): each sequence has its own length and its own blocks, and the rows
-  of the block table and residual are slots that sequences come and go from. The layout
-  above does not change: a slot is a row.
+* ``seq_lengths[s]`` (:class:`KVCache`): positions held by sequence ``s`` when sequences are
+  used one by one (the serving engine: ``add_sequence``, ``reserve``, ``write_sequence``,
+  ``advance``, ``free_sequence``, ``swap_sequences``): each sequence has its own length and its
+  own blocks, and the rows of the block table and residual are slots that sequences come and
+  go from. The layout above does not change: a slot is a row. A
+  :class:`~runtime.cache_lockstep.LockstepCache` keeps one length per layer instead (its
+  module docstring).
 
 So position ``p < (length // B) * B`` of sequence ``s`` is row ``p % B`` of
 physical block ``table(layer)[s, p // B]``; a later position is row ``p % B`` of
 the residual.
 
-What attention reads (``update``'s return, the same rule as the GPU path in
-``runtime/kernels/kv_reference.py``): the new tokens are written first, quantizing
+What attention reads (``write_sequence``'s and ``LockstepCache.update``'s return, the same
+rule as the GPU path in ``runtime/kernels/kv_reference.py``): the new tokens are written first, quantizing
 any block that fills; positions before ``start`` then come back as the cache now
 holds them. A decode step (one new token) reads itself from the cache too, so a
 decode kernel that writes the token and attends over blocks + residual computes
@@ -90,7 +93,11 @@ from kvquant import KVScheme, dequantize_blocks, quantize_blocks
 from kvquant.memory import layer_groups, ring_blocks
 from runtime.cache_parts import BlockPool, SequenceSlots
 
-class KVCache:
+
+class PagedCache:
+    """The pool and the slots of the layout above, and what both modes share: page allocation
+    (rings kept), storing new keys and values, and reading positions back dequantized."""
+
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype, device,
                  scheme: KVScheme | None = None, num_blocks: int | None = None, windows=None):
         """``max_len`` positions per sequence; ``num_blocks`` pages shared by the sequences (default:
@@ -113,7 +120,6 @@ class KVCache:
         self.num_blocks = batch * per_sequence if num_blocks is None else num_blocks
         self.pool = BlockPool(self.groups, self.num_blocks, kv_heads, head_dim, self.scheme, dtype, self.device)
         self.slots = SequenceSlots(self.groups, batch, max_blocks, kv_heads, head_dim, B, dtype, self.device)
-        self.lengths = [0] * num_layers  # per layer, when all rows advance together (update)
 
     # ----------------------------------------------------------- the layout's public names
 
@@ -133,35 +139,12 @@ class KVCache:
     def residual_v(self) -> list[torch.Tensor]:
         return self.slots.residual_v
 
-    @property
-    def seq_lengths(self) -> list[int]:
-        return self.slots.lengths
-
     def window(self, layer: int) -> int | None:
         """The sliding window layer ``layer``'s ring keeps (None: every position)."""
         return self.groups.windows[self.slots.group_of(layer)]
 
     def table(self, layer: int, rows: slice = slice(None)) -> torch.Tensor:
         return self.slots.table(layer, rows)
-
-    def pages_for(self, tokens: int, chunk: int | None = None) -> int:
-        """Pages a sequence keeps once it holds ``tokens`` positions (its full blocks, a sliding group's
-        capped at its ring); with ``chunk``, the most it holds while those are written in chunks of
-        ``chunk`` (a sliding group keeps its ring before a chunk besides the chunk's blocks, and
-        the ring at the end of a write reserved whole, as the engine reserves a prompt)."""
-        B, full = self.block_size, tokens // self.block_size
-        caps = [ring_blocks(w, B) + (0 if chunk is None else ring_blocks(w, B) + 2 + -(-chunk // B))
-                for w in self.groups.windows if w is not None]
-        return full * sum(w is None for w in self.groups.windows) + sum(min(full, cap) for cap in caps)
-
-    def longest_sequence(self, chunk: int | None = None) -> int:
-        """The most positions one sequence can reach with the whole pool to itself (at most ``max_len``;
-        ``chunk``: its prompt prefilled in chunks of that many tokens, as :meth:`pages_for` counts)."""
-        lo, hi = 0, self.max_len  # pages_for grows with tokens: the largest that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.pages_for(mid, chunk) <= self.num_blocks else (lo, mid - 1)
-        return lo
 
     # ------------------------------------------------------------- pages: rings and allocation
 
@@ -186,53 +169,7 @@ class KVCache:
             self.slots.push(changed)
         return ok
 
-    def take_blocks(self, slots, first: int, count: int) -> bool:
-        """Give ``slots`` pages for logical blocks ``first .. first+count`` in every group where they
-        have none (no ring: what a caller asks for explicitly); whether any was taken. A
-        RuntimeError, taking nothing, when the pool has too few free pages."""
-        take = [(s, g, j) for s in slots for g in range(len(self.groups.layers)) for j in range(first, first + count)
-                if self.slots.entry(s, g, j) < 0]
-        self._apply([], take, {})
-        return bool(take)
-
-    # ------------------------------------------------------------------ writes
-
-    def check_new_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        expected = (self.batch, self.kv_heads, k.shape[2] if k.ndim == 4 else -1, self.head_dim)
-        if not 0 <= layer < self.num_layers or k.ndim != 4 or tuple(k.shape) != expected or k.shape != v.shape:
-            raise ValueError(
-                f"this KV cache was built for {self.num_layers} layers of {self.kv_heads} KV heads x head_dim "
-                f"{self.head_dim} (batch {self.batch}); got layer {layer} with keys {tuple(k.shape)} and values "
-                f"{tuple(v.shape)}: a cache cannot be shared across models (or batches) of different shapes"
-            )
-
-    def prepare_write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """``update``'s checks and page allocation (rings kept) for every row, for writers that
-        store the tokens themselves (the kernels); the end position. :meth:`finish_write` after."""
-        self.check_new_kv(layer, k, v)
-        if start != self.lengths[layer]:
-            raise ValueError(
-                f"layer {layer} of the KV cache holds {self.lengths[layer]} positions; new ones must follow them "
-                f"(got start={start}); reset() starts over"
-            )
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
-        g = self.slots.group_of(layer)
-        earliest = min(self.lengths[i] for i in self.groups.layers[g])  # a group's pages serve all its layers
-        self._apply(*self.slots.place(range(self.batch), [g], [earliest] * self.batch, end))
-        return end
-
-    def finish_write(self, layer: int, end: int) -> None:
-        self.lengths[layer] = end
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store ``k, v`` [S, H, T, D] at positions ``start..start+T``; return keys and values of all
-        positions up to there, [S, H, start+T, D], as attention reads them (module docstring)."""
-        end = self.prepare_write(layer, start, k, v)
-        keys, values = self._store_and_read(layer, range(self.batch), start, k, v)
-        self.finish_write(layer, end)
-        return keys, values
+    # ------------------------------------------------------------- stores and reads
 
     def _store_and_read(self, layer: int, slots: range, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v`` [rows, H, T, D] at ``start`` (pages placed); return what attention reads
@@ -279,17 +216,6 @@ class KVCache:
                 if dst is not None:
                     dst[pages] = src[rows, blocks].to(dst.dtype)
 
-    # ------------------------------------------------------------------- reads
-
-    def read(self, layer: int, length: int):
-        """Keys and values [S, H, length, D] of the first ``length`` positions, dequantized (in a
-        sliding layer, positions the next query cannot see read as 0)."""
-        if length > self.lengths[layer]:
-            raise ValueError(f"layer {layer} of the KV cache holds {self.lengths[layer]} positions, asked for {length}")
-        w = self.window(layer)
-        first = 0 if w is None else min(max(self.lengths[layer] - w + 1, 0), length)
-        return self._read(layer, slice(None), length, self.lengths[layer] // self.block_size, first)
-
     def _read(self, layer: int, rows: slice, length: int, stored: int, first: int = 0):
         """Keys and values [rows, H, length, D] of the sequences in ``rows``, whose first ``stored``
         blocks are in the pool; positions before ``first`` read as 0 (their blocks are not read)."""
@@ -311,10 +237,53 @@ class KVCache:
             out.append(x)
         return out[0], out[1]
 
-    def seq_lens(self, layer: int) -> torch.Tensor:
-        return torch.full((self.batch,), self.lengths[layer], dtype=torch.int32, device=self.device)
+    def block_bytes(self) -> int:
+        """Bytes of one page: one block of keys and values (scales included) of every layer of a
+        group (of every layer, when no layer slides)."""
+        return self.pool.page_bytes()
 
-    # ------------------------------------------------ sequences one by one (the serving engine)
+    # ------------------------------------------------------------------- all
+
+    def reset(self) -> None:
+        """Forget every position (the memory stays allocated)."""
+        self.block_table.fill_(-1)
+        self.slots.reset()
+        self.pool.reset()
+
+    def nbytes(self) -> int:
+        """Bytes this cache holds: pool, residual blocks and block table."""
+        return self.pool.nbytes() + self.slots.nbytes()
+
+    def pages_held(self) -> int:
+        """Pages in use (the pool's size less its free pages)."""
+        return self.num_blocks - self.pool.free
+
+
+class KVCache(PagedCache):
+    """Rows are slots: sequences come and go, each at its own length (module docstring)."""
+
+    @property
+    def seq_lengths(self) -> list[int]:
+        return self.slots.lengths
+
+    def pages_for(self, tokens: int, chunk: int | None = None) -> int:
+        """Pages a sequence keeps once it holds ``tokens`` positions (its full blocks, a sliding group's
+        capped at its ring); with ``chunk``, the most it holds while those are written in chunks of
+        ``chunk`` (a sliding group keeps its ring before a chunk besides the chunk's blocks, and
+        the ring at the end of a write reserved whole, as the engine reserves a prompt)."""
+        B, full = self.block_size, tokens // self.block_size
+        caps = [ring_blocks(w, B) + (0 if chunk is None else ring_blocks(w, B) + 2 + -(-chunk // B))
+                for w in self.groups.windows if w is not None]
+        return full * sum(w is None for w in self.groups.windows) + sum(min(full, cap) for cap in caps)
+
+    def longest_sequence(self, chunk: int | None = None) -> int:
+        """The most positions one sequence can reach with the whole pool to itself (at most ``max_len``;
+        ``chunk``: its prompt prefilled in chunks of that many tokens, as :meth:`pages_for` counts)."""
+        lo, hi = 0, self.max_len  # pages_for grows with tokens: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages_for(mid, chunk) <= self.num_blocks else (lo, mid - 1)
+        return lo
 
     @property
     def free_blocks(self) -> int:
@@ -332,12 +301,6 @@ class KVCache:
         """A free slot (row) for a new sequence of length 0: ``slot`` if given, else the lowest free one."""
         return self.slots.take(slot)
 
-    def blocks_needed(self, slot: int, end: int) -> int:
-        """Pages sequence ``slot`` still lacks to hold positions up to ``end`` (blocks fill at B tokens;
-        a sliding group's blocks out of the window at ``end`` are never taken)."""
-        lengths = self.slots.lengths
-        return len(self.slots.place([slot], range(len(self.groups.layers)), lengths, end)[1])
-
     def reserve(self, slot: int, end: int) -> bool:
         """Release the pages of ``slot`` its next write (from its length on) cannot read, and take the
         ones positions up to ``end`` fill; False (taking nothing) when the pool has too few free
@@ -351,7 +314,7 @@ class KVCache:
     def write_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v`` [H, T, D] of sequence ``slot`` at ``start`` (= its length: every layer
         writes at the same start until ``advance`` moves it); return the keys and values
-        [H, start+T, D] attention reads, by the same rule as :meth:`update`."""
+        [H, start+T, D] attention reads (the module docstring's rule)."""
         self._check_slot(slot)
         if start != self.seq_lengths[slot]:
             raise ValueError(f"sequence {slot} of the KV cache holds {self.seq_lengths[slot]} positions; new ones "
@@ -402,28 +365,6 @@ class KVCache:
         """Bytes one slot holds whatever its length: its residual block (keys and values, every
         layer) and its block-table row."""
         return self.slots.slot_bytes()
-
-    def block_bytes(self) -> int:
-        """Bytes of one page: one block of keys and values (scales included) of every layer of a
-        group (of every layer, when no layer slides)."""
-        return self.pool.page_bytes()
-
-    # ------------------------------------------------------------------- all
-
-    def reset(self) -> None:
-        """Forget every position (the memory stays allocated)."""
-        self.lengths = [0] * self.num_layers
-        self.block_table.fill_(-1)
-        self.slots.reset()
-        self.pool.reset()
-
-    def nbytes(self) -> int:
-        """Bytes this cache holds: pool, residual blocks and block table."""
-        return self.pool.nbytes() + self.slots.nbytes()
-
-    def pages_held(self) -> int:
-        """Pages in use (the pool's size less its free pages)."""
-        return self.num_blocks - self.pool.free
 
 
 from runtime.cache_budget import cache_size  # noqa: E402,F401 (the engine's import; its home is cache_budget)

@@ -1,4 +1,4 @@
-"""The two halves of the paged KV cache (``runtime.cache.KVCache`` composes them; its module
+"""The two halves of the paged KV cache (``runtime.cache.PagedCache`` composes them; its module
 docstring is the layout contract):
 
 * :class:`BlockPool`: the physical blocks of quantized keys and values, one pool tensor per

@@ -6,7 +6,7 @@ forward (``attention.PackedBatch``); a decode forward takes every decoding seque
 its own position (``attention.SequenceBatch``), its inputs (token ids, start positions,
 lengths) packed on the host and sent in one copy, or replays the CUDA graph captured for its
 batch-size bucket. The block table changes only when a sequence crosses a block boundary
-(``KVCache.take_blocks``), so a steady decode step has no host-device sync before the read of
+(``KVCache.reserve``), so a steady decode step has no host-device sync before the read of
 the sampled tokens (:func:`sample_tokens`). ``Model.generate`` runs its steps here too, so the
 plain runtime and the engine launch the same kernels.
 """

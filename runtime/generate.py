@@ -159,7 +159,7 @@ class SequenceSteps:
     def __init__(self, model, total: int):
         from runtime.execution import Executor
 
-        self.cache = model.new_cache(total)  # quantized as the model's kv_scheme says
+        self.cache = model.new_cache(total, lockstep=False)  # quantized as the model's kv_scheme says
         self.slot = self.cache.add_sequence()
         kernels = model.decoder.attention_kernels
         if kernels:  # the Triton kernels serve the caches they support; the reference the others

@@ -10,6 +10,7 @@ from kvquant import KVScheme, kv_scheme_from_dict, parse_kv
 from quant import checkpoint, models
 from quant.affine import QuantScheme
 from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
 from runtime.linear import QuantLinear
@@ -70,11 +71,15 @@ class Model:
                     total += p.numel()
         return total
 
-    def new_cache(self, max_len: int, batch: int = 1, scheme: KVScheme | None = None) -> KVCache:
-        """A KV cache for ``batch`` sequences of up to ``max_len`` positions (default scheme: the model's)."""
+    def new_cache(self, max_len: int, batch: int = 1, scheme: KVScheme | None = None,
+                  lockstep: bool = True) -> LockstepCache | KVCache:
+        """A KV cache for ``batch`` sequences of up to ``max_len`` positions (default scheme: the model's):
+        a ``LockstepCache`` for ``decoder(ids, cache, position)``, or with ``lockstep=False`` a
+        ``KVCache`` of slots (``Model.generate``, through the engine's steps)."""
         cfg = self.decoder.cfg
-        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype, self.device,
-                       scheme=scheme or self.kv_scheme, windows=cfg.sliding_windows)
+        cls = LockstepCache if lockstep else KVCache
+        return cls(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype, self.device,
+                   scheme=scheme or self.kv_scheme, windows=cfg.sliding_windows)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

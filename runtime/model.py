@@ -308,7 +308,7 @@ class Decoder(nn.Module):
         of the last position only with ``last_only``: generation needs no more, and at 4,096
         tokens a vocabulary of 128k makes the full logits a 1 GB tensor).
 
-        ``cache``: a ``KVCache`` (its rows advance together: the new keys/values are stored and
+        ``cache``: a ``LockstepCache`` (its rows advance together: the new keys/values are stored and
         attention reads every position before them), a batch of ``runtime.attention`` (the
         engine: ``start`` may then be a tensor [B] of per-sequence positions), or None (a plain
         forward: ``start`` must be 0). Attention runs on ``attention_kernels``' backend.

@@ -1,6 +1,6 @@
 """Gemma 2, Gemma 3 and Phi-3: quantized, loaded and served as transformers runs them.
 
-Tiny random models from transformers configs (tests/tiny.py: soft-caps, windows, a query scalar and
+Tiny random models from transformers configs (quant/tiny_models.py: soft-caps, windows, a query scalar and
 local/global RoPE chosen so that each binds). The float runtime against transformers, greedy tokens
 included, is in tests/test_runtime.py (its KINDS); here: the family table, Gemma's (1 + w) norms under
 AWQ, quantized checkpoints in both runtimes, every KV scheme, calibration, and the engine.
@@ -13,17 +13,14 @@ import runtime
 from kvquant import KVScheme, parse_kv
 from quant import architectures, checkpoint
 from quant.affine import QuantScheme
-from quant.awq import AWQConfig, apply_scale, scale_mappings
+from quant.awq import apply_scale, scale_mappings
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
 from runtime.linear import QuantLinear
-from tiny import save_model, tiny_model
+from bench.families import GEMMA3_27B, KV_SCHEMES, PHI3_MINI_128K
+from quant.tiny_models import ids_for, quantized_checkpoint, save_model, tiny_model, with_outlier_channels
 
 FAMILIES = ["gemma2", "gemma3", "phi3"]
-
-
-def ids_for(model, n=1, length=40, seed=3):
-    return torch.randint(0, model.config.vocab_size, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -64,33 +61,6 @@ def test_awq_scales_fold_into_gemmas_one_plus_weight_norms_exactly():
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-def with_outlier_channels(model, channels=(3, 17, 40, 51), factor=8.0):
-    """A few input channels of every scaled Linear made 8 times larger, as trained LLMs have them (the
-    case AWQ is for; a random model has none): the norms feeding those Linears scale them."""
-    arch = architectures.architecture_of(model)
-    with torch.no_grad():
-        for layer in architectures.decoder_layers(model)[1]:
-            for pair in arch.scale_pairs:
-                norm = layer.get_submodule(pair.prev)
-                if not isinstance(norm, torch.nn.Linear):
-                    w = norm.weight[list(channels)]
-                    norm.weight[list(channels)] = (arch.norm_offset + w) * factor - arch.norm_offset
-    return model
-
-
-def quantized_checkpoint(kind, tmp_path, methods="rtn", seed=4, outliers=False):
-    """A W4 (group 32, asymmetric) checkpoint of a tiny model: (path, model holding the quantized weights)."""
-    model, tok = tiny_model(kind, seed=seed)
-    if outliers:
-        with_outlier_channels(model)
-    plan = plan_layers(model, QuantScheme(4, 32, symmetric=False), ["lm_head"])
-    samples = ids_for(model, n=16, length=32, seed=0) if methods != "rtn" else None
-    quantized, stats = quantize_model(model, plan, methods, samples=samples, progress=False,
-                                      awq=AWQConfig(search_samples=8))
-    out = checkpoint.save(model, quantized, tmp_path / f"{kind}-{methods}", tokenizer=tok, dtype=torch.float32)
-    return out, model, stats
-
-
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_quantized_checkpoint_runs_in_lowbit_and_in_transformers_alike(tmp_path, kind):
     pytest.importorskip("compressed_tensors")
@@ -107,10 +77,6 @@ def test_quantized_checkpoint_runs_in_lowbit_and_in_transformers_alike(tmp_path,
     assert sum(isinstance(m, QuantLinear) for m in rt.decoder.modules()) == len(theirs.model.layers) * 4
     torch.testing.assert_close(rt.logits(ids), expected, atol=1e-4, rtol=1e-4)
     assert (float_logits - expected).abs().max() > 1e-3  # quantization changed the logits: not float against float
-
-
-KV_SCHEMES = {  # scheme: largest logit error of a cached forward against the plain one, as a share of the logits' range
-    "fp16-r16": 1e-5, "int8-r16": 0.02, "fp8-r16": 0.1, "int4-g16-r16": 0.25, "int2-g16-r16": 0.6}
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -277,25 +243,6 @@ def test_family_defaults_are_the_transformers_config_defaults(model_type, config
         else:
             got = theirs._sliding_window_pattern if key == "sliding_window_pattern" else getattr(theirs, key)
         assert got == value, key
-
-
-# google/gemma-3-27b-it's config.json (transformers 4.50): the text part leaves most keys to the defaults
-GEMMA3_27B = {
-    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
-    "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
-    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
-                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
-                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                    "sliding_window": 1024},
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "num_hidden_layers": 27,
-                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "patch_size": 14}}
-# microsoft/Phi-3-mini-128k-instruct's shape (LongRoPE factors shortened to their length, 48)
-PHI3_MINI_128K = {
-    "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 131072,
-    "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 262144,
-    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48},
-    "tie_word_embeddings": False, "vocab_size": 32064, "torch_dtype": "bfloat16", "hidden_act": "silu"}
 
 
 def test_real_shaped_configs_read_as_transformers_reads_them():

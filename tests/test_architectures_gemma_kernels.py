@@ -10,7 +10,7 @@ import torch
 from kernel_device import DEVICE  # first: it picks the interpreter without a GPU
 
 from kvquant import parse_kv
-from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.kernels import attention as kernels
 from runtime.model import Decoder, DecoderConfig
 
@@ -40,7 +40,7 @@ def test_decoding_on_the_kernels_matches_the_reference(family):
                 p.copy_(torch.randn(p.shape) * 0.2 + (0.0 if cfg.norm_offset else 1.0))
     scheme = parse_kv("int4-g16-r16")
     ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(14)).to(DEVICE)
-    plain, fused = (KVCache(2, 2, 1, 16, 32, torch.float32, DEVICE, scheme=scheme) for _ in range(2))
+    plain, fused = (LockstepCache(2, 2, 1, 16, 32, torch.float32, DEVICE, scheme=scheme) for _ in range(2))
     want, got = [], []
     with torch.inference_mode():
         for pos in range(20):

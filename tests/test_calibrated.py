@@ -10,6 +10,7 @@ from quant.affine import QuantScheme, fake_quantize
 from quant.architectures import UnsupportedModelError, architecture, architecture_of
 from quant.awq import AWQConfig, apply_awq, scale_mappings
 from quant.calibration import calibration_samples
+from quant.learned_rounding import SignRoundConfig
 from quant.gptq import GPTQConfig, gptq_quantize, inverse_hessian_cholesky, output_error
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
@@ -118,8 +119,8 @@ def test_calibrated_methods_lower_output_error_and_load_everywhere(tmp_path, met
         torch.testing.assert_close(model(test_ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_resume_after_an_interruption_gives_the_same_result(tmp_path, monkeypatch, lazy):
+@pytest.mark.parametrize("lazy,method", [(False, "gptq"), (True, "gptq"), (False, "signround")])
+def test_resume_after_an_interruption_gives_the_same_result(tmp_path, monkeypatch, lazy, method):
     import quant.sequential as seq
     from quant.models import load_lazily
 
@@ -131,8 +132,10 @@ def test_resume_after_an_interruption_gives_the_same_result(tmp_path, monkeypatc
         model, _, layers_on_disk = load_lazily(tmp_path / "model") if lazy else (*tiny_llama(hidden=64, layers=3), None)
         ids, _ = tiny_inputs(model)
         plan = plan_layers(model, QuantScheme(4, 32, False, "weight"), ["lm_head"])
-        return quantize_model(model, plan, "gptq", samples=ids, work_dir=work_dir, resume=resume, run_id="r",
-                              progress=False, lazy=layers_on_disk)[0]
+        # signround learning against the float model: its float activations are saved and resumed too
+        settings = {"signround": SignRoundConfig(iters=3, batch_size=2, target="model")} if method == "signround" else {}
+        return quantize_model(model, plan, method, samples=ids, work_dir=work_dir, resume=resume, run_id="r",
+                              progress=False, lazy=layers_on_disk, **settings)[0]
 
     expected = run(None)
     real_save, calls = seq.save_progress, []

@@ -8,7 +8,7 @@ import yaml
 from click.testing import CliRunner
 
 from lowbit.cli import main
-from tiny import save_model, tiny_llama
+from tiny import save_model, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,34 @@ def test_eval_of_an_unquantized_model_needs_no_manifest(model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     r = json.loads(out_json.read_text())
     assert r["baseline_ppl"] is None and r["bits_per_weight"] == 32.0 and r["quantized_params"] == 0
+    assert (r["protocol"]["bos_mode"], r["protocol"]["bos"]) == ("auto", False)  # its tokenizer adds no BOS
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tmp_path_factory):
+    """The tiny model with a tokenizer that begins everything it encodes with its BOS (as Gemma's does)."""
+    model, _ = tiny_llama(hidden=64)
+    return save_model(model, tiny_tokenizer(adds_bos=True), tmp_path_factory.mktemp("models") / "bos")
+
+
+@pytest.mark.parametrize("bos, begins", [("auto", True), ("on", True), ("off", False)])
+def test_eval_bos_option_decides_whether_each_window_begins_with_the_bos(bos_model_dir, tmp_path, monkeypatch, bos,
+                                                                         begins):
+    from runtime.load import Model
+
+    firsts, logits = [], Model.logits
+    monkeypatch.setattr(Model, "logits", lambda self, ids: firsts.append(int(ids[0, 0])) or logits(self, ids))
+    out_json = tmp_path / "r.json"
+    result = run("eval", bos_model_dir, "--tokens", 100, "--window", 64, "--stride", 32, "--bos", bos,
+                 "--json", out_json)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out_json.read_text())
+    bos_id = tiny_tokenizer().bos_token_id  # "<s>" never occurs in the text: only a prepended BOS is one
+    assert len(firsts) == 3 and all((first == bos_id) == begins for first in firsts), firsts
+    assert (r["protocol"]["bos_mode"], r["protocol"]["bos"], r["protocol"]["bos_token_id"]) == (
+        bos, begins, bos_id if begins else None)
+    assert ("BOS prepended" in r["protocol"]["description"]) == begins
+    assert f"--bos {bos}" in result.output
 
 
 def test_inspect_lists_layers_in_model_order(ckpt):

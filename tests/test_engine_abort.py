@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from runtime.engine import Engine
-from test_engine import FP16, INT4, greedy, model_dir, models, plain, prompts  # noqa: F401 (fixtures)
+from engine_setup import FP16, INT4, greedy, model_dir, models, plain, prompts  # noqa: F401 (fixtures)
 
 STAGES = {  # when the victim (34 prompt tokens, prefilled in chunks of 16) is aborted
     "waiting": lambda engine, r: r in engine.waiting,

@@ -18,7 +18,7 @@ from runtime.cache import KVCache
 from runtime.engine import Engine
 from runtime.attention import PackedBatch
 from runtime.generate import prefill_chunks
-from test_engine import FP16, INT4, greedy, model_dir, models, plain, prompts  # noqa: F401 (fixtures)
+from engine_setup import FP16, INT4, greedy, model_dir, models, plain, prompts  # noqa: F401 (fixtures)
 
 LENGTHS = (5, 21, 9, 34, 14, 1, 16, 40)
 CHUNK = 16

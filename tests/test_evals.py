@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import save_file
 
 from evals import size
-from evals.perplexity import Protocol, hf_logits_fn, perplexity, windows
+from evals.perplexity import Protocol, bos_for, hf_logits_fn, perplexity, windows
 from evals.texts import load_text
-from tiny import tiny_llama
+from tiny import tiny_llama, tiny_tokenizer
 
 
 def context_model(vocab: int):
@@ -158,3 +158,21 @@ def test_weight_stats_of_a_float_model_count_its_linears(tmp_path):
               tmp_path / "model.safetensors")
     s = size.weight_stats(tmp_path)
     assert s.quantized_params == 0 and s.bits_per_weight == 32
+
+
+def test_bos_modes_follow_the_tokenizer():
+    """auto: the BOS when the tokenizer adds one to what it encodes (as the model is used), none
+    when it has one but does not add it; on: the BOS whenever there is one; off: never."""
+    adds, keeps = tiny_tokenizer(adds_bos=True), tiny_tokenizer()
+    assert adds("Anne").input_ids[0] == adds.bos_token_id != keeps("Anne").input_ids[0]
+    assert [bos_for(adds, m) for m in ("auto", "on", "off")] == [adds.bos_token_id, adds.bos_token_id, None]
+    assert [bos_for(keeps, m) for m in ("auto", "on", "off")] == [None, keeps.bos_token_id, None]
+    keeps.bos_token = None
+    assert bos_for(keeps, "auto") is None
+    with pytest.raises(ValueError, match="has none; use BOS 'off'"):
+        bos_for(keeps, "on")
+    with pytest.raises(ValueError, match="auto, on, off"):
+        bos_for(adds, "yes")
+    with pytest.raises(ValueError, match="disjoint windows .* need the BOS"):
+        Protocol(window=8, stride=8)
+

@@ -20,6 +20,7 @@ from kernel_device import DEVICE  # first: it picks the interpreter without a GP
 from bench.correctness import same_cache
 from kvquant import KVScheme, parse_kv, quantize_kv
 from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.kernels import attention as kernels
 from runtime.kernels import kv_reference as ref
 from runtime.kernels.kv_reference import PagedKV
@@ -228,8 +229,8 @@ def test_cache_attention_through_prefill_chunks_and_decode(name):
     steps against the CPU path (cache.update + SDPA), on one cache history."""
     scheme = parse_kv(name)
     S, H, Hq, D, max_len = 2, 2, 8, 64, 3 * B
-    fused, reference = (KVCache(1, S, H, D, max_len, torch.float16, DEVICE, scheme=scheme) for _ in range(2))
-    cpu_path = KVCache(1, S, H, D, max_len, torch.float16, "cpu", scheme=scheme)
+    fused, reference = (LockstepCache(1, S, H, D, max_len, torch.float16, DEVICE, scheme=scheme) for _ in range(2))
+    cpu_path = LockstepCache(1, S, H, D, max_len, torch.float16, "cpu", scheme=scheme)
     pos, step = 0, 0
     for T in (40, 13) + (1,) * 14:  # a prefill, a chunk that reads the first from the cache, decode over 64
         q = randn(S, Hq, T, D, seed=300 + step)
@@ -251,7 +252,7 @@ def test_cache_attention_through_prefill_chunks_and_decode(name):
 
 def test_unsupported_caches_fall_back_or_fail_clearly():
     odd = parse_kv("int4-g16-r48")  # a block of 48 tokens: not a power of two
-    cache = KVCache(1, 1, 1, 64, 96, torch.float16, DEVICE, scheme=odd)
+    cache = LockstepCache(1, 1, 1, 64, 96, torch.float16, DEVICE, scheme=odd)
     q, k = randn(1, 1, 1, 64, seed=1), randn(1, 1, 1, 64, seed=2)
     assert kernels.cache_attention(cache, 0, 0, q, k, k) is None  # the model then takes cache.update + SDPA
     with pytest.raises(ValueError, match="block size .*48"):
@@ -296,7 +297,7 @@ def test_a_value_group_as_wide_as_the_head():
 def test_cache_attention_with_a_sliding_window():
     scheme = parse_kv("int8-r32")
     S, H, Hq, D, window = 1, 1, 4, 64, 24
-    fused, reference = (KVCache(1, S, H, D, 2 * B, torch.float16, DEVICE, scheme=scheme) for _ in range(2))
+    fused, reference = (LockstepCache(1, S, H, D, 2 * B, torch.float16, DEVICE, scheme=scheme) for _ in range(2))
     pos = 0
     for step, T in enumerate((40, 1, 1, 1)):
         q = randn(S, Hq, T, D, seed=600 + step)
@@ -338,7 +339,7 @@ def test_the_models_kernel_backend_matches_its_reference_backend(monkeypatch, fa
     model = Decoder(cfg).eval()
     scheme = parse_kv("int4-g16-r16")
     ids = torch.randint(0, 64, (2, 20), generator=generator(14))
-    plain, fused = (KVCache(2, 2, 1, cfg.head_dim, 32, torch.float32, "cpu", scheme=scheme) for _ in range(2))
+    plain, fused = (LockstepCache(2, 2, 1, cfg.head_dim, 32, torch.float32, "cpu", scheme=scheme) for _ in range(2))
     calls = []
     spy = ref.AttentionOps(kernels.write_kv, kernels.dequantize_cache,
                            lambda *a, **k: calls.append(1) or kernels.decode_attention(*a, **k))

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():  # before the kernels are built (tests/conftes
 from kvquant import parse_kv  # noqa: E402
 from kvquant.memory import layer_groups, residual_bytes, ring_blocks, sequence_bytes  # noqa: E402
 from runtime.cache import KVCache  # noqa: E402
+from runtime.cache_lockstep import LockstepCache  # noqa: E402
 
 SCHEMES = ["fp16-r16", "int8-r16", "int4-g16-r16", "int2-g16-r16", "fp8-r16"]
 WINDOW = 12  # smaller than the 40-token history, not a multiple of the 16-token block
@@ -54,7 +55,7 @@ def run_history(model, cache, ids, chunks):
 def ring_and_uncapped(model, scheme, max_len):
     cfg = model.cfg
     shape = (cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, max_len, torch.float32, "cpu")
-    return KVCache(*shape, scheme=scheme, windows=cfg.sliding_windows), KVCache(*shape, scheme=scheme)
+    return LockstepCache(*shape, scheme=scheme, windows=cfg.sliding_windows), LockstepCache(*shape, scheme=scheme)
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -98,7 +99,7 @@ def test_dequantize_kernel_reads_a_dropped_block_as_zero():
     from runtime.kernels import attention as kernels
     from runtime.kernels import kv_reference as ref
 
-    cache = KVCache(1, 2, 2, 16, 64, torch.float16, "cpu", scheme=parse_kv("int4-g16-r16"), windows=(WINDOW,))
+    cache = LockstepCache(1, 2, 2, 16, 64, torch.float16, "cpu", scheme=parse_kv("int4-g16-r16"), windows=(WINDOW,))
     k, v = torch.randn(2, 2, 40, 16).half(), torch.randn(2, 2, 40, 16).half()
     end = cache.prepare_write(0, 0, k, v)
     ref.write_kv(ref.PagedKV.from_cache(cache, 0), torch.zeros(2, dtype=torch.int32), k, v)
@@ -190,7 +191,8 @@ def test_the_engine_keeps_rings_and_decodes_as_the_uncapped_cache(tmp_path, monk
                 most = max(most, r.computed)
     assert most >= 40  # the check ran on long sequences
 
-    def uncapped(self, max_len, batch=1, scheme=None):  # Model.generate on a cache with no rings
+    def uncapped(self, max_len, batch=1, scheme=None, lockstep=True):  # Model.generate on a cache with no rings
+        assert not lockstep  # Model.generate runs the engine's steps on a cache of slots
         cfg = self.decoder.cfg
         return Cache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype, self.device,
                      scheme=scheme or self.kv_scheme)

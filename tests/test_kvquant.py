@@ -9,6 +9,7 @@ from kvquant import KVScheme, bytes_per_token, dequantize_kv, fake_quantize_kv, 
 from quant.affine import QuantScheme, choose_qparams, dequantize, quantize
 from quant.packing import unpack
 from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 
 SCHEMES = ["fp16", "int8", "int4", "int2", "fp8"]
 
@@ -177,7 +178,7 @@ def test_cache_holds_full_blocks_quantized_and_the_partial_block_exact(name):
     scheme = KVScheme(bits=base.bits, type=base.type, group_size=32, residual=64)
     k = keys_with_offset_channels(2, 3, tokens=150, seed=1)
     v = torch.randn(2, 3, 150, 64)
-    cache = KVCache(2, 2, 3, 64, 160, torch.float32, "cpu", scheme=scheme)
+    cache = LockstepCache(2, 2, 3, 64, 160, torch.float32, "cpu", scheme=scheme)
     write_in_chunks(cache, 1, k, v, [50, 1, 1, 30, 3, 65])  # blocks fill mid-chunk
     keys, values = cache.read(1, 150)
     assert keys.shape == values.shape == (2, 3, 150, 64)
@@ -194,7 +195,7 @@ def test_cache_holds_full_blocks_quantized_and_the_partial_block_exact(name):
 
 def test_a_chunk_reads_its_own_tokens_fresh_and_a_decode_step_reads_the_cache():
     scheme = parse_kv("int4-g32-r64")
-    cache = KVCache(1, 1, 2, 64, 200, torch.float32, "cpu", scheme=scheme)
+    cache = LockstepCache(1, 1, 2, 64, 200, torch.float32, "cpu", scheme=scheme)
     k, v = keys_with_offset_channels(1, 2, tokens=200, seed=2), torch.randn(1, 2, 200, 64)
     write_in_chunks(cache, 0, k, v, [40])
     keys, values = cache.update(0, 40, k[:, :, 40:100], v[:, :, 40:100])  # fills block 0 mid-chunk
@@ -209,7 +210,7 @@ def test_a_chunk_reads_its_own_tokens_fresh_and_a_decode_step_reads_the_cache():
 
 def test_block_table_is_shared_by_layers_and_blocks_are_paged_from_one_pool():
     scheme = parse_kv("int4-g32-r32")
-    cache = KVCache(2, 2, 1, 64, 96, torch.float32, "cpu", scheme=scheme, num_blocks=5)
+    cache = LockstepCache(2, 2, 1, 64, 96, torch.float32, "cpu", scheme=scheme, num_blocks=5)
     x = torch.randn(2, 1, 64, 64)
     for layer in range(2):
         cache.update(layer, 0, x, x)
@@ -222,7 +223,7 @@ def test_block_table_is_shared_by_layers_and_blocks_are_paged_from_one_pool():
 
 
 def test_a_cache_shared_across_models_of_different_shapes_is_refused():
-    cache = KVCache(2, 1, 3, 64, 256, torch.float32, "cpu", scheme=parse_kv("int4"))
+    cache = LockstepCache(2, 1, 3, 64, 256, torch.float32, "cpu", scheme=parse_kv("int4"))
     with pytest.raises(ValueError, match="built for 2 layers of 3 KV heads x head_dim 64.*different shapes"):
         cache.update(0, 0, torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64))  # 2 heads
     with pytest.raises(ValueError, match="different shapes"):

@@ -11,7 +11,7 @@ from quant import checkpoint
 from quant.affine import QuantScheme, choose_qparams, fake_quantize, quantize
 from quant.format import quantization_config
 from quant.packing import pack
-from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.linear import QuantLinear
 from tiny import save_model, tiny_llama, tiny_model
 
@@ -49,7 +49,7 @@ def test_prefill_in_chunks_through_the_cache_equals_one_forward(tiny_dir):
     rt = runtime.load(tiny_dir)
     cfg = rt.decoder.cfg
     ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
-    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 37, torch.float32, "cpu")
+    cache = LockstepCache(cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 37, torch.float32, "cpu")
     chunks, pos = [], 0
     with torch.inference_mode():
         for size in (16, 1, 7, 13):  # a prefill, a decode step, then uneven chunks
@@ -59,7 +59,7 @@ def test_prefill_in_chunks_through_the_cache_equals_one_forward(tiny_dir):
 
 
 def test_kv_cache_writes_at_positions_and_reads_up_to_length():
-    cache = KVCache(num_layers=2, batch=1, kv_heads=2, head_dim=4, max_len=6, dtype=torch.float32, device="cpu")
+    cache = LockstepCache(num_layers=2, batch=1, kv_heads=2, head_dim=4, max_len=6, dtype=torch.float32, device="cpu")
     k, v = torch.ones(1, 2, 4, 4), torch.full((1, 2, 4, 4), 2.0)
     keys, values = cache.update(1, 0, k, v)
     assert keys.shape == (1, 2, 4, 4) and torch.equal(values, v)

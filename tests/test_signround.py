@@ -99,6 +99,35 @@ def test_awq_then_signround_runs():
     assert set(quantized) == set(plan) and all("signround" in s for s in stats.values())
 
 
+def test_target_model_learns_against_the_float_models_own_activations(monkeypatch):
+    """With ``target: model`` each layer's reference is the float model's hidden state after that
+    layer (from float inputs), not the float layer on the quantized model's inputs."""
+    import quant.methods.signround as method
+
+    model, _ = tiny_llama(hidden=64, layers=3)
+    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        float_states = model(ids, output_hidden_states=True).hidden_states  # [embeddings, layer 0, layer 1, ...]
+    seen, real = [], method.learn_rounding
+
+    def spy(layer, inputs, *args):
+        if inputs.target is not None:
+            seen.append(torch.cat(inputs.target))
+        return real(layer, inputs, *args)
+
+    monkeypatch.setattr(method, "learn_rounding", spy)
+    plan = plan_layers(model, QuantScheme(2, 32, False), ["lm_head"])
+    quantize_model(model, plan, "signround", samples=ids, progress=False,
+                   signround=SignRoundConfig(iters=4, batch_size=2, target="model"))
+    assert len(seen) == 3
+    for i in (0, 1):  # the last layer's hidden state is reported after the final norm
+        torch.testing.assert_close(seen[i], float_states[i + 1], rtol=1e-4, atol=1e-5)
+    seen.clear()
+    quantize_model(tiny_llama(hidden=64, layers=3)[0], plan, "signround", samples=ids, progress=False,
+                   signround=SignRoundConfig(iters=4, batch_size=2))
+    assert seen == []  # target: layer carries no float stream
+
+
 def test_recipe_reads_signround_settings_and_refuses_bad_ones():
     r = parse_recipe({"model": "m", "weights": {"methods": ["signround"], "bits": 2,
                                                 "signround": {"iters": 50, "batch_size": 4, "min_range": 0.7}}})
@@ -106,7 +135,8 @@ def test_recipe_reads_signround_settings_and_refuses_bad_ones():
     assert parse_recipe(r.to_dict()) == r
     assert parse_recipe({"model": "m", "weights": {"methods": ["awq", "signround"]}}).weights.method == "awq+signround"
     bad = [({"min_range": 1.5}, "min_range must be in"), ({"iters": 0}, "signround.iters"),
-           ({"lr_scale": -1}, "signround.lr_scale"), ({"steps": 3}, "steps"), ({"tune_range": "yes"}, "tune_range")]
+           ({"lr_scale": -1}, "signround.lr_scale"), ({"steps": 3}, "steps"), ({"tune_range": "yes"}, "tune_range"),
+           ({"target": "float"}, "target")]
     for settings, message in bad:
         with pytest.raises(RecipeError, match=message):
             parse_recipe({"model": "m", "weights": {"methods": ["signround"], "signround": settings}}, "r.yaml")

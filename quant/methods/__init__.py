@@ -62,6 +62,10 @@ class Method:
     round_layer: Callable | None = None
     # stage "round": settings -> the act-order the plan's schemes carry (None: column order)
     actorder: Callable = lambda settings: None
+    # stage "round", whole layer: settings -> whether it learns against the float model's own
+    # output of each layer (the pipeline then carries the float model's activations beside the
+    # quantized ones: ``LayerInputs.target``)
+    float_stream: Callable = lambda settings: False
     choices: dict = field(default_factory=dict)  # settings field -> its allowed values
     # whether its statistics are summed across torchrun ranks (quant.distributed); a method that
     # learns from its own captures without that would differ with the number of ranks

@@ -14,4 +14,5 @@ def round_layer(layer, inputs, plan, settings: SignRoundConfig, scale_dtype, whe
 
 
 METHOD = Method("signround", SignRoundConfig, needs_data=True, stage="round", statistics="layer",
-                round_layer=round_layer, ranks=False)  # its gradients are not summed across ranks yet
+                round_layer=round_layer, float_stream=lambda settings: settings.target == "model",
+                choices={"target": ("layer", "model")}, ranks=False)  # its gradients are not summed across ranks yet

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
 from runtime.kernels import decode_folded as folded
 from runtime.kernels import kv_reference as ref
 from runtime.kernels.kv_reference import PagedKV
@@ -281,7 +281,7 @@ def cache_attention(cache, layer: int, start: int, q: torch.Tensor, k: torch.Ten
                     mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor | None:
     """:func:`runtime.kernels.kv_reference.cache_attention` on these kernels; None when they do not
     support the cache (the caller then takes the reference path)."""
-    if not isinstance(cache, KVCache) or q.dtype != cache.dtype:
+    if not isinstance(cache, LockstepCache) or q.dtype != cache.dtype:
         return None
     if not supported(cache.scheme, cache.head_dim, cache.dtype, cache.device):
         return None

@@ -11,7 +11,7 @@ layout of ``runtime/cache.py`` (its module docstring is the contract):
   before position ``n - window + 1`` (table entry -1); reads give 0 there, and a write skips
   the blocks it fills that are out of the window when it ends;
 * per-sequence lengths ``[S]`` (the serving engine batches sequences of different lengths;
-  ``runtime.cache.KVCache`` itself advances them together).
+  ``runtime.cache_lockstep.LockstepCache`` advances them together).
 
 This module imports no Triton: on CPU it is the implementation.
 """
