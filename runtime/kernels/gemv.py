@@ -198,7 +198,7 @@ def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
     Q: tl.constexpr = PACK // 2
-    ONE_GROUP: tl.constexpr = GROUP % TILE_K == 0  # the whole tile shares one scale and zero
+    ONE_GROUP: tl.constexpr = GROUP % (16 * PACK) == 0  # the whole tile shares one scale and zero
     k0 = t * TILE_K
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
     if ONE_GROUP:
