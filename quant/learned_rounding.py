@@ -12,10 +12,10 @@ layer it learns
 
 It minimizes the mean squared difference between the layer's output with the fake-quantized
 weights, on the outputs of the already quantized layers before it, and a reference: with
-``target: layer`` the layer's float output on those same inputs (each layer matches its own
-float self), with ``target: model`` the float model's output of the layer, from the float
-model's own activations (AutoRound's reference: each layer also learns to undo the error of
-the layers before it, on text like the calibration's). It descends with SignSGD: each step
+``target: model`` (the default) the float model's output of the layer, from the float model's
+own activations (AutoRound's reference: each layer also learns to undo the error of the layers
+before it, on text like the calibration's); with ``target: layer`` the layer's float output on
+those same inputs (each layer matches its own float self). It descends with SignSGD: each step
 moves every parameter by ``lr`` times the sign of its gradient, ``lr`` decaying linearly to
 zero; rounding passes its gradient straight through.
 Each step draws ``batch_size`` calibration windows at random, and the parameters of the step
@@ -50,7 +50,10 @@ class SignRoundConfig:
     lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
-    target: str = "layer"  # the reference output: "layer" (float layer, same inputs) or "model" (float model)
+    # the reference output: "model" (the float model's, from its own activations; measured better on
+    # the calibration-like text at 2, 3 and 4 bits and on code at 2 and 4: bench/results/w*-signround-model-*)
+    # or "layer" (the float layer on the quantized model's inputs: less activation memory)
+    target: str = "model"
     seed: int = 1  # which windows each step draws
 
     def __post_init__(self):
@@ -60,7 +63,6 @@ class SignRoundConfig:
             raise ValueError(f"signround.target must be 'layer' or 'model', got {self.target!r}")
         if self.lr_scale <= 0 or self.iters < 1 or self.batch_size < 1:
             raise ValueError(f"signround: iters, batch_size and lr_scale must be positive, got {self}")
-
 
 
 class _Rounding:

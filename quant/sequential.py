@@ -350,7 +350,8 @@ def quantize_sequential(
         reference = list(inputs.hidden) if float_stream else None  # the float model's inputs to layer ``done``
         restored = load_progress(work_dir, layers, prefix, plan, quantized, device, run_id) if resume and work_dir else None
         if restored is not None:
-            done, stats, hidden, reference = restored
+            done, stats, hidden, saved_reference = restored
+            reference = saved_reference if float_stream else None
             if float_stream and reference is None:
                 raise ValueError(f"{work_dir} holds no float-model activations (made without signround.target: model?); "
                                  "run without --resume")
