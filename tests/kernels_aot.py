@@ -34,7 +34,8 @@ def compile_case(case: dict):
                      DEQUANT=qm.dequant_type(case["bits"], qm.TORCH_DTYPES[dtype], False),
                      DEQUANT_ASM=True,
                      BLOCK_M=case["block_m"], BLOCK_N=case["block_n"], GROUP_M=8,
-                     STEP_TILES=case.get("step_tiles", 1), X_TMA=tma)
+                     STEP_TILES=case.get("step_tiles", 1), X_TMA=tma, EVEN_N=True,
+                     STEP_GROUP=case["group"] % (tile_k * case.get("step_tiles", 1)) == 0)
     signature.update({name: "constexpr" for name in constants})
     # what Triton specializes at launch for aligned tensors and sizes divisible by 16
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm")

@@ -36,10 +36,12 @@ from runtime import linear as linear_module  # noqa: E402
 from runtime.kernels import reference  # noqa: E402
 from runtime.kernels.weight_layout import (  # noqa: E402
     dequantize_kernel_weight,
+    interleave_word_rows,
     kernel_weight_values,
     make_kernel_weight,
     reference_matmul,
     unsupported_reason,
+    word_rows,
 )
 from runtime.linear import QuantLinear  # noqa: E402
 
@@ -110,6 +112,9 @@ CASES = [
     (4, 64, False, False, torch.bfloat16, 9, 48, 704, False, Config(16, 64, split_k=2, step_tiles=2)),
     (8, 32, True, False, torch.float16, 16, 40, 320, True, Config(16, 32, num_stages=2, step_tiles=2)),
     (4, 32, False, True, torch.float16, 12, 40, 640, False, Config(16, 32, step_tiles=4)),  # 5 tiles: 4 + 1
+    # 8 bits, group 128: an iteration's two tiles share one group (STEP_GROUP); 10 tiles in 4
+    # splits of 3 would start split 1 mid-group: the launcher makes them 3 splits of 4 tiles
+    (8, 128, False, False, torch.float16, 16, 40, 640, False, Config(16, 32, split_k=4, step_tiles=2)),
     # prefill row tiles (>= 64 rows): activations by TMA descriptor, zero-filled past M and K (the
     # interpreter runs the same descriptor path); act-order with split-K; 8 bits
     (4, 64, False, False, torch.float16, 70, 64, 576, True, Config(64, 32)),
@@ -171,6 +176,15 @@ def test_layout_encodes_exactly_the_checkpoint_weight(bits, group, sym, act_orde
     # padding past K packs zeros (it multiplies masked-out activations)
     q_kn = unpack(kw.qweight, bits, kw.qweight.shape[0] * kw.pack, dim=0)
     assert int((q_kn != 0).sum()) == int((kernel_weight_values(kw) != 0).sum())
+
+
+def test_word_rows_of_a_column_lie_side_by_side():
+    """weight_layout's memory order: rows 4 a .. 4 a + 3 of a column are one 16-byte vector."""
+    words = torch.arange(32 * 3, dtype=torch.int32).view(32, 3)  # 2 tiles of 16 word rows, N = 3
+    stored = interleave_word_rows(words)
+    assert stored.shape == words.shape and torch.equal(word_rows(stored), words)
+    start = 16 * 3 + 2 * (4 * 3) + 4 * 1  # tile 1, a = 2, column 1
+    assert stored.flatten()[start : start + 4].tolist() == words[16 + 8 : 16 + 12, 1].tolist()
 
 
 @pytest.mark.parametrize("M", [1, 4, 16, 17, 100])

@@ -12,10 +12,12 @@ import re
 import pytest
 
 
-# (case name prefix, budget) pairs the current kernels miss on sm_90a. Prefill is held to the
-# issue's own budget (dequantization slice <= 3 per weight, no spills, registers for 2 CTAs per
-# SM), not to a whole-loop count: all met since bench/sass_dataflow.py measures it.
-KNOWN_MISSED = {("w8g128 fp16 small-m", "max_loop_instructions_per_unit")}
+# (case name prefix, budget) pairs the current kernels miss on sm_90a: none. Prefill is held to
+# the issue's own budget (dequantization slice <= 3 per weight, no spills, registers for 2 CTAs
+# per SM; bench/sass_dataflow.py), not to a whole-loop count; W8 M=16 is within 3.5 since the
+# interleaved word layout (16-byte copies) and one scale/zero load per group-sharing iteration
+# (bench/results/sass-8fc688c.json: 222 loop instructions, 3.47 per weight; 224 would be 3.5).
+KNOWN_MISSED: set = set()
 
 
 @pytest.fixture(scope="module")

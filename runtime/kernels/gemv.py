@@ -4,7 +4,8 @@ Layout: ``weight_layout.KernelWeight`` (words ``[K/pack, N]``, 16 word rows per 
 ``p Q + q`` of row ``4 a + b`` is input ``8 (a Q + q) + 2 b + p`` of the tile, ``Q = pack / 2``).
 Each thread owns ``BLOCK_N / 32`` whole output columns and sums K inside itself: a main-loop iteration gives each warp of the CTA its
 own K tile (warp ``w`` takes tiles ``w, w + warps, ...``) and the tile's 16 word rows are loaded
-as plain vectors (adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
+as 16-byte vectors, rows ``4 a .. 4 a + 3`` of one column each (the layout stores them side by
+side; adjacent threads, adjacent columns: coalesced), with no 2-D tile reshuffled
 through shared memory, one loop iteration ahead of their use (software pipelining in
 registers). The warps' sums meet once, after the loop.
 
@@ -97,11 +98,29 @@ def _field_params(s_ptr, z_ptr, k_field, cols, N, K, HAS_ZERO: tl.constexpr, GRO
 
 
 @triton.jit
-def _load_words(qw_ptr, t, cols, N):
-    """The 16 word rows of each warp's tile ``t``, one ``[warps, BLOCK_N]`` tensor per row."""
+def _load_words(qw_ptr, t, cols, N, ASM: tl.constexpr):
+    """The 16 word rows of each warp's tile ``t``, one ``[warps, BLOCK_N]`` tensor per row. Rows
+    ``4 a .. 4 a + 3`` of a column lie side by side (weight_layout): one 16-byte load per column
+    and ``a`` (an inline ``ld.global.v4``: a ``[warps, BLOCK_N, 4]`` load split into rows put the
+    columns in another layout, re-laid through shared memory every tile). The interpreter loads
+    the same words one at a time.
+
+    The asm result takes its layout from the tile's other loads: the scale and zero rows (vector
+    loads of a thread's adjacent columns, for the aligned tensors the launcher passes) give each
+    warp its own K tile. Without such a load (a ragged N, clamped columns) the default layout
+    puts the warps on the columns instead, each thread then reading 4 tiles' activations: still
+    correct, and no worse than the unvectorized row loads were there."""
     rows = ()
-    for r in tl.static_range(16):
-        rows = rows + (tl.load(qw_ptr + (t * _SUBTILE + r) * N + cols),)
+    for a in tl.static_range(4):
+        quad = qw_ptr + (t * _SUBTILE + 4 * a) * N + 4 * cols  # [warps, BLOCK_N]: the row 4 a word
+        if ASM:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [quad],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            rows = rows + (r0, r1, r2, r3)
+        else:
+            for b in tl.static_range(4):
+                rows = rows + (tl.load(quad + b),)
     return rows
 
 
@@ -171,28 +190,34 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
 
 @triton.jit
 def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                 ASM: tl.constexpr):
     """The same sum field by field in fp32, one weight per instruction: 8-bit bf16. Stored values
-    become floats with the 2**23 trick (no conversion instruction)."""
+    become floats with the 2**23 trick (no conversion instruction); the activations come as the
+    packed path's bf16 pairs (two 64-bit loads per 8), widened to fp32 by a shift or a mask."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE * PACK
     Q: tl.constexpr = PACK // 2
+    ONE_GROUP: tl.constexpr = GROUP % (16 * PACK) == 0  # the whole tile shares one scale and zero
     k0 = t * TILE_K
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
+    if ONE_GROUP:
+        s, z = _field_params(s_ptr, z_ptr, k0, cols, N, K, HAS_ZERO, GROUP)
     for a in tl.static_range(4):
         for q in tl.static_range(Q):  # fields q and Q + q of rows 4 a + b: inputs 8 (a Q + q) + 0..7
             k_pair = k0 + 8 * (a * Q + q)
-            s, z = _field_params(s_ptr, z_ptr, k_pair, cols, N, K, HAS_ZERO, GROUP)
+            if not ONE_GROUP:
+                s, z = _field_params(s_ptr, z_ptr, k_pair, cols, N, K, HAS_ZERO, GROUP)
             offset = 8388608.0 + (1 << (BITS - 1)) + z
+            xps = _x_pairs(x_ptr, k_pair, K, EVEN_K, ASM)
             chain = tl.zeros_like(total)
             for b in tl.static_range(4):
                 w = words[4 * a + b]
+                xs = _halves_to_f32(xps[b], tl.bfloat16, ASM)  # x[k_pair + 2 b + p], p = 0, 1
                 for p in tl.static_range(2):
                     field = (w >> (BITS * (p * Q + q))) & ((1 << BITS) - 1)
                     v = (field | 0x4B000000).to(tl.float32, bitcast=True)
-                    k = k_pair + 2 * b + p
-                    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                    chain += x * (v - offset)
+                    chain += xs[p] * (v - offset)
             total += chain * s
     return total
 
@@ -227,16 +252,16 @@ def _gemv_kernel(
     acc = tl.zeros((WARPS, BLOCK_N), dtype=tl.float32)
     # Software pipelined: the words of a warp's next tile are loaded (into registers) before the
     # math on this one. A warp past the end re-reads the last tile, counted as 0.
-    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N)
+    words = _load_words(qw_ptr, tl.minimum(t_begin + warp_tile, t_end - 1), cols, N, ASM)
     for t0 in range(t_begin, t_end, WARPS):
         t = t0 + warp_tile
         t_read = tl.minimum(t, t_end - 1)
-        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N)
+        next_words = _load_words(qw_ptr, tl.minimum(t + WARPS, t_end - 1), cols, N, ASM)
         if PAIR != tl.float32:
             part = _tile_packed(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, masks, BITS, GROUP, HAS_ZERO, PAIR,
                                 EVEN_K, ASM)
         else:
-            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO)
+            part = _tile_fields(x_ptr, words, s_ptr, z_ptr, t_read, cols, N, K, BITS, GROUP, HAS_ZERO, EVEN_K, ASM)
         acc += tl.where(t < t_end, part, 0.0)
         words = next_words
     total = tl.sum(acc, axis=0)  # the warps' K tiles meet once, in a fixed order

@@ -91,15 +91,17 @@ def _activation_tile(x_tile, m0, k0, K, TILE_K: tl.constexpr, MASK_K: tl.constex
 
 
 @triton.jit
-def _tile_step(acc, k0, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+def _tile_step(acc, k0, k_group, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
                DOT_IN_FP32: tl.constexpr, DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, MASK_K: tl.constexpr,
                X_TMA: tl.constexpr):
-    """One K tile (inputs ``k0 .. k0 + tile_k``) added into ``acc``; ``MASK_K``: the tile passes K."""
+    """One K tile (inputs ``k0 .. k0 + tile_k``) added into ``acc``, with the scales and zeros of
+    the group(s) of input ``k_group`` (``k0``, or the first input of a loop iteration whose tiles
+    share a group); ``MASK_K``: the tile passes K."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    g = _tile_groups(k0, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
+    g = _tile_groups(k_group, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
     scale = _group_rows(s_ptr, g, offs_n, n_mask, N).to(DEQUANT)
     v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
     x = _activation_tile(x_tile, m0, k0, K, TILE_K, MASK_K, X_TMA)
@@ -125,7 +127,7 @@ def _quant_matmul_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     DEQUANT: tl.constexpr, DEQUANT_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    STEP_TILES: tl.constexpr, X_TMA: tl.constexpr,
+    STEP_TILES: tl.constexpr, X_TMA: tl.constexpr, EVEN_N: tl.constexpr, STEP_GROUP: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     Q: tl.constexpr = PACK // 2
@@ -143,6 +145,9 @@ def _quant_matmul_kernel(
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N may pass 2**31 (lm_head)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    if EVEN_N:  # no column past N: loads without a mask (a constant true one folds away; the
+        # masked loads of scales and zeros compiled to a zero-fill instruction each)
+        n_mask = tl.full(offs_n.shape, True, tl.int1)
     t_start = pid_k * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, tl.cdiv(K, TILE_K))
 
@@ -150,7 +155,11 @@ def _quant_matmul_kernel(
     # Tile pointers made once, advanced by a scalar per tile. Rows past M read row M - 1 (real
     # memory, no mask per load); their results are never stored. X_TMA: activation tiles come
     # through x_desc, a tensor descriptor over x ([M, K], blocks [BLOCK_M, TILE_K]), instead.
-    w_rows = qw_ptr + tl.arange(0, _SUBTILE_K)[:, None] * N + offs_n[None, :]
+    # word row 4 a + b of column n at a * 4N + 4 n + b of its tile (weight_layout); spelt as one
+    # [16, BLOCK_N] tile ([4, 4, BLOCK_N] compiled the same on sm_90a but re-laid the tile
+    # through shared memory in 16-bit pieces on sm_80, a longer loop)
+    rows = tl.arange(0, _SUBTILE_K)[:, None]
+    w_rows = qw_ptr + (rows // 4) * (4 * N) + rows % 4 + 4 * offs_n[None, :]
     m0 = pid_m * BLOCK_M
     if X_TMA:
         x_tile = x_desc
@@ -162,14 +171,19 @@ def _quant_matmul_kernel(
     t_steps = t_start + (t_full - t_start) // STEP_TILES * STEP_TILES
     for t in range(t_start, t_steps, STEP_TILES):  # tiles of one iteration share the loop's own work
         for i in tl.static_range(STEP_TILES):
-            acc = _tile_step(acc, (t + i) * TILE_K, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K, BITS,
-                             GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False, X_TMA)
+            # STEP_GROUP: the iteration's tiles share one group (t is a multiple of STEP_TILES):
+            # their scales and zeros are loaded and converted once
+            k_group = t * TILE_K if STEP_GROUP else (t + i) * TILE_K
+            acc = _tile_step(acc, (t + i) * TILE_K, k_group, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N,
+                             K, BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False, X_TMA)
     for i in tl.static_range(STEP_TILES - 1):  # the full tiles left over, if any
         if t_steps + i < t_full:
-            acc = _tile_step(acc, (t_steps + i) * TILE_K, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+            k0 = (t_steps + i) * TILE_K
+            acc = _tile_step(acc, k0, k0, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                              BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, False, X_TMA)
     if t_full < t_end:
-        acc = _tile_step(acc, t_full * TILE_K, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
+        k0 = t_full * TILE_K
+        acc = _tile_step(acc, k0, k0, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n, n_mask, N, K,
                          BITS, GROUP, HAS_ZERO, SCALE_PER_TILE, DOT_IN_FP32, DEQUANT, DEQUANT_ASM, True, X_TMA)
     acc = tl.trans(acc)
 
@@ -289,11 +303,14 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
     M, K = x2.shape
     N = kw.out_features
     num_tiles = triton.cdiv(K, kw.tile_k)
-    tiles_per_split = triton.cdiv(num_tiles, config.split_k)
-    splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
     # One group per row: any group length works; give the kernel the padded length so every
     # tile maps to group 0 with the per-tile scale load.
     group = kw.group_len if kw.num_groups > 1 else num_tiles * kw.tile_k
+    step_group = group % (kw.tile_k * config.step_tiles) == 0  # an iteration's tiles share a group
+    tiles_per_split = triton.cdiv(num_tiles, config.split_k)
+    if step_group:  # splits start on an iteration boundary, so on a group boundary
+        tiles_per_split = triton.cdiv(tiles_per_split, config.step_tiles) * config.step_tiles
+    splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), splits)
     x_tma = activations_by_tma(x2, config.block_m, interpreting())
@@ -307,7 +324,8 @@ def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: 
         DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
         DEQUANT=dequant_type(kw.bits, x2.dtype, interpreting()), DEQUANT_ASM=not interpreting(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STEP_TILES=config.step_tiles,
-        X_TMA=x_tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        X_TMA=x_tma, EVEN_N=N % config.block_n == 0, STEP_GROUP=step_group,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         block = 1024

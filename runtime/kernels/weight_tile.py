@@ -37,7 +37,8 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
     instruction."""
     Q: tl.constexpr = 16 // BITS
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    # the tile's 16 word rows (padding is stored: no K mask); qw_ptr points at [16, BLOCK_N] rows 0..15
+    # the tile's 16 word rows (padding is stored: no K mask); qw_ptr points at [16, BLOCK_N] rows
+    # 0..15 of tile 0 (interleaved in memory, weight_layout); a tile is 16 N words further
     words = tl.load(qw_ptr + (k0 // (2 * Q)) * N, mask=n_mask[None, :], other=0)
     words = tl.reshape(words, (1, 4, 4, BLOCK_N))
     field_bit = BITS * tl.arange(0, Q)[:, None, None, None]  # in the low half; p = 1: 16 bits up
