@@ -91,9 +91,10 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
     output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
 
-    One float forward and backward pass per sample; each Linear's candidates are rounded and weighed
-    inside the backward hook on its output, so nothing but one Linear's rounding error is held besides
-    autograd's own activations. The weights are left as they were; the whole model takes part (a
+    One float forward and backward pass per sample; each Linear's candidates are weighed inside the
+    backward hook on its output. Each is rounded once, at its first sample, and kept on its integer
+    grid (int8, one byte per weight and candidate, beside the float weights) for the later samples;
+    only one Linear's float rounding error is held at a time besides autograd's own activations. The weights are left as they were; the whole model takes part (a
     lazily loaded one is filled for the pass and its decoder layers emptied again after)."""
     measures = measures or {"fisher": fisher}
     rtn = registry.get("rtn")
@@ -104,12 +105,19 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
         lazy.fill(layer, f"{prefix}.{i}.", device)
     move_data(model, torch.device(device))
 
+    rounded: dict[str, dict] = {}  # {Linear: {label: QuantizedWeight}}: rounding reads no data, so once per Linear
+
+    def rounded_once(name: str, linear: torch.nn.Linear) -> dict:
+        if name not in rounded:
+            rounded[name] = {label: rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None, name)
+                             for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items()}
+        return rounded[name]
+
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
         weight = linear.weight.detach().float()
         x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
-        for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
-            delta = weight - rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None,
-                                              name).dequantize(torch.float32)
+        for label, quantized in rounded_once(name, linear).items():
+            delta = weight - quantized.dequantize(torch.float32)
             error = x @ delta.T
             for measure, fn in measures.items():
                 sums[measure][name][label] += fn(x, grad, error)

@@ -151,6 +151,33 @@ def test_sensitivities_are_the_fisher_weighted_rounding_error_on_the_float_model
     assert losses[name]["w3 g32"] == pytest.approx(total / (2 * tokens), rel=1e-4)
 
 
+def test_each_linear_is_rounded_once_per_candidate_whatever_the_samples(monkeypatch):
+    """Rounding reads no data: the pass rounds each Linear once per candidate, not once per sample, and
+    gives the same sums as rounding anew for every sample (the pass before the cache, measured here)."""
+    from quant import rtn
+    from quant.budget import weigh_rounding
+    from quant.calibration import calibration_samples
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    samples = calibration_samples(tok, TEXT * 20, 4, 32, 0)
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    candidates = [Candidate(b, 32) for b in (2, 4)]
+    calls = []
+    real = rtn.quantize_weight
+    monkeypatch.setattr(rtn, "quantize_weight", lambda *a: calls.append(a) or real(*a))
+    cached, tokens = weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False)
+    assert len(calls) == len(plan) * len(candidates)
+
+    per_sample = {n: dict.fromkeys(cached["fisher"][n], 0.0) for n in plan}
+    for ids in samples.split(1):  # each sample its own pass: every Linear rounded again for it
+        sums, _ = weigh_rounding(model, plan, candidates, ids, torch.float32, progress=False)
+        for n, by_label in sums["fisher"].items():
+            for label, value in by_label.items():
+                per_sample[n][label] += value
+    assert len(calls) == len(plan) * len(candidates) * (1 + len(samples))
+    assert cached["fisher"] == per_sample  # the same floats, added in the same order
+
+
 def test_sensitivities_follow_what_the_loss_reads_not_the_output_scale():
     """Move a factor 64 from every v_proj to its o_proj: the model computes the same function and each
     rounding error does the same damage (round-to-nearest's grid scales with the weights), though
