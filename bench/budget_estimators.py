@@ -80,8 +80,9 @@ def weigh(model, plan, candidates, samples) -> dict:
 def estimates(weighed: dict) -> dict:
     """{estimator: {Linear: {label: value}}}; a common factor does not change an assignment."""
     sums = weighed["sums"]
-    out = {m: sums[m] for m in ("output", "fisher", "fisher_dot")}
-    out["relative"] = {n: {k: v / weighed["energy"][n] for k, v in by.items()} for n, by in sums["output"].items()}
+    out = {m: sums[m] for m in ("output", "fisher", "fisher_dot") if m in sums}  # a pass may have weighed fewer
+    if "output" in sums:
+        out["relative"] = {n: {k: v / weighed["energy"][n] for k, v in by.items()} for n, by in sums["output"].items()}
     return out
 
 
@@ -183,6 +184,8 @@ def main():
         args.pass_file.write_text(json.dumps(weighed))
     result["pass"] = {k: weighed[k] for k in weighed if k not in ("sums", "energy")} | {"file": args.pass_file.name}
     estimated = estimates(weighed)
+    if missing := [e for e in args.estimators if e not in estimated]:
+        raise SystemExit(f"{args.pass_file} has no sums for {missing}; pass --estimators {' '.join(estimated)}")
     costs = linear_costs(model, plan, candidates, torch.bfloat16)
     params = sum(model.get_submodule(n).weight.numel() for n in plan)
     originals = {n: model.get_submodule(n).weight.detach().clone() for n in plan}
@@ -240,9 +243,13 @@ def add_to_pass(weighed: dict, more: dict, code_version: str) -> None:
     if more["tokens"] != weighed["tokens"]:
         raise SystemExit(f"the pass file counted {weighed['tokens']} tokens, this pass {more['tokens']}: "
                          "not the same samples")
-    for measure, by_linear in more["sums"].items():
-        for name, by_label in by_linear.items():
+    for measure in list(weighed["sums"]):  # a measure only one of the two passes weighed covers too few candidates
+        if measure not in more["sums"]:
+            del weighed["sums"][measure]
+            continue
+        for name, by_label in more["sums"][measure].items():
             weighed["sums"][measure][name].update(by_label)
+    weighed.setdefault("energy", more["energy"])  # of the float Linears' outputs: the same in every pass
     weighed["candidates"] += more["candidates"]
     weighed.setdefault("added", []).append({"candidates": more["candidates"], "commit": code_version,
                                             "seconds": more["seconds"], "cpu_seconds": more["cpu_seconds"]})

@@ -1,8 +1,9 @@
 """A bits budget (``weights.target_bits``): each Linear's precision chosen from its measured sensitivity.
 
 1. Sensitivities. One float forward and backward pass of the language-model loss per calibration
-   sample; at each Linear, for every candidate scheme, the weight is rounded to nearest and the error
-   at the Linear's output weighed by the squared loss gradient there (the diagonal empirical Fisher):
+   sample; at each Linear, for every candidate scheme, the weight is rounded to nearest (once, at the
+   first sample: rounding reads no data) and the error at the Linear's output weighed by the squared
+   loss gradient there (the diagonal empirical Fisher):
    ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j²`` per token, the loss that rounding is estimated to add. The plain
    output energy ``tr(ΔW H ΔWᵀ)`` ranked wrongly (bench/results/budget-curve-cpu.txt: it does not
    compare across layers whose outputs differ in scale and in how much the loss reads them); measured
