@@ -151,7 +151,7 @@ def main():
     from evals.perplexity import hf_logits_fn
     from evals.provenance import versions
     from quant.affine import QuantScheme
-    from quant.budget import assign, linear_costs
+    from quant.budget import BudgetError, assign, linear_costs
     from quant.calibration import calibration_samples, load_calibration_text
     from quant.models import load_float_model, resolve
     from quant.plan import plan_layers
@@ -213,8 +213,12 @@ def main():
             for set_name, members in sets.items():
                 labels = {c.label for c in members}
                 pick = {n: {k: v for k, v in by.items() if k in labels} for n, by in estimated[estimator].items()}
-                chosen = assign({n: {k: v for k, v in by.items() if k in labels} for n, by in costs.items()},
-                                pick, int(target * params))
+                try:
+                    chosen = assign({n: {k: v for k, v in by.items() if k in labels} for n, by in costs.items()},
+                                    pick, int(target * params))
+                except BudgetError as e:  # this set's cheapest candidates exceed the target: no row
+                    print(f"budget {target:g} ({estimator}, {set_name}): {e}", flush=True)
+                    continue
                 budget = {"target_bits": target, "estimator": estimator, "candidates": sorted(labels),
                           "estimated_loss": chosen["loss"],
                           "layers": {n: {"choice": k, "loss": pick[n]} for n, k in chosen["choice"].items()}}

@@ -39,7 +39,13 @@ from quant.architectures import decoder_layers
 from quant.format import stored_bytes
 from quant.sequential import move_data
 
-DEFAULT_BITS = (2, 3, 4, 8)
+# The default candidates: 3 and 4 bits at groups 32, 64 and 128 (and the recipe's), 8 bits at the recipe's
+# group size; no 2 bits. Measured (README, bench/results/budget-candidates-cpu.json): the Fisher estimate,
+# second order about the float model, prices widths against each other wrongly (2-bit damage understated,
+# 4-bit overstated), so trades across widths lose; steps within a width (group sizes) it prices well enough.
+DEFAULT_BITS = (3, 4)
+DEFAULT_GROUPS = (32, 64, 128)
+WIDEST_BITS = 8
 MAX_TARGET_BITS = 8
 
 
@@ -60,8 +66,10 @@ class Candidate:
 
 
 def default_candidates(group_sizes) -> list[Candidate]:
-    """2, 3, 4 and 8 bits at each of the recipe's group sizes."""
-    return [Candidate(b, g) for g in dict.fromkeys(group_sizes) for b in DEFAULT_BITS]
+    """3 and 4 bits at groups 32, 64, 128 and each of the recipe's group sizes; 8 bits at the recipe's."""
+    groups = list(dict.fromkeys([*DEFAULT_GROUPS, *group_sizes]))
+    return [Candidate(b, g) for b in DEFAULT_BITS for g in groups] + [Candidate(WIDEST_BITS, g)
+                                                                      for g in dict.fromkeys(group_sizes)]
 
 
 def candidate_schemes(base: QuantScheme, width: int, candidates: list[Candidate]) -> dict[str, QuantScheme]:

@@ -290,7 +290,8 @@ def test_overrides_pin_linears_and_count_against_the_budget(tmp_path, tiny_dir, 
 @pytest.mark.parametrize("weights, message", [
     ({"target_bits": 3.5, "bits": 4}, "weights.target_bits: give either weights.bits"),
     ({"target_bits": 9}, "above 8 bits per weight"),
-    ({"target_bits": 1.5}, "below the smallest candidate (2 bits"),
+    ({"target_bits": 2.5}, "below the smallest candidate (3 bits"),
+    ({"target_bits": 1.5, "candidates": [{"bits": 2}]}, "below the smallest candidate (2 bits"),
     ({"target_bits": 2.5, "candidates": [{"bits": 3}, {"bits": 4}]}, "below the smallest candidate (3 bits"),
     ({"candidates": [{"bits": 3}]}, "weights.candidates: candidates are what a bits budget chooses from"),
     ({"target_bits": "3.5"}, "expected a positive number of bits per weight"),
@@ -312,7 +313,8 @@ def test_a_budget_below_what_scales_allow_fails_before_calibration(tmp_path, tin
     monkeypatch.setattr(budget, "measure_sensitivities", lambda *a, **k: pytest.fail("calibration ran"))
     with pytest.raises(RecipeError, match=r"below the smallest assignment the candidates allow, 3\.06\d bits per "
                                           r"weight \(every Linear it places at w2 g32"):
-        pipeline.quantize(recipe(tiny_dir, calibration_file, tmp_path / "low", target_bits=2.5), progress=False)
+        pipeline.quantize(recipe(tiny_dir, calibration_file, tmp_path / "low", target_bits=2.5,
+                                 candidates=[{"bits": 2}, {"bits": 4}]), progress=False)
     assert not (tmp_path / "low").exists()
 
 
@@ -321,3 +323,6 @@ def test_recipe_round_trips_with_a_budget():
     assert r.weights.budget_candidates == [Candidate(3, 64), Candidate(4, 128)]
     assert parse_recipe(r.to_dict()) == r
     assert parse_recipe({"model": "m"}).to_dict()["weights"].keys().isdisjoint({"target_bits", "candidates"})
+    # the default: 3 and 4 bits at groups 32/64/128 and the recipe's, 8 bits at the recipe's; no 2 bits (README)
+    default = parse_recipe({"model": "m", "weights": {"target_bits": 3.5, "group_size": 48}}).weights.budget_candidates
+    assert default == [Candidate(b, g) for b in (3, 4) for g in (32, 64, 128, 48)] + [Candidate(8, 48)]
