@@ -1,10 +1,12 @@
 """Which sensitivity estimate should a bits budget rank Linears by? Several, measured in one run.
 
     python bench/budget_estimators.py [--samples 8] [--targets 3.296875 4.3125] \
+        [--candidates 2:64 3:64 4:64 8:64] [--sets "g64=2:64,3:64,4:64,8:64" ...] \
         [--texts persuasion=1024 code=512] [--out bench/results/budget-estimators-cpu.json]
 
-SmolLM2-135M, every decoder Linear at 2/3/4/8 bits, group 64 asymmetric, round-to-nearest with
-bfloat16 scales (lm_head kept). One float forward and backward pass over the calibration samples
+SmolLM2-135M, every decoder Linear at each of ``--candidates`` (bits:group; default 2/3/4/8 bits at
+group 64), asymmetric, round-to-nearest with bfloat16 scales (lm_head kept). One float forward and
+backward pass over the calibration samples
 (``quant.budget.weigh_rounding``, the code the budget runs) weighs each Linear's rounding error at
 its output four ways:
 
@@ -13,11 +15,16 @@ its output four ways:
 - ``fisher``: Σ g² (ΔW x)², the diagonal empirical Fisher at the output (g: the loss gradient there);
 - ``fisher_dot``: Σ_t (g_t · ΔW x_t)², the per-token empirical Fisher without the diagonal cut.
 
-For each estimate and target, ``quant.budget.assign`` picks the schemes; the model is then rounded
+For each estimate, target and candidate set (``--sets``: named subsets of the candidates weighed, so
+one pass serves several sets; default: all of them), ``quant.budget.assign`` picks the schemes; the
+model is then rounded
 in place (weights replaced by their dequantized RTN values, float32 compute) and scored on both
 protocols (``bench/scoring.py``), with uniform W3 and W4 beside. In-process fake quantization: the
 numbers are close to, not the same as, a written checkpoint's through lowbit's runtime
-(``bench/calibrated.py`` rows).
+(``bench/calibrated.py`` rows). Each row also records the mean next-token loss on the first
+``--check-samples`` calibration samples (the data the estimate came from) and the summed estimate,
+so a row that loses can be told apart: an estimate that misjudges its own data, or a choice that
+does not carry over to other text.
 """
 
 from __future__ import annotations
@@ -59,21 +66,23 @@ def weigh(model, plan, candidates, samples) -> dict:
         return record
 
     hooks = [model.get_submodule(n).register_forward_hook(hook(n)) for n in plan]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         sums, tokens = weigh_rounding(model, plan, candidates, samples, torch.bfloat16, progress=False,
                                       measures=measures())
     finally:
         for h in hooks:
             h.remove()
-    return {"sums": sums, "energy": energy, "tokens": tokens, "seconds": time.perf_counter() - start}
+    return {"sums": sums, "energy": energy, "tokens": tokens, "seconds": time.perf_counter() - start,
+            "cpu_seconds": time.process_time() - cpu, "candidates": [c.label for c in candidates]}
 
 
 def estimates(weighed: dict) -> dict:
     """{estimator: {Linear: {label: value}}}; a common factor does not change an assignment."""
     sums = weighed["sums"]
-    out = {m: sums[m] for m in ("output", "fisher", "fisher_dot")}
-    out["relative"] = {n: {k: v / weighed["energy"][n] for k, v in by.items()} for n, by in sums["output"].items()}
+    out = {m: sums[m] for m in ("output", "fisher", "fisher_dot") if m in sums}  # a pass may have weighed fewer
+    if "output" in sums:
+        out["relative"] = {n: {k: v / weighed["energy"][n] for k, v in by.items()} for n, by in sums["output"].items()}
     return out
 
 
@@ -90,53 +99,105 @@ def round_to(model, plan, candidates, originals: dict, choice: dict) -> None:
             model.get_submodule(name).weight.copy_(rounded.dequantize(torch.float32))
 
 
+def parse_candidates(specs: list[str]) -> list:
+    """``["3:64", "4:128"]`` -> [Candidate(3, 64), Candidate(4, 128)]."""
+    from quant.budget import Candidate
+
+    try:
+        return [Candidate(*(int(v) for v in spec.split(":"))) for spec in specs]
+    except (TypeError, ValueError):
+        raise SystemExit(f"candidates are BITS:GROUP (3:64, 4:128, 8:-1 for per channel), got {specs}") from None
+
+
+def parse_sets(specs: list[str] | None, candidates: list) -> dict[str, list]:
+    """``["no2=3:64,4:64,8:64"]`` -> {"no2": [Candidate, ...]}, each a subset of the candidates weighed."""
+    if not specs:
+        return {"all": candidates}
+    sets = {}
+    for spec in specs:
+        name, _, members = spec.partition("=")
+        sets[name] = parse_candidates(members.split(","))
+        if missing := [c.label for c in sets[name] if c not in candidates]:
+            raise SystemExit(f"set {name!r}: {missing} not among --candidates {[c.label for c in candidates]}")
+    return sets
+
+
+def calibration_loss(model, samples) -> float:
+    """Mean next-token loss (nats) on calibration samples: what the sensitivity estimate predicts the rise of."""
+    with torch.no_grad():
+        total = sum(float(torch.nn.functional.cross_entropy(model(input_ids=ids, use_cache=False).logits[0, :-1],
+                                                            ids[0, 1:], reduction="sum")) for ids in samples.split(1))
+    return total / (samples.shape[0] * (samples.shape[1] - 1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8, help="Calibration samples of 512 tokens (seed 0).")
     ap.add_argument("--targets", type=float, nargs="*", default=[3.296875, 4.3125])
     ap.add_argument("--estimators", nargs="*", default=list(ESTIMATORS), choices=ESTIMATORS)
-    ap.add_argument("--uniform", type=int, nargs="*", default=[3, 4], help="Uniform widths scored beside.")
+    ap.add_argument("--candidates", nargs="*", default=["2:64", "3:64", "4:64", "8:64"],
+                    help="BITS:GROUP schemes weighed in the pass (8:-1: per channel).")
+    ap.add_argument("--sets", nargs="*", help="NAME=BITS:GROUP,... candidate sets assigned from, each a subset "
+                                              "of --candidates (default: all of them, one set).")
+    ap.add_argument("--uniform", nargs="*", default=["3:64", "4:64"], help="Uniform schemes scored beside.")
+    ap.add_argument("--check-samples", type=int, default=2,
+                    help="Calibration samples each row's calibration loss is taken on (0: none).")
     ap.add_argument("--texts", nargs="*", default=["persuasion=1024", "code=512"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget-estimators-cpu.json")
     ap.add_argument("--pass-file", type=Path, default=ROOT / "bench" / "results" / "budget-estimators-pass-cpu.json",
-                    help="The pass's sums: read when the file exists (same samples), else measured and written.")
+                    help="The pass's sums: read when the file exists (same samples, every candidate weighed), "
+                         "else measured and written.")
     args = ap.parse_args()
     from evals.perplexity import hf_logits_fn
     from evals.provenance import versions
     from quant.affine import QuantScheme
-    from quant.budget import Candidate, assign, linear_costs
+    from quant.budget import BudgetError, assign, linear_costs
     from quant.calibration import calibration_samples, load_calibration_text
     from quant.models import load_float_model, resolve
     from quant.plan import plan_layers
 
     texts = parse_texts(args.texts)
+    candidates = parse_candidates(args.candidates)
+    sets = parse_sets(args.sets, candidates)
+    uniform = parse_candidates(args.uniform)
+    if missing := [c.label for c in uniform if c not in candidates]:
+        raise SystemExit(f"--uniform {missing} not among --candidates")
     result = {"made_by": "bench/budget_estimators.py", "commit": commit(), "device": f"cpu ({os.cpu_count()} cores)",
               "platform": platform.platform(), "versions": versions(),
-              "scheme": f"RTN, group 64, asymmetric, bfloat16 scales, lm_head kept; sensitivities from "
-                        f"{args.samples} x 512 calibration tokens (seed 0); fake-quantized float32 model",
+              "scheme": f"RTN, asymmetric, bfloat16 scales, lm_head kept; candidates "
+                        f"{', '.join(c.label for c in candidates)}; sensitivities from {args.samples} x 512 "
+                        f"calibration tokens (seed 0); fake-quantized float32 model",
+              "sets": {name: [c.label for c in members] for name, members in sets.items()},
+              "calibration_loss": f"mean next-token loss, nats, on the first {args.check_samples} x 512 calibration "
+                                  "tokens (the estimate's own data)",
               "protocols": {p: {t: d.describe() for t, d in protocols(p, texts).items()} for p in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}
     model, tok = load_float_model(resolve("smollm2-135m"))
     samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, 0)
     plan = plan_layers(model, QuantScheme(4, 64), ["lm_head"])
-    candidates = [Candidate(b, 64) for b in (2, 3, 4, 8)]
-    if args.pass_file.exists():
-        weighed = json.loads(args.pass_file.read_text())
-        if weighed["samples"] != args.samples:
-            raise SystemExit(f"{args.pass_file} weighed {weighed['samples']} samples, not {args.samples}; "
-                             "remove it to measure again")
-    else:
+    weighed = read_pass(args.pass_file, args.samples)
+    if weighed is None:
         weighed = {**weigh(model, plan, candidates, samples), "samples": args.samples, "commit": result["commit"]}
+        args.pass_file.write_text(json.dumps(weighed))
+    elif missing := [c for c in candidates if c.label not in weighed["candidates"]]:
+        add_to_pass(weighed, weigh(model, plan, missing, samples), result["commit"])
         args.pass_file.write_text(json.dumps(weighed))
     result["pass"] = {k: weighed[k] for k in weighed if k not in ("sums", "energy")} | {"file": args.pass_file.name}
     estimated = estimates(weighed)
+    if missing := [e for e in args.estimators if e not in estimated]:
+        raise SystemExit(f"{args.pass_file} has no sums for {missing}; pass --estimators {' '.join(estimated)}")
     costs = linear_costs(model, plan, candidates, torch.bfloat16)
     params = sum(model.get_submodule(n).weight.numel() for n in plan)
     originals = {n: model.get_submodule(n).weight.detach().clone() for n in plan}
+    check = samples[:args.check_samples]
+    if args.check_samples:
+        result["float_calibration_loss"] = calibration_loss(model, check)
 
     def score(choice: dict, row: dict) -> None:
         round_to(model, plan, candidates, originals, choice)
         row["bits_per_weight"] = sum(costs[n][k] for n, k in choice.items()) / params
+        row["estimated_fisher"] = sum(estimated["fisher"][n][k] for n, k in choice.items()) / (2 * weighed["tokens"])
+        row["calibration_loss"] = calibration_loss(model, check) if args.check_samples else None
         row["scores"] = score_texts(hf_logits_fn(model), tok, texts)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
@@ -144,17 +205,58 @@ def main():
               flush=True)
 
     tool = "lowbit, fake-quantized in process"  # rows in bench/calibrated.py's format: budget_curve.py, plot.py
-    for bits in args.uniform:
-        score(dict.fromkeys(plan, f"w{bits} g64"), {"row": f"uniform W{bits}", "tool": tool, "method": "rtn",
-                                                      "bits": bits, "quantize_s": None})
+    for c in uniform:
+        score(dict.fromkeys(plan, c.label), {"row": f"uniform {c.label}", "tool": tool, "method": "rtn",
+                                             "bits": c.bits, "quantize_s": None})
     for target in args.targets:
         for estimator in args.estimators:
-            chosen = assign(costs, estimated[estimator], int(target * params))
-            budget = {"target_bits": target, "estimator": estimator, "estimated_loss": chosen["loss"],
-                      "layers": {n: {"choice": k, "loss": estimated[estimator][n]} for n, k in chosen["choice"].items()}}
-            score(chosen["choice"], {"row": f"budget {target:g} ({estimator})", "tool": tool,
-                                     "method": f"rtn:weights.target_bits={target:g},weights.sensitivity={estimator}",
-                                     "bits": 4, "quantize_s": None, "budget": budget})
+            for set_name, members in sets.items():
+                labels = {c.label for c in members}
+                pick = {n: {k: v for k, v in by.items() if k in labels} for n, by in estimated[estimator].items()}
+                try:
+                    chosen = assign({n: {k: v for k, v in by.items() if k in labels} for n, by in costs.items()},
+                                    pick, int(target * params))
+                except BudgetError as e:  # this set's cheapest candidates exceed the target: no row
+                    print(f"budget {target:g} ({estimator}, {set_name}): {e}", flush=True)
+                    continue
+                budget = {"target_bits": target, "estimator": estimator, "candidates": sorted(labels),
+                          "estimated_loss": chosen["loss"],
+                          "layers": {n: {"choice": k, "loss": pick[n]} for n, k in chosen["choice"].items()}}
+                suffix = "" if set_name == "all" else f",weights.candidates={set_name}"
+                score(chosen["choice"], {"row": f"budget {target:g} ({estimator}, {set_name})", "tool": tool,
+                                         "method": f"rtn:weights.target_bits={target:g},weights.sensitivity="
+                                                   f"{estimator}{suffix}",
+                                         "bits": 4, "quantize_s": None, "budget": budget})
+
+
+def read_pass(path: Path, samples: int) -> dict | None:
+    """A pass file's sums when it weighed the same samples; None when there is none."""
+    if not path.exists():
+        return None
+    weighed = json.loads(path.read_text())
+    if weighed["samples"] != samples:
+        raise SystemExit(f"{path} weighed {weighed['samples']} samples, not {samples}; give another --pass-file, "
+                         "or remove it to measure again")
+    weighed.setdefault("candidates", list(next(iter(weighed["sums"]["fisher"].values()))))
+    return weighed
+
+
+def add_to_pass(weighed: dict, more: dict, code_version: str) -> None:
+    """Candidates the pass file lacks, weighed over the same samples, added to it. Each candidate's sums
+    read only its own rounding, so two passes over the same samples give what one over both would."""
+    if more["tokens"] != weighed["tokens"]:
+        raise SystemExit(f"the pass file counted {weighed['tokens']} tokens, this pass {more['tokens']}: "
+                         "not the same samples")
+    for measure in list(weighed["sums"]):  # a measure only one of the two passes weighed covers too few candidates
+        if measure not in more["sums"]:
+            del weighed["sums"][measure]
+            continue
+        for name, by_label in more["sums"][measure].items():
+            weighed["sums"][measure][name].update(by_label)
+    weighed.setdefault("energy", more["energy"])  # of the float Linears' outputs: the same in every pass
+    weighed["candidates"] += more["candidates"]
+    weighed.setdefault("added", []).append({"candidates": more["candidates"], "commit": code_version,
+                                            "seconds": more["seconds"], "cpu_seconds": more["cpu_seconds"]})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import yaml
 from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
 from quant import methods as registry
 from quant.affine import SUPPORTED_BITS
-from quant.budget import MAX_TARGET_BITS, Candidate, default_candidates
+from quant.budget import DEFAULT_BITS, MAX_TARGET_BITS, Candidate, default_candidates
 # A recipe's overrides and patterns are the plan's: one definition of each, re-exported here.
 from quant.plan import Override, matches  # noqa: F401
 
@@ -46,7 +46,7 @@ class Weights:
     overrides: list[Override] = field(default_factory=list)
     # a bits budget instead of one ``bits``: bits per weight of the quantized Linears (quant.budget)
     target_bits: float | None = None
-    candidates: list[Candidate] = field(default_factory=list)  # empty: 2, 3, 4, 8 bits at group_size
+    candidates: list[Candidate] = field(default_factory=list)  # empty: quant.budget.default_candidates
     # each method's settings by its name (``weights.gptq:`` in YAML), defaults filled in
     settings: dict = field(default_factory=dict)
 
@@ -60,7 +60,7 @@ class Weights:
 
     @property
     def budget_candidates(self) -> list[Candidate]:
-        """The schemes a bits budget chooses from: ``candidates``, or 2/3/4/8 bits at the recipe's group size(s)."""
+        """The schemes a bits budget chooses from: ``candidates``, or 3/4 bits at groups 32/64/128 and 8 bits (quant.budget)."""
         groups = [self.group_size] + [o.group_size for o in self.overrides if o.group_size is not None]
         return self.candidates or default_candidates(groups)
 
@@ -279,7 +279,7 @@ def _budget(c: _Checker, w: dict) -> tuple[float | None, list[Candidate]]:
                               c.group_size(entry.get("group_size", group), f"{path}.group_size"))
         if candidate not in candidates:
             candidates.append(candidate)
-    smallest = min(cand.bits for cand in candidates) if candidates else min(SUPPORTED_BITS)
+    smallest = min(cand.bits for cand in candidates) if candidates else min(DEFAULT_BITS)
     if target < smallest:
         c.fail("weights.target_bits", f"{target:g} is below the smallest candidate ({smallest} bits, before "
                                       "scales); raise target_bits or add a cheaper candidate")

@@ -1,8 +1,9 @@
 """A bits budget (``weights.target_bits``): each Linear's precision chosen from its measured sensitivity.
 
 1. Sensitivities. One float forward and backward pass of the language-model loss per calibration
-   sample; at each Linear, for every candidate scheme, the weight is rounded to nearest and the error
-   at the Linear's output weighed by the squared loss gradient there (the diagonal empirical Fisher):
+   sample; at each Linear, for every candidate scheme, the weight is rounded to nearest (once, at the
+   first sample: rounding reads no data) and the error at the Linear's output weighed by the squared
+   loss gradient there (the diagonal empirical Fisher):
    ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j²`` per token, the loss that rounding is estimated to add. The plain
    output energy ``tr(ΔW H ΔWᵀ)`` ranked wrongly (bench/results/budget-curve-cpu.txt: it does not
    compare across layers whose outputs differ in scale and in how much the loss reads them); measured
@@ -38,7 +39,13 @@ from quant.architectures import decoder_layers
 from quant.format import stored_bytes
 from quant.sequential import move_data
 
-DEFAULT_BITS = (2, 3, 4, 8)
+# The default candidates: 3 and 4 bits at groups 32, 64 and 128 (and the recipe's), 8 bits at the recipe's
+# group size; no 2 bits. Measured (README, bench/results/budget-candidates-cpu.json): the Fisher estimate,
+# second order about the float model, prices widths against each other wrongly (2-bit damage understated,
+# 4-bit overstated), so trades across widths lose; steps within a width (group sizes) it prices well enough.
+DEFAULT_BITS = (3, 4)
+DEFAULT_GROUPS = (32, 64, 128)
+WIDEST_BITS = 8
 MAX_TARGET_BITS = 8
 
 
@@ -59,8 +66,10 @@ class Candidate:
 
 
 def default_candidates(group_sizes) -> list[Candidate]:
-    """2, 3, 4 and 8 bits at each of the recipe's group sizes."""
-    return [Candidate(b, g) for g in dict.fromkeys(group_sizes) for b in DEFAULT_BITS]
+    """3 and 4 bits at groups 32, 64, 128 and each of the recipe's group sizes; 8 bits at the recipe's."""
+    groups = list(dict.fromkeys([*DEFAULT_GROUPS, *group_sizes]))
+    return [Candidate(b, g) for b in DEFAULT_BITS for g in groups] + [Candidate(WIDEST_BITS, g)
+                                                                      for g in dict.fromkeys(group_sizes)]
 
 
 def candidate_schemes(base: QuantScheme, width: int, candidates: list[Candidate]) -> dict[str, QuantScheme]:
@@ -91,9 +100,10 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
     output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
 
-    One float forward and backward pass per sample; each Linear's candidates are rounded and weighed
-    inside the backward hook on its output, so nothing but one Linear's rounding error is held besides
-    autograd's own activations. The weights are left as they were; the whole model takes part (a
+    One float forward and backward pass per sample; each Linear's candidates are weighed inside the
+    backward hook on its output. Each is rounded once, at its first sample, and kept on its integer
+    grid (int8, one byte per weight and candidate, beside the float weights) for the later samples;
+    only one Linear's float rounding error is held at a time besides autograd's own activations. The weights are left as they were; the whole model takes part (a
     lazily loaded one is filled for the pass and its decoder layers emptied again after)."""
     measures = measures or {"fisher": fisher}
     rtn = registry.get("rtn")
@@ -104,12 +114,19 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
         lazy.fill(layer, f"{prefix}.{i}.", device)
     move_data(model, torch.device(device))
 
+    rounded: dict[str, dict] = {}  # {Linear: {label: QuantizedWeight}}: rounding reads no data, so once per Linear
+
+    def rounded_once(name: str, linear: torch.nn.Linear) -> dict:
+        if name not in rounded:
+            rounded[name] = {label: rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None, name)
+                             for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items()}
+        return rounded[name]
+
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
         weight = linear.weight.detach().float()
         x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
-        for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
-            delta = weight - rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None,
-                                              name).dequantize(torch.float32)
+        for label, quantized in rounded_once(name, linear).items():
+            delta = weight - quantized.dequantize(torch.float32)
             error = x @ delta.T
             for measure, fn in measures.items():
                 sums[measure][name][label] += fn(x, grad, error)

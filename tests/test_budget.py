@@ -151,6 +151,33 @@ def test_sensitivities_are_the_fisher_weighted_rounding_error_on_the_float_model
     assert losses[name]["w3 g32"] == pytest.approx(total / (2 * tokens), rel=1e-4)
 
 
+def test_each_linear_is_rounded_once_per_candidate_whatever_the_samples(monkeypatch):
+    """Rounding reads no data: the pass rounds each Linear once per candidate, not once per sample, and
+    gives the same sums as rounding anew for every sample (the pass before the cache, measured here)."""
+    from quant import rtn
+    from quant.budget import weigh_rounding
+    from quant.calibration import calibration_samples
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    samples = calibration_samples(tok, TEXT * 20, 4, 32, 0)
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    candidates = [Candidate(b, 32) for b in (2, 4)]
+    calls = []
+    real = rtn.quantize_weight
+    monkeypatch.setattr(rtn, "quantize_weight", lambda *a: calls.append(a) or real(*a))
+    cached, tokens = weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False)
+    assert len(calls) == len(plan) * len(candidates)
+
+    per_sample = {n: dict.fromkeys(cached["fisher"][n], 0.0) for n in plan}
+    for ids in samples.split(1):  # each sample its own pass: every Linear rounded again for it
+        sums, _ = weigh_rounding(model, plan, candidates, ids, torch.float32, progress=False)
+        for n, by_label in sums["fisher"].items():
+            for label, value in by_label.items():
+                per_sample[n][label] += value
+    assert len(calls) == len(plan) * len(candidates) * (1 + len(samples))
+    assert cached["fisher"] == per_sample  # the same floats, added in the same order
+
+
 def test_sensitivities_follow_what_the_loss_reads_not_the_output_scale():
     """Move a factor 64 from every v_proj to its o_proj: the model computes the same function and each
     rounding error does the same damage (round-to-nearest's grid scales with the weights), though
@@ -263,7 +290,8 @@ def test_overrides_pin_linears_and_count_against_the_budget(tmp_path, tiny_dir, 
 @pytest.mark.parametrize("weights, message", [
     ({"target_bits": 3.5, "bits": 4}, "weights.target_bits: give either weights.bits"),
     ({"target_bits": 9}, "above 8 bits per weight"),
-    ({"target_bits": 1.5}, "below the smallest candidate (2 bits"),
+    ({"target_bits": 2.5}, "below the smallest candidate (3 bits"),
+    ({"target_bits": 1.5, "candidates": [{"bits": 2}]}, "below the smallest candidate (2 bits"),
     ({"target_bits": 2.5, "candidates": [{"bits": 3}, {"bits": 4}]}, "below the smallest candidate (3 bits"),
     ({"candidates": [{"bits": 3}]}, "weights.candidates: candidates are what a bits budget chooses from"),
     ({"target_bits": "3.5"}, "expected a positive number of bits per weight"),
@@ -285,7 +313,8 @@ def test_a_budget_below_what_scales_allow_fails_before_calibration(tmp_path, tin
     monkeypatch.setattr(budget, "measure_sensitivities", lambda *a, **k: pytest.fail("calibration ran"))
     with pytest.raises(RecipeError, match=r"below the smallest assignment the candidates allow, 3\.06\d bits per "
                                           r"weight \(every Linear it places at w2 g32"):
-        pipeline.quantize(recipe(tiny_dir, calibration_file, tmp_path / "low", target_bits=2.5), progress=False)
+        pipeline.quantize(recipe(tiny_dir, calibration_file, tmp_path / "low", target_bits=2.5,
+                                 candidates=[{"bits": 2}, {"bits": 4}]), progress=False)
     assert not (tmp_path / "low").exists()
 
 
@@ -294,3 +323,6 @@ def test_recipe_round_trips_with_a_budget():
     assert r.weights.budget_candidates == [Candidate(3, 64), Candidate(4, 128)]
     assert parse_recipe(r.to_dict()) == r
     assert parse_recipe({"model": "m"}).to_dict()["weights"].keys().isdisjoint({"target_bits", "candidates"})
+    # the default: 3 and 4 bits at groups 32/64/128 and the recipe's, 8 bits at the recipe's; no 2 bits (README)
+    default = parse_recipe({"model": "m", "weights": {"target_bits": 3.5, "group_size": 48}}).weights.budget_candidates
+    assert default == [Candidate(b, g) for b in (3, 4) for g in (32, 64, 128, 48)] + [Candidate(8, 48)]
