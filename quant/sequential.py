@@ -25,6 +25,7 @@ from quant import distributed
 from quant.affine import QuantScheme
 from quant.architectures import decoder_layers
 from quant.format import QuantizedWeight
+from quant.gram import add_gram, mirror_upper
 from quant.models import LazyLayers
 from quant.progress import load_progress, save_progress
 
@@ -258,32 +259,6 @@ def lockstep_pass(layer: torch.nn.Module, inputs: LayerInputs, plan: dict, quant
     if missing:
         raise ValueError(f"{', '.join(where + n for n in missing)}: never called in the layer's forward, so no calibration inputs reached it")
     return quantized, stats, [b.state[1] for b in batches]
-
-
-def _block_edges(k: int, blocks: int) -> list[int]:
-    blocks = blocks if k >= 512 else 1  # narrow inputs: one product is as fast
-    return [k * i // blocks for i in range(blocks + 1)]
-
-
-def add_gram(total: torch.Tensor, x: torch.Tensor, blocks: int = 4) -> None:
-    """``total += xᵀx`` for ``x`` [n, k], on the blocks of the upper triangle only: xᵀx is
-    symmetric, so (blocks + 1) / (2 blocks) of one matmul's multiplications, accumulated in
-    place (no temporary). :func:`mirror_upper` completes the lower blocks once, at the end."""
-    edges = _block_edges(x.shape[1], blocks)
-    for i in range(len(edges) - 1):
-        a = x[:, edges[i]:edges[i + 1]]
-        for j in range(i, len(edges) - 1):
-            total[edges[i]:edges[i + 1], edges[j]:edges[j + 1]].addmm_(a.T, x[:, edges[j]:edges[j + 1]])
-
-
-def mirror_upper(total: torch.Tensor, blocks: int = 4) -> torch.Tensor:
-    """The symmetric matrix whose upper blocks :func:`add_gram` accumulated (a new tensor)."""
-    edges = _block_edges(total.shape[0], blocks)
-    out = total.clone()
-    for i in range(len(edges) - 1):
-        for j in range(i + 1, len(edges) - 1):
-            out[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = total[edges[i]:edges[i + 1], edges[j]:edges[j + 1]].T
-    return out
 
 
 # A layer method gets the layer, its inputs, its plan (local Linear name -> scheme) and its

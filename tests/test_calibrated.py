@@ -15,7 +15,8 @@ from quant.gptq import GPTQConfig, gptq_quantize, inverse_hessian_cholesky, outp
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
 from quant import rtn
-from quant.sequential import LayerInputs, add_gram, capture_inputs, lockstep_pass, mirror_upper, run_layer
+from quant.gram import add_gram, mirror_upper
+from quant.sequential import LayerInputs, capture_inputs, lockstep_pass, run_layer
 from tiny import TEXT, tiny_llama, tiny_model
 
 
