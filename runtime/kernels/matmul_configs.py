@@ -1,0 +1,69 @@
+"""The quantized matmul's launch configurations: what the autotuner times for M rows, and how rows
+are bucketed for tuning (``runtime.kernels.quant_matmul`` times them and launches the winner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from runtime.kernels.gemv import default_split
+from runtime.kernels.weight_layout import KernelWeight
+
+DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One launch configuration. ``block_m == 1`` with ``use_dot=False`` is the GEMV path."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    use_dot: bool = True
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    step_tiles: int = 1  # K tiles per loop iteration (more: fewer loop instructions per weight)
+
+    def __post_init__(self):
+        if any(b & (b - 1) for b in (self.block_m, self.block_n)):
+            raise ValueError(f"block sizes must be powers of two, got {self.block_m}x{self.block_n}")
+        if not self.use_dot and self.block_m != 1:
+            raise ValueError("the GEMV path (use_dot=False) computes one row: block_m must be 1")
+        if self.use_dot and self.block_m < 16:
+            raise ValueError("tl.dot needs block_m >= 16")
+
+
+def m_bucket(M: int) -> int:
+    """Rows are tuned exactly up to DECODE_MAX_M, then per power of two."""
+    return M if M <= DECODE_MAX_M else 1 << (M - 1).bit_length()
+
+
+def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
+    """What the autotuner times for M rows; the first is the untimed default."""
+    num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
+    if M == 1:  # the GEMV: 4 or 2 columns a thread, K split to fill the GPU (gemv.default_split)
+        configs = []
+        for bn, w in ((128, 4), (128, 8), (64, 4), (64, 8)):
+            split = default_split(kw.out_features, num_tiles, bn, w)
+            configs += [MatmulConfig(1, bn, s, use_dot=False, group_m=1, num_warps=w)
+                        for s in dict.fromkeys((split, max(1, split // 2), 2 * split))]
+    elif M <= DECODE_MAX_M:  # two K tiles per iteration, two stages (the same two tiles ahead as
+        # three stages of one): 3.13 SASS instructions per weight against 3.81 (W4 16x64, sm_90a)
+        # (W8: four tiles, 4.22 against 4.31, for twice the shared memory: not taken)
+        configs = [MatmulConfig(16, bn, s, group_m=1, num_stages=2, step_tiles=2) for bn in (64, 128, 32)
+                   for s in (4, 8, 2, 1, 16)]
+        configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8, num_stages=2, step_tiles=2) for s in (1, 2)]
+    elif M <= 64:
+        configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
+    else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it. First (the
+        # untimed default): 128x64 on 4 warps, which fits 2 CTAs per SM on sm_90a by registers and
+        # shared memory (128x128 on 8 warps holds 1; bench/README.md, sass.py); the GPU's timing
+        # decides among them
+        configs = [MatmulConfig(bm, bn, 1, num_warps=w, num_stages=st)
+                   for bm, bn, w in ((128, 64, 4), (128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8),
+                                     (64, 256, 8))
+                   for st in (3, 4, 2)]
+    kept = [c for c in configs if c.split_k <= num_tiles]
+    return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
