@@ -1,16 +1,16 @@
 """A bits budget (``weights.target_bits``): each Linear's precision chosen from its measured sensitivity.
 
-1. Sensitivities. One float forward and backward pass of the language-model loss per calibration
-   sample; at each Linear, for every candidate scheme, the weight is rounded to nearest (once, at the
-   first sample: rounding reads no data) and the error at the Linear's output weighed by the squared
-   loss gradient there (the diagonal empirical Fisher):
+1. Sensitivities. Float forward and backward passes of the language-model loss over the calibration
+   samples; at each Linear, for every candidate scheme, the weight is rounded to nearest and the error
+   at the Linear's output weighed by the squared loss gradient there (the diagonal empirical Fisher):
    ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j²`` per token, the loss that rounding is estimated to add. The plain
    output energy ``tr(ΔW H ΔWᵀ)`` ranked wrongly (bench/results/budget-curve-cpu.txt: it does not
    compare across layers whose outputs differ in scale and in how much the loss reads them); measured
    against it and the relative output error in bench/results/budget-estimators-cpu.json. The pass changes
    no weight, so every Linear is measured on the float model, whatever the others will get. It needs
-   the whole model at once (a backward pass): for an 8B model its float weights plus one sample's
-   activations, not one layer as the quantization pass does.
+   the whole model at once (a backward pass): for an 8B model its float weights plus one pass's
+   activations (``PASS_TOKENS`` tokens, or one sample if longer), not one layer as the quantization
+   pass does.
 2. Assignment. Each Linear takes one candidate; the summed estimated loss is minimized under the
    budget, a multiple-choice knapsack solved by its Lagrangian: every Linear's candidates reduced to
    their lower convex hull of (bits, loss), then the upgrade steps with the most loss saved per bit
@@ -47,6 +47,9 @@ DEFAULT_BITS = (3, 4)
 DEFAULT_GROUPS = (32, 64, 128)
 WIDEST_BITS = 8
 MAX_TARGET_BITS = 8
+# calibration tokens per forward and backward pass of the sensitivities: several short samples share one
+# pass (each Linear is rounded once per pass), a long one goes alone; autograd's activations grow with it
+PASS_TOKENS = 2048
 
 
 class BudgetError(ValueError):
@@ -100,11 +103,14 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
     output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
 
-    One float forward and backward pass per sample; each Linear's candidates are weighed inside the
-    backward hook on its output. Each is rounded once, at its first sample, and kept on its integer
-    grid (int8, one byte per weight and candidate, beside the float weights) for the later samples;
-    only one Linear's float rounding error is held at a time besides autograd's own activations. The weights are left as they were; the whole model takes part (a
-    lazily loaded one is filled for the pass and its decoder layers emptied again after)."""
+    Float forward and backward passes over the samples, as many per pass as fit in ``PASS_TOKENS``
+    tokens (at least one): the loss is a sum over tokens with no sample reading another, so every
+    token's gradient is what a pass of its sample alone gives. Each Linear's candidates are weighed
+    inside the backward hook on its output, rounded there anew for each pass (rounding reads no data;
+    keeping the rounded grids instead would hold one byte per weight and candidate for the whole
+    model); only one Linear's float rounding error is held at a time besides autograd's own
+    activations. The weights are left as they were; the whole model takes part (a lazily loaded one
+    is filled for the pass and its decoder layers emptied again after)."""
     measures = measures or {"fisher": fisher}
     rtn = registry.get("rtn")
     sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in measures}
@@ -114,19 +120,11 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
         lazy.fill(layer, f"{prefix}.{i}.", device)
     move_data(model, torch.device(device))
 
-    rounded: dict[str, dict] = {}  # {Linear: {label: QuantizedWeight}}: rounding reads no data, so once per Linear
-
-    def rounded_once(name: str, linear: torch.nn.Linear) -> dict:
-        if name not in rounded:
-            rounded[name] = {label: rtn.round_linear(linear.weight.detach(), scheme, None, scale_dtype, None, name)
-                             for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items()}
-        return rounded[name]
-
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
-        weight = linear.weight.detach().float()
+        weight = linear.weight.detach()
         x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
-        for label, quantized in rounded_once(name, linear).items():
-            delta = weight - quantized.dequantize(torch.float32)
+        for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
+            delta = weight.float() - rtn.round_linear(weight, scheme, None, scale_dtype, None, name).dequantize(torch.float32)
             error = x @ delta.T
             for measure, fn in measures.items():
                 sums[measure][name][label] += fn(x, grad, error)
@@ -148,12 +146,13 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
         for p in wanted:
             p.requires_grad_(False)
         with torch.enable_grad():
-            for ids in tqdm(samples.split(1), desc="sensitivities", unit="sample", disable=not progress):
+            per_pass = max(1, PASS_TOKENS // samples.shape[1])
+            for ids in tqdm(samples.split(per_pass), desc="sensitivities", unit="pass", disable=not progress):
                 ids = ids.to(device)
-                logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-                loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
                 loss.backward()
-                tokens += ids.shape[1] - 1
+                tokens += ids[:, 1:].numel()
     finally:
         for h in hooks:
             h.remove()
