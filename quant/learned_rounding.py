@@ -56,11 +56,18 @@ class SignRoundConfig:
     # at W3 one draw of windows of two sent Python source from 16 to 224 perplexity:
     # bench/results/w3-signround-model-lr05*-cpu.json; so not the default)
     target: str = "layer"
+    # "mse": the mean squared error over every token and channel; "relative": each token's squared error
+    # divided by its reference's mean square. The residual stream is read only through norms, which
+    # divide each token by its size, and a few tokens (a window's first) carry activations thousands of
+    # times the others' (SmolLM2 from layer 11 on): under "mse" those tokens' error is most of the loss
+    loss: str = "mse"
     seed: int = 1  # which windows each step draws
 
     def __post_init__(self):
         if not 0 < self.min_range <= 1:
             raise ValueError(f"signround.min_range must be in (0, 1], got {self.min_range}")
+        if self.loss not in ("mse", "relative"):
+            raise ValueError(f"signround.loss must be 'mse' or 'relative', got {self.loss!r}")
         if self.target not in ("layer", "model"):
             raise ValueError(f"signround.target must be 'layer' or 'model', got {self.target!r}")
         if self.lr_scale <= 0 or self.iters < 1 or self.batch_size < 1:
@@ -147,6 +154,8 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
     start = time.perf_counter()
     with torch.no_grad():
         target = torch.cat(inputs.target if inputs.target is not None else run_layer(layer, inputs)).float()
+        # each token's weight in the loss: 1, or 1 / its reference's mean square ("relative")
+        weight = 1 / target.pow(2).mean(-1, keepdim=True).clamp_min(1e-12) if config.loss == "relative" else None
     hidden, kwargs = _all_windows(inputs)
     windows = hidden.shape[0]
     linears = {n: layer.get_submodule(n) for n in plan}
@@ -167,7 +176,8 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
                 weights = {f"{n}.weight": r.fake_quantized().to(linears[n].weight.dtype) for n, r in rounding.items()}
                 out = torch.func.functional_call(layer, weights, (hidden[idx],), _rows(kwargs, windows, idx))
                 out = out[0] if isinstance(out, tuple) else out
-                loss = (out.float() - target[idx]).pow(2).mean()
+                error = (out.float() - target[idx]).pow(2)
+                loss = (error if weight is None else error * weight[idx]).mean()
                 if not torch.isfinite(loss):
                     raise ValueError(f"{where.rstrip('.') or 'layer'}: the layer's output error became {float(loss)} at step {step}; "
                                      "its calibration inputs overflow, or lower signround.lr_scale")
