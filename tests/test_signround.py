@@ -169,3 +169,31 @@ def test_scales_from_group_extremes_equal_the_affine_ones(symmetric):
     expected = choose_qparams(w, QuantScheme(3, 64, symmetric), ratio, torch.bfloat16)
     got = rounding.qparams()
     assert torch.equal(got[0], expected[0]) and (symmetric or torch.equal(got[1], expected[1]))
+
+
+class _Proj(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("loss", ["mse", "relative"])
+def test_relative_loss_gives_a_massive_token_no_more_weight_than_any_other(loss):
+    """A window's first token 1024 times its size (the massive activations a norm then divides away):
+    under ``loss: relative`` the learned rounding is exactly what it was without them (the scale is a
+    power of two, so the arithmetic is exact); under ``mse`` those tokens steer it."""
+    from quant.sequential import LayerInputs
+
+    torch.manual_seed(0)
+    layer = _Proj()
+    x = torch.randn(8, 16, 64)
+    massive = x.clone()
+    massive[:, 0] *= 1024
+    plan = {"proj": QuantScheme(3, 32)}
+    config = SignRoundConfig(iters=30, batch_size=4, loss=loss)
+    learned = [learn_rounding(layer, LayerInputs(list(h.split(4)), [{}, {}]), plan, config, torch.float32)[0]["proj"].q
+               for h in (x, massive)]
+    assert torch.equal(learned[0], learned[1]) == (loss == "relative")
