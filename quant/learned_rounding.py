@@ -10,8 +10,10 @@ layer it learns
   (symmetric grids: one ratio on ``max |w|``): a finer grid for most weights at the price of
   clipping a few.
 
-It minimizes the mean squared difference between the layer's output with the fake-quantized
-weights, on the outputs of the already quantized layers before it, and a reference: with
+It minimizes the squared difference between the layer's output with the fake-quantized
+weights, on the outputs of the already quantized layers before it, and a reference (``loss: mse``:
+averaged over every token and channel; ``loss: relative``: each token's divided by its
+reference's mean square, as the norms that read the residual stream see it): with
 ``target: layer`` (the default) the layer's float output on those same inputs (each layer
 matches its own float self); with ``target: model`` the float model's output of the layer,
 from the float model's own activations (AutoRound's reference: each layer also learns to undo

@@ -136,7 +136,7 @@ def test_recipe_reads_signround_settings_and_refuses_bad_ones():
     assert parse_recipe({"model": "m", "weights": {"methods": ["awq", "signround"]}}).weights.method == "awq+signround"
     bad = [({"min_range": 1.5}, "min_range must be in"), ({"iters": 0}, "signround.iters"),
            ({"lr_scale": -1}, "signround.lr_scale"), ({"steps": 3}, "steps"), ({"tune_range": "yes"}, "tune_range"),
-           ({"target": "float"}, "target")]
+           ({"target": "float"}, "target"), ({"loss": "l1"}, "loss")]
     for settings, message in bad:
         with pytest.raises(RecipeError, match=message):
             parse_recipe({"model": "m", "weights": {"methods": ["signround"], "signround": settings}}, "r.yaml")
