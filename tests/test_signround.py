@@ -124,7 +124,7 @@ def test_target_model_learns_against_the_float_models_own_activations(monkeypatc
         torch.testing.assert_close(seen[i], float_states[i + 1], rtol=1e-4, atol=1e-5)
     seen.clear()
     quantize_model(tiny_llama(hidden=64, layers=3)[0], plan, "signround", samples=ids, progress=False,
-                   signround=SignRoundConfig(iters=4, batch_size=2))
+                   signround=SignRoundConfig(iters=4, batch_size=2, target="layer"))
     assert seen == []  # target: layer carries no float stream
 
 

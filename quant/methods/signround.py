@@ -1,7 +1,7 @@
 """SignRound (AutoRound's algorithm): each decoder layer's rounding offsets and group ranges
-learned by signed gradient descent against the layer's float output, then rounded into the
-ordinary affine scheme (the algorithm: ``quant.learned_rounding``). ``[awq, signround]`` runs
-AWQ's scales first."""
+learned by signed gradient descent against the float model's output of the layer, then
+rounded into the ordinary affine scheme (the algorithm: ``quant.learned_rounding``).
+``[awq, signround]`` runs AWQ's scales first."""
 
 from __future__ import annotations
 
