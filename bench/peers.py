@@ -44,7 +44,7 @@ from quant.models import resolve
 SCHEME = {"type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
 METHODS = ("gptq", "awq", "awq+gptq", "autoround")
 SETTINGS = ("dampening", "calibration.bos", "calibration.samples", "calibration.seq_len", "iters", "batch_size",
-            "lr")
+            "lr", "seed")
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -71,11 +71,12 @@ def recipe_for(method: str, bits: int, settings: dict):
 
 def run_autoround(model, tokenizer, samples: torch.Tensor, bits: int, settings: dict) -> str:
     """AutoRound on ``model`` in place (its blocks end up holding the dequantized weights, which
-    is what gets scored); returns its version. ``settings``: iters, batch_size, lr (else its own)."""
+    is what gets scored); returns its version. ``settings``: iters, batch_size, lr, seed (else its own;
+    seed 42, which draws its batches)."""
     import auto_round
     from auto_round import AutoRound
 
-    tuned = {k: settings[k] for k in ("iters", "lr") if k in settings}
+    tuned = {k: settings[k] for k in ("iters", "lr", "seed") if k in settings}
     batch = settings.get("batch_size", 8)
     rounder = AutoRound(model, tokenizer=tokenizer, bits=bits, group_size=SCHEME["group_size"],
                         sym=SCHEME["symmetric"], dataset=list(samples.split(batch)), nsamples=samples.shape[0],
