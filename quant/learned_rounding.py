@@ -19,9 +19,9 @@ from the float model's own activations, so each layer also learns to undo the er
 layers before it; with ``target: layer`` the layer's float output on those same inputs (each
 layer matches its own float self, as GPTQ does). Learning against the float model under
 ``mse`` broke text unlike the calibration's: the error was mostly one massive activation on
-each window's first token, which later layers bent their rounding to match. It descends with SignSGD: each step
-moves every parameter by ``lr`` times the sign of its gradient, ``lr`` decaying linearly to
-zero; rounding passes its gradient straight through.
+each window's first token, which later layers bent their rounding to match. It descends with
+SignSGD: each step moves every parameter by ``lr`` times the sign of its gradient, ``lr``
+decaying linearly to zero; rounding passes its gradient straight through.
 Each step draws ``batch_size`` calibration windows at random, and the parameters of the step
 with the lowest loss are kept (AutoRound's "best" iteration). The result is rounded by
 ``quant.affine`` with the learned offsets and ranges, so the checkpoint is an ordinary
@@ -56,8 +56,9 @@ class SignRoundConfig:
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
     # the reference output: "model" (the float model's, from its own activations: each layer also undoes
     # the error upstream of it) or "layer" (the float layer on the quantized model's inputs). "model" with
-    # loss "relative" is better than "layer" on Persuasion and Python source at W3 (two draws) and W4:
-    # bench/results/w{3,4}-signround-model-relative*-cpu.json against w3-signround-lr05-cpu.json, w4-signround-cpu.json
+    # loss "relative" beats "layer" on Persuasion at W3 (three draws) and W4 and is level or better on
+    # Python source: bench/results/w{3,4}-signround-model-relative*-cpu.json against
+    # w3-signround-lr05-cpu.json, w4-signround-cpu.json
     target: str = "model"
     # "relative": each token's squared error divided by its reference's mean square; "mse": the mean over
     # every token and channel. The residual stream is read only through norms, which divide each token by
@@ -160,7 +161,7 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
     with torch.no_grad():
         target = torch.cat(inputs.target if inputs.target is not None else run_layer(layer, inputs)).float()
         # each token's weight in the loss: 1, or 1 / its reference's mean square ("relative")
-        weight = 1 / target.pow(2).mean(-1, keepdim=True).clamp_min(1e-12) if config.loss == "relative" else None
+        token_weight = 1 / target.pow(2).mean(-1, keepdim=True).clamp_min(1e-12) if config.loss == "relative" else None
     hidden, kwargs = _all_windows(inputs)
     windows = hidden.shape[0]
     linears = {n: layer.get_submodule(n) for n in plan}
@@ -182,7 +183,7 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
                 out = torch.func.functional_call(layer, weights, (hidden[idx],), _rows(kwargs, windows, idx))
                 out = out[0] if isinstance(out, tuple) else out
                 error = (out.float() - target[idx]).pow(2)
-                loss = (error if weight is None else error * weight[idx]).mean()
+                loss = (error if token_weight is None else error * token_weight[idx]).mean()
                 if not torch.isfinite(loss):
                     raise ValueError(f"{where.rstrip('.') or 'layer'}: the layer's output error became {float(loss)} at step {step}; "
                                      "its calibration inputs overflow, or lower signround.lr_scale")
