@@ -143,6 +143,31 @@ def choose_qparams(
     return scale, torch.round(zero).clamp(scheme.qmin, scheme.qmax).to(torch.int8)
 
 
+def clip_search(
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    scale_dtype: torch.dtype | None = None,
+    steps: int = 20,
+    max_shrink: float = 0.2,
+    norm: float = 2.4,
+) -> torch.Tensor:
+    """Each group's range ratio in ``[1 - max_shrink, 1]`` (``steps`` of them tried, the
+    largest first) that minimizes ``sum |x - fake_quantize(x)| ** norm``: clipping a few
+    outliers buys a finer grid for everything else. Shape ``[..., K // g]``, float32."""
+    best_err = best_ratio = None
+    for ratio in torch.linspace(1.0, 1.0 - max_shrink, steps).tolist():
+        scale, zero = choose_qparams(x, scheme, ratio, scale_dtype)
+        err = (dequantize(quantize(x, scale, zero, scheme), scale, zero, scheme, torch.float32) - x.float())
+        err = _grouped(err.abs().pow(norm), scheme).sum(-1)
+        if best_err is None:
+            best_err, best_ratio = err, torch.full_like(err, ratio)
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, ratio, best_ratio)
+    return best_ratio
+
+
 def choose_qparams_mse(
     x: torch.Tensor,
     scheme: QuantScheme,
@@ -151,23 +176,8 @@ def choose_qparams_mse(
     max_shrink: float = 0.2,
     norm: float = 2.4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Like :func:`choose_qparams`, but each group's range is shrunk by the ratio in
-    ``[1 - max_shrink, 1]`` that minimizes ``sum |x - fake_quantize(x)| ** norm``:
-    clipping a few outliers buys a finer grid for everything else."""
-    best_err = best_scale = best_zero = None
-    for ratio in torch.linspace(1.0, 1.0 - max_shrink, steps).tolist():
-        scale, zero = choose_qparams(x, scheme, ratio, scale_dtype)
-        err = (dequantize(quantize(x, scale, zero, scheme), scale, zero, scheme, torch.float32) - x.float())
-        err = _grouped(err.abs().pow(norm), scheme).sum(-1)
-        if best_err is None:
-            best_err, best_scale, best_zero = err, scale, zero
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        if zero is not None:
-            best_zero = torch.where(better, zero, best_zero)
-    return best_scale, best_zero
+    """Like :func:`choose_qparams`, with each group's range shrunk by :func:`clip_search`'s ratio."""
+    return choose_qparams(x, scheme, clip_search(x, scheme, scale_dtype, steps, max_shrink, norm), scale_dtype)
 
 
 def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,

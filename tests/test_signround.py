@@ -161,7 +161,7 @@ def test_scales_from_group_extremes_equal_the_affine_ones(symmetric):
     from quant.learned_rounding import _Rounding
 
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(5))
-    rounding = _Rounding(w, QuantScheme(3, 64, symmetric), torch.bfloat16)
+    rounding = _Rounding(w, QuantScheme(3, 64, symmetric), torch.bfloat16, SignRoundConfig())
     with torch.no_grad():
         for r in rounding.ratios:
             r.uniform_(0.5, 1.0, generator=torch.Generator().manual_seed(6))
@@ -169,6 +169,24 @@ def test_scales_from_group_extremes_equal_the_affine_ones(symmetric):
     expected = choose_qparams(w, QuantScheme(3, 64, symmetric), ratio, torch.bfloat16)
     got = rounding.qparams()
     assert torch.equal(got[0], expected[0]) and (symmetric or torch.equal(got[1], expected[1]))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_searched_ranges_start_with_no_more_rounding_error_than_min_max(symmetric):
+    """``init_range: search`` starts each group at the range in [min_range, 1] that rounds the group
+    best: never worse than its min and max, better for groups with an outlier."""
+    from quant.learned_rounding import _Rounding
+
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(7))
+    w[:, ::64] *= 6  # one outlier per group
+    scheme = QuantScheme(2, 64, symmetric)
+    errors = {}
+    for init in ("minmax", "search"):
+        rounding = _Rounding(w, scheme, torch.bfloat16, SignRoundConfig(init_range=init, min_range=0.5))
+        assert all(((r >= 0.5) & (r <= 1)).all() for r in rounding.ratios)
+        with torch.no_grad():
+            errors[init] = (rounding.fake_quantized() - w).abs().pow(2.4).unflatten(-1, (2, 64)).sum(-1)
+    assert (errors["search"] <= errors["minmax"]).all() and errors["search"].sum() < 0.8 * errors["minmax"].sum()
 
 
 class _Proj(torch.nn.Module):
