@@ -3,7 +3,7 @@
     python bench/calibrated.py [--methods float rtn gptq awq awq+gptq] \
         [--peer-python /tmp/lcvenv/bin/python --peer-methods gptq awq] [--out bench/results/calibrated-cpu.json]
 
-Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit (``--bits``), group 64,
+Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit (``--bits``), group 64 (``--group``),
 asymmetric, lm_head kept; 128 x 512 calibration tokens from the bundled
 non-evaluation Austen novels (seed 0); perplexity on the bundled Persuasion
 (16,384 tokens) and, as a genre the calibration never saw, Python source (8,192
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scoring import PROTOCOLS, TEXTS, commit, parse_texts, peak_rss_bytes, protocols, score_texts  # noqa: E402
 
-SCHEME = {"group_size": 64, "symmetric": False}
+SYMMETRIC = False
 TOP_LEVEL = ("dtype",)
 
 
@@ -57,10 +57,10 @@ def method_settings(method: str) -> tuple[str, dict]:
     return name, {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in options.split(",") if o)}
 
 
-def recipe_dict(method: str, bits: int, output: str) -> dict:
+def recipe_dict(method: str, bits: int, output: str, group: int = 64) -> dict:
     name, settings = method_settings(method)
     recipe = {"model": "smollm2-135m", "output": output, "dtype": "bfloat16",
-              "weights": {"method": name, "bits": bits, **SCHEME}}
+              "weights": {"method": name, "bits": bits, "group_size": group, "symmetric": SYMMETRIC}}
     for key, value in settings.items():
         if key in TOP_LEVEL:
             recipe[key] = value
@@ -74,7 +74,7 @@ def recipe_dict(method: str, bits: int, output: str) -> dict:
     return recipe
 
 
-def one(method: str, bits: int, texts: dict[str, int]) -> dict:
+def one(method: str, bits: int, group: int, texts: dict[str, int]) -> dict:
     """Quantize with lowbit (or load the float model for ``float``) and score it."""
     import runtime
     from evals.size import weight_stats
@@ -88,7 +88,7 @@ def one(method: str, bits: int, texts: dict[str, int]) -> dict:
         if method == "float":
             path, seconds = resolve("smollm2-135m"), None
         else:
-            recipe = parse_recipe(recipe_dict(method, bits, f"{tmp}/ckpt"))
+            recipe = parse_recipe(recipe_dict(method, bits, f"{tmp}/ckpt", group))
             path = pipeline.quantize(recipe, device="cpu", progress=False)
             seconds = time.perf_counter() - start
             cpu_seconds = time.process_time() - cpu_start
@@ -98,7 +98,7 @@ def one(method: str, bits: int, texts: dict[str, int]) -> dict:
         model = runtime.load(path)
         scores = score_texts(model.logits, model.tokenizer, texts)
         bits_per_weight = weight_stats(path).bits_per_weight
-    return {"tool": "lowbit", "method": method, "bits": bits, "quantize_s": seconds, "quantize_cpu_s": cpu_seconds,
+    return {"tool": "lowbit", "method": method, "bits": bits, "group_size": group, "quantize_s": seconds, "quantize_cpu_s": cpu_seconds,
             "load_average": load,
             "peak_rss_bytes": peak, "bits_per_weight": bits_per_weight,
             "budget": budget,
@@ -159,6 +159,7 @@ def main():
     ap.add_argument("--peer-python", help="A Python with llm-compressor installed; adds the peers' rows.")
     ap.add_argument("--peer-methods", nargs="*", help="Default: gptq awq, none with --loaded.")
     ap.add_argument("--bits", type=int, default=4, help="Weight bits of every row, lowbit's and the peers'.")
+    ap.add_argument("--group", type=int, default=64, help="Group size of every row, lowbit's and the peers'.")
     ap.add_argument("--texts", nargs="*", default=[f"{t}={n}" for t, n in TEXTS.items()],
                     help="Texts and tokens scored (fewer on a busy machine): persuasion=16384 code=8192")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "calibrated-cpu.json")
@@ -170,11 +171,11 @@ def main():
     args = ap.parse_args()
     if args.one or args.score_one:
         texts = parse_texts(args.texts)
-        print(json.dumps(one(args.one, args.bits, texts) if args.one else score_saved(args.score_one, texts)))
+        print(json.dumps(one(args.one, args.bits, args.group, texts) if args.one else score_saved(args.score_one, texts)))
         return
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it
-    shared = ["--bits", str(args.bits), "--texts", *args.texts]
+    shared = ["--bits", str(args.bits), "--group", str(args.group), "--texts", *args.texts]
     jobs = [[sys.executable, __file__, "--one", m, *shared] for m in args.methods]
     peer_methods = args.peer_methods if args.peer_methods is not None else [] if args.loaded else ["gptq", "awq"]
     if args.peer_python:
@@ -184,7 +185,7 @@ def main():
 
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
               "versions": versions(),
-              "scheme": f"{args.bits}-bit, group 64, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
+              "scheme": f"{args.bits}-bit, group {args.group}, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
               "protocols": {name: {t: p.describe() for t, p in protocols(name, parse_texts(args.texts)).items()}
                             for name in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}

@@ -8,7 +8,7 @@ shared samples, protocol and scoring:
     PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq [--bits 4]
     PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq:dampening=0.1,calibration.bos=false
 
-It quantizes SmolLM2-135M (4-bit, group 64, asymmetric, lm_head kept; the same
+It quantizes SmolLM2-135M (4-bit, group 64 (``--group``), asymmetric, lm_head kept; the same
 128 x 512 tokens lowbit calibrates on, seed 0, begun with the BOS where the
 tokenizer adds one, as lowbit's are; ``calibration.bos`` forces either way), times the whole job (loading, calibrating, quantizing), scores
 the result on the texts and protocols of `bench/scoring.py` and prints one JSON
@@ -41,7 +41,7 @@ from evals.perplexity import hf_logits_fn
 from quant.calibration import calibration_samples, load_calibration_text
 from quant.models import resolve
 
-SCHEME = {"type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
+SCHEME = {"type": "int", "symmetric": False, "strategy": "group"}
 METHODS = ("gptq", "awq", "awq+gptq", "autoround")
 SETTINGS = ("dampening", "calibration.bos", "calibration.samples", "calibration.seq_len", "iters", "batch_size",
             "lr", "seed")
@@ -56,11 +56,11 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, settings
 
 
-def recipe_for(method: str, bits: int, settings: dict):
+def recipe_for(method: str, bits: int, group: int, settings: dict):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, **SCHEME}}}
+    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "group_size": group, **SCHEME}}}
     gptq = {"dampening_frac": settings["dampening"]} if "dampening" in settings else {}
     if method == "gptq":
         return [GPTQModifier(config_groups=groups, ignore=["lm_head"], **gptq)]
@@ -69,7 +69,7 @@ def recipe_for(method: str, bits: int, settings: dict):
     return [AWQModifier(), GPTQModifier(config_groups=groups, ignore=["lm_head"], **gptq)]
 
 
-def run_autoround(model, tokenizer, samples: torch.Tensor, bits: int, settings: dict) -> str:
+def run_autoround(model, tokenizer, samples: torch.Tensor, bits: int, group: int, settings: dict) -> str:
     """AutoRound on ``model`` in place (its blocks end up holding the dequantized weights, which
     is what gets scored); returns its version. ``settings``: iters, batch_size, lr, seed (else its own;
     seed 42, which draws its batches)."""
@@ -78,7 +78,7 @@ def run_autoround(model, tokenizer, samples: torch.Tensor, bits: int, settings: 
 
     tuned = {k: settings[k] for k in ("iters", "lr", "seed") if k in settings}
     batch = settings.get("batch_size", 8)
-    rounder = AutoRound(model, tokenizer=tokenizer, bits=bits, group_size=SCHEME["group_size"],
+    rounder = AutoRound(model, tokenizer=tokenizer, bits=bits, group_size=group,
                         sym=SCHEME["symmetric"], dataset=list(samples.split(batch)), nsamples=samples.shape[0],
                         seqlen=samples.shape[1], batch_size=batch, device_map="cpu", **tuned)
     rounder.quantize()
@@ -113,6 +113,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("method", nargs="?", help="gptq, awq or awq+gptq, with optional settings: gptq:dampening=0.1")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--texts", nargs="*", default=[f"{t}={n}" for t, n in TEXTS.items()])
     ap.add_argument("--score-checkpoint", metavar="DIR", help="Score this checkpoint instead of quantizing.")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -139,17 +140,17 @@ def main():
     start, cpu_start = time.perf_counter(), time.process_time()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     if method == "autoround":
-        tool = f"auto-round {run_autoround(model, tokenizer, samples, args.bits, settings)}"
+        tool = f"auto-round {run_autoround(model, tokenizer, samples, args.bits, args.group, settings)}"
     else:
         ds = datasets.Dataset.from_dict({"input_ids": samples.tolist(),
                                          "attention_mask": torch.ones_like(samples).tolist()})
-        oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, settings), max_seq_length=seq_len,
+        oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, args.group, settings), max_seq_length=seq_len,
                 num_calibration_samples=count)
         tool = f"llm-compressor {llmcompressor.__version__}"
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = peak_rss_bytes()
     scores = score_texts(hf_logits_fn(model), tokenizer, parse_texts(args.texts))
-    row = {"tool": tool, "method": args.method, "bits": args.bits,
+    row = {"tool": tool, "method": args.method, "bits": args.bits, "group_size": args.group,
            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),  # AutoRound's amp may change it
            "quantize_s": seconds, "quantize_cpu_s": cpu_seconds, "load_average": os.getloadavg(),
            "peak_rss_bytes": peak, "scores": scores, "torch": torch.__version__}
