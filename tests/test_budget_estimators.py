@@ -28,7 +28,7 @@ def test_sets_are_subsets_of_the_candidates_weighed():
 def test_a_pass_file_takes_the_candidates_it_lacks_and_drops_measures_one_pass_lacks(tmp_path):
     path = tmp_path / "pass.json"
     path.write_text(json.dumps({**pass_with(["w3 g64"]), "samples": 2}))
-    weighed = read_pass(path, 2)
+    weighed = read_pass(path, 2, 0)  # a file from before the seed was written: seed 0
     add_to_pass(weighed, pass_with(["w3 g32"], measures=("fisher", "output"), value=5.0), "abc")
     assert weighed["candidates"] == ["w3 g64", "w3 g32"]
     assert weighed["sums"] == {"fisher": {"a": {"w3 g64": 1.0, "w3 g32": 5.0}, "b": {"w3 g64": 2.0, "w3 g32": 10.0}}}
@@ -36,6 +36,8 @@ def test_a_pass_file_takes_the_candidates_it_lacks_and_drops_measures_one_pass_l
     assert set(estimates(weighed)) == {"fisher"}  # no output sums, so no output or relative estimate
     with pytest.raises(SystemExit, match="not the same samples"):
         add_to_pass(weighed, pass_with(["w4 g32"], tokens=11), "abc")
-    with pytest.raises(SystemExit, match="weighed 2 samples, not 8"):
-        read_pass(path, 8)
-    assert read_pass(tmp_path / "none.json", 2) is None
+    with pytest.raises(SystemExit, match="weighed 2 samples of seed 0, not 8 of seed 0"):
+        read_pass(path, 8, 0)
+    with pytest.raises(SystemExit, match="not 2 of seed 1"):
+        read_pass(path, 2, 1)
+    assert read_pass(tmp_path / "none.json", 2, 0) is None
