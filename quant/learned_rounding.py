@@ -8,7 +8,8 @@ layer it learns
   weight may round up or down, whichever serves the layer's output;
 - ``lo_ratio``, ``hi_ratio`` per group in ``[min_range, 1]``, shrinking the group's min and max
   (symmetric grids: one ratio on ``max |w|``): a finer grid for most weights at the price of
-  clipping a few.
+  clipping a few. They start at the ratio that rounds the group's own weights best
+  (``init_range: search``; AutoRound starts at 1, ``minmax``).
 
 It minimizes the squared difference between the layer's output with the fake-quantized
 weights, on the outputs of the already quantized layers before it, and a reference (``loss: mse``:
@@ -54,9 +55,12 @@ class SignRoundConfig:
     lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
-    # where the ranges start: "minmax" (each group's min and max, AutoRound's start) or "search" (the
-    # ratio in [min_range, 1] that minimizes the group's own rounding error, as GPTQ's mse observer)
-    init_range: str = "minmax"
+    # where the ranges start: "search" (the ratio in [min_range, 1] that minimizes the group's own rounding
+    # error, as GPTQ's mse observer) or "minmax" (each group's min and max, AutoRound's start). At W2 the
+    # min/max start left the descent (64 steps) far from a good range: "search" took Persuasion from 65.2 to
+    # 59.7 and Python source from 519 to 328; level or better at W3 and W4
+    # (bench/results/w{2,3,4}-signround-search*-cpu.json against w{2,3,4}-signround-model-relative-cpu.json)
+    init_range: str = "search"
     # the reference output: "model" (the float model's, from its own activations: each layer also undoes
     # the error upstream of it) or "layer" (the float layer on the quantized model's inputs). "model" with
     # loss "relative" beats "layer" on Persuasion at W3 (three draws) and W4 and is level or better on
