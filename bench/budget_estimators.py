@@ -134,6 +134,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8, help="Calibration samples of 512 tokens.")
     ap.add_argument("--seed", type=int, default=0, help="Which calibration samples (a second seed: the spread).")
+    ap.add_argument("--bos", action="store_true", help="Begin every calibration sample with the BOS token "
+                                                         "(default: as the tokenizer encodes a prompt).")
     ap.add_argument("--targets", type=float, nargs="*", default=[3.296875, 4.3125])
     ap.add_argument("--estimators", nargs="*", default=list(ESTIMATORS), choices=ESTIMATORS)
     ap.add_argument("--candidates", nargs="*", default=["2:64", "3:64", "4:64", "8:64"],
@@ -167,18 +169,18 @@ def main():
               "platform": platform.platform(), "versions": versions(),
               "scheme": f"RTN, asymmetric, bfloat16 scales, lm_head kept; candidates "
                         f"{', '.join(c.label for c in candidates)}; sensitivities from {args.samples} x 512 "
-                        f"calibration tokens (seed {args.seed}); fake-quantized float32 model",
+                        f"calibration tokens (seed {args.seed}{', BOS first' if args.bos else ''}); fake-quantized float32 model",
               "sets": {name: [c.label for c in members] for name, members in sets.items()},
               "calibration_loss": f"mean next-token loss, nats, on the first {args.check_samples} x 512 calibration "
                                   "tokens (the estimate's own data)",
               "protocols": {p: {t: d.describe() for t, d in protocols(p, texts).items()} for p in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}
     model, tok = load_float_model(resolve("smollm2-135m"))
-    samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, args.seed)
+    samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, args.seed, args.bos or None)
     plan = plan_layers(model, QuantScheme(4, 64), ["lm_head"])
-    weighed = read_pass(args.pass_file, args.samples, args.seed)
+    weighed = read_pass(args.pass_file, args.samples, args.seed, args.bos)
     if weighed is None:
-        weighed = {**weigh(model, plan, candidates, samples), "samples": args.samples, "seed": args.seed,
+        weighed = {**weigh(model, plan, candidates, samples), "samples": args.samples, "seed": args.seed, "bos": args.bos,
                    "commit": result["commit"]}
         args.pass_file.write_text(json.dumps(weighed))
     elif missing := [c for c in candidates if c.label not in weighed["candidates"]]:
@@ -231,14 +233,15 @@ def main():
                                          "bits": 4, "quantize_s": None, "budget": budget})
 
 
-def read_pass(path: Path, samples: int, seed: int) -> dict | None:
+def read_pass(path: Path, samples: int, seed: int, bos: bool = False) -> dict | None:
     """A pass file's sums when it weighed the same samples; None when there is none."""
     if not path.exists():
         return None
     weighed = json.loads(path.read_text())
-    if (weighed["samples"], weighed.get("seed", 0)) != (samples, seed):
-        raise SystemExit(f"{path} weighed {weighed['samples']} samples of seed {weighed.get('seed', 0)}, not {samples} "
-                         f"of seed {seed}; give another --pass-file, or remove it to measure again")
+    if (weighed["samples"], weighed.get("seed", 0), weighed.get("bos", False)) != (samples, seed, bos):
+        raise SystemExit(f"{path} weighed {weighed['samples']} samples of seed {weighed.get('seed', 0)} (bos "
+                         f"{weighed.get('bos', False)}), not {samples} of seed {seed} (bos {bos}); give another "
+                         "--pass-file, or remove it to measure again")
     weighed.setdefault("candidates", list(next(iter(weighed["sums"]["fisher"].values()))))
     return weighed
 

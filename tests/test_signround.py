@@ -49,16 +49,27 @@ def test_learned_rounding_lowers_the_layer_output_error_against_rtn(bits, symmet
         assert layer.get_submodule(n).weight.requires_grad
 
 
-def test_one_step_at_a_negligible_rate_is_rtn():
+@pytest.mark.parametrize("init_range", ["minmax", "search"])
+def test_one_step_at_a_negligible_rate_is_its_start(init_range):
+    """No learning leaves the start: RTN on min/max ranges, or RTN on the searched ranges."""
+    from quant.affine import choose_qparams, clip_search, quantize
+
     model, _ = tiny_llama(hidden=64, layers=1)
     ids = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
     layers = decoder_layers(model)[1]
     with torch.no_grad():
         inputs = capture_inputs(model, layers, ids, 4, "cpu")[0]
-        plan = {"mlp.down_proj": QuantScheme(3, 32)}
-        learned, _ = learn_rounding(layers[0], inputs, plan, SignRoundConfig(iters=1, lr_scale=1e-9), torch.float32)
-        plain = rtn.quantize_weight(layers[0].mlp.down_proj.weight, plan["mlp.down_proj"], torch.float32)
-    assert torch.equal(learned["mlp.down_proj"].q, plain.q)
+        scheme = QuantScheme(3, 32)
+        config = SignRoundConfig(iters=1, lr_scale=1e-9, init_range=init_range)
+        learned, _ = learn_rounding(layers[0], inputs, {"mlp.down_proj": scheme}, config, torch.float32)
+        w = layers[0].mlp.down_proj.weight
+        if init_range == "minmax":
+            expected = rtn.quantize_weight(w, scheme, torch.float32).q
+        else:
+            scale, zero = choose_qparams(w, scheme, clip_search(w, scheme, torch.float32, 51, 0.5), torch.float32)
+            expected = quantize(w, scale, zero, scheme)
+            assert not torch.equal(expected, rtn.quantize_weight(w, scheme, torch.float32).q)
+    assert torch.equal(learned["mlp.down_proj"].q, expected)
 
 
 def test_signround_checkpoint_loads_in_transformers_and_lowbit(tmp_path):
