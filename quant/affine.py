@@ -168,16 +168,11 @@ def clip_search(
     return best_ratio
 
 
-def choose_qparams_mse(
-    x: torch.Tensor,
-    scheme: QuantScheme,
-    scale_dtype: torch.dtype | None = None,
-    steps: int = 20,
-    max_shrink: float = 0.2,
-    norm: float = 2.4,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Like :func:`choose_qparams`, with each group's range shrunk by :func:`clip_search`'s ratio."""
-    return choose_qparams(x, scheme, clip_search(x, scheme, scale_dtype, steps, max_shrink, norm), scale_dtype)
+def choose_qparams_mse(x: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype | None = None,
+                       **search) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like :func:`choose_qparams`, with each group's range shrunk by :func:`clip_search`'s ratio
+    (``search``: its ``steps``, ``max_shrink``, ``norm``)."""
+    return choose_qparams(x, scheme, clip_search(x, scheme, scale_dtype, **search), scale_dtype)
 
 
 def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme,
