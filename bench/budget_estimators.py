@@ -169,19 +169,21 @@ def main():
               "platform": platform.platform(), "versions": versions(),
               "scheme": f"RTN, asymmetric, bfloat16 scales, lm_head kept; candidates "
                         f"{', '.join(c.label for c in candidates)}; sensitivities from {args.samples} x 512 "
-                        f"calibration tokens (seed {args.seed}{', BOS first' if args.bos else ''}); fake-quantized float32 model",
+                        f"calibration tokens (seed {args.seed}{', BOS first' if args.bos else ''}); "
+                        "fake-quantized float32 model",
               "sets": {name: [c.label for c in members] for name, members in sets.items()},
               "calibration_loss": f"mean next-token loss, nats, on the first {args.check_samples} x 512 calibration "
                                   "tokens (the estimate's own data)",
               "protocols": {p: {t: d.describe() for t, d in protocols(p, texts).items()} for p in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}
     model, tok = load_float_model(resolve("smollm2-135m"))
-    samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, args.seed, args.bos or None)
+    samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, args.seed,
+                                  args.bos or None)
     plan = plan_layers(model, QuantScheme(4, 64), ["lm_head"])
     weighed = read_pass(args.pass_file, args.samples, args.seed, args.bos)
     if weighed is None:
-        weighed = {**weigh(model, plan, candidates, samples), "samples": args.samples, "seed": args.seed, "bos": args.bos,
-                   "commit": result["commit"]}
+        weighed = {**weigh(model, plan, candidates, samples), "samples": args.samples, "seed": args.seed,
+                   "bos": args.bos, "commit": result["commit"]}
         args.pass_file.write_text(json.dumps(weighed))
     elif missing := [c for c in candidates if c.label not in weighed["candidates"]]:
         add_to_pass(weighed, weigh(model, plan, missing, samples), result["commit"])

@@ -98,8 +98,8 @@ def one(method: str, bits: int, group: int, texts: dict[str, int]) -> dict:
         model = runtime.load(path)
         scores = score_texts(model.logits, model.tokenizer, texts)
         bits_per_weight = weight_stats(path).bits_per_weight
-    return {"tool": "lowbit", "method": method, "bits": bits, "group_size": group, "quantize_s": seconds, "quantize_cpu_s": cpu_seconds,
-            "load_average": load,
+    return {"tool": "lowbit", "method": method, "bits": bits, "group_size": group, "quantize_s": seconds,
+            "quantize_cpu_s": cpu_seconds, "load_average": load,
             "peak_rss_bytes": peak, "bits_per_weight": bits_per_weight,
             "budget": budget,
             "scores": scores}
@@ -171,7 +171,8 @@ def main():
     args = ap.parse_args()
     if args.one or args.score_one:
         texts = parse_texts(args.texts)
-        print(json.dumps(one(args.one, args.bits, args.group, texts) if args.one else score_saved(args.score_one, texts)))
+        row = one(args.one, args.bits, args.group, texts) if args.one else score_saved(args.score_one, texts)
+        print(json.dumps(row))
         return
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it
@@ -185,7 +186,8 @@ def main():
 
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "platform": platform.platform(),
               "versions": versions(),
-              "scheme": f"{args.bits}-bit, group {args.group}, asymmetric, lm_head kept; calibration 128 x 512 tokens, seed 0",
+              "scheme": f"{args.bits}-bit, group {args.group}, asymmetric, lm_head kept; "
+                        "calibration 128 x 512 tokens, seed 0",
               "protocols": {name: {t: p.describe() for t, p in protocols(name, parse_texts(args.texts)).items()}
                             for name in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}

@@ -144,8 +144,8 @@ def main():
     else:
         ds = datasets.Dataset.from_dict({"input_ids": samples.tolist(),
                                          "attention_mask": torch.ones_like(samples).tolist()})
-        oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, args.group, settings), max_seq_length=seq_len,
-                num_calibration_samples=count)
+        oneshot(model=model, dataset=ds, recipe=recipe_for(method, args.bits, args.group, settings),
+                max_seq_length=seq_len, num_calibration_samples=count)
         tool = f"llm-compressor {llmcompressor.__version__}"
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = peak_rss_bytes()

@@ -45,6 +45,10 @@ from quant.format import QuantizedWeight
 from quant.sequential import LayerInputs, run_layer
 
 
+# the settings with a fixed set of values (the recipe reader checks them too: quant.methods.signround)
+CHOICES = {"init_range": ("search", "minmax"), "target": ("model", "layer"), "loss": ("relative", "mse")}
+
+
 @dataclass(frozen=True)
 class SignRoundConfig:
     iters: int = 200  # SignSGD steps per decoder layer
@@ -79,12 +83,9 @@ class SignRoundConfig:
     def __post_init__(self):
         if not 0 < self.min_range <= 1:
             raise ValueError(f"signround.min_range must be in (0, 1], got {self.min_range}")
-        if self.loss not in ("mse", "relative"):
-            raise ValueError(f"signround.loss must be 'mse' or 'relative', got {self.loss!r}")
-        if self.init_range not in ("minmax", "search"):
-            raise ValueError(f"signround.init_range must be 'minmax' or 'search', got {self.init_range!r}")
-        if self.target not in ("layer", "model"):
-            raise ValueError(f"signround.target must be 'layer' or 'model', got {self.target!r}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"signround.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.lr_scale <= 0 or self.iters < 1 or self.batch_size < 1:
             raise ValueError(f"signround: iters, batch_size and lr_scale must be positive, got {self}")
 

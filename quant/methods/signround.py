@@ -5,7 +5,7 @@ rounded into the ordinary affine scheme (the algorithm: ``quant.learned_rounding
 
 from __future__ import annotations
 
-from quant.learned_rounding import SignRoundConfig, learn_rounding
+from quant.learned_rounding import CHOICES, SignRoundConfig, learn_rounding
 from quant.methods import Method
 
 
@@ -15,4 +15,4 @@ def round_layer(layer, inputs, plan, settings: SignRoundConfig, scale_dtype, whe
 
 METHOD = Method("signround", SignRoundConfig, needs_data=True, stage="round", statistics="layer",
                 round_layer=round_layer, float_stream=lambda settings: settings.target == "model",
-                choices={"target": ("layer", "model"), "loss": ("mse", "relative"), "init_range": ("minmax", "search")}, ranks=False)  # its gradients are not summed across ranks yet
+                choices=CHOICES, ranks=False)  # its gradients are not summed across ranks yet
