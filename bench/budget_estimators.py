@@ -54,7 +54,7 @@ def measures() -> dict:
             "fisher_dot": lambda x, g, e: float(((g * e).sum(-1) ** 2).sum())}
 
 
-def weigh(model, plan, candidates, samples) -> dict:
+def weigh(model, plan, candidates, samples, labels: str = "data") -> dict:
     """The pass: {"sums": {measure: {Linear: {label: Σ}}}, "energy": {Linear: Σ‖W x‖²}, "tokens", "seconds"}."""
     from quant.budget import weigh_rounding
 
@@ -69,7 +69,7 @@ def weigh(model, plan, candidates, samples) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     try:
         sums, tokens = weigh_rounding(model, plan, candidates, samples, torch.bfloat16, progress=False,
-                                      measures=measures())
+                                      measures=measures(), labels=labels)
     finally:
         for h in hooks:
             h.remove()
@@ -136,6 +136,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="Which calibration samples (a second seed: the spread).")
     ap.add_argument("--bos", action="store_true", help="Begin every calibration sample with the BOS token "
                                                          "(default: as the tokenizer encodes a prompt).")
+    ap.add_argument("--labels", choices=("data", "model"), default="data",
+                    help="The pass's loss against the text's next tokens (empirical Fisher) or against tokens "
+                         "drawn from the float model (its Fisher: the rise of KL from the float model).")
     ap.add_argument("--targets", type=float, nargs="*", default=[3.296875, 4.3125])
     ap.add_argument("--estimators", nargs="*", default=list(ESTIMATORS), choices=ESTIMATORS)
     ap.add_argument("--candidates", nargs="*", default=["2:64", "3:64", "4:64", "8:64"],
@@ -169,7 +172,8 @@ def main():
               "platform": platform.platform(), "versions": versions(),
               "scheme": f"RTN, asymmetric, bfloat16 scales, lm_head kept; candidates "
                         f"{', '.join(c.label for c in candidates)}; sensitivities from {args.samples} x 512 "
-                        f"calibration tokens (seed {args.seed}{', BOS first' if args.bos else ''}); "
+                        f"calibration tokens (seed {args.seed}{', BOS first' if args.bos else ''}, labels "
+                        f"{args.labels}); "
                         "fake-quantized float32 model",
               "sets": {name: [c.label for c in members] for name, members in sets.items()},
               "calibration_loss": f"mean next-token loss, nats, on the first {args.check_samples} x 512 calibration "
@@ -180,13 +184,13 @@ def main():
     samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, args.seed,
                                   args.bos or None)
     plan = plan_layers(model, QuantScheme(4, 64), ["lm_head"])
-    weighed = read_pass(args.pass_file, args.samples, args.seed, args.bos)
+    weighed = read_pass(args.pass_file, args.samples, args.seed, args.bos, args.labels)
     if weighed is None:
-        weighed = {**weigh(model, plan, candidates, samples), "samples": args.samples, "seed": args.seed,
-                   "bos": args.bos, "commit": result["commit"]}
+        weighed = {**weigh(model, plan, candidates, samples, args.labels), "samples": args.samples,
+                   "seed": args.seed, "bos": args.bos, "labels": args.labels, "commit": result["commit"]}
         args.pass_file.write_text(json.dumps(weighed))
     elif missing := [c for c in candidates if c.label not in weighed["candidates"]]:
-        add_to_pass(weighed, weigh(model, plan, missing, samples), result["commit"])
+        add_to_pass(weighed, weigh(model, plan, missing, samples, args.labels), result["commit"])
         args.pass_file.write_text(json.dumps(weighed))
     result["pass"] = {k: weighed[k] for k in weighed if k not in ("sums", "energy")} | {"file": args.pass_file.name}
     estimated = estimates(weighed)
@@ -235,15 +239,16 @@ def main():
                                          "bits": 4, "quantize_s": None, "budget": budget})
 
 
-def read_pass(path: Path, samples: int, seed: int, bos: bool = False) -> dict | None:
-    """A pass file's sums when it weighed the same samples; None when there is none."""
+def read_pass(path: Path, samples: int, seed: int, bos: bool = False, labels: str = "data") -> dict | None:
+    """A pass file's sums when it weighed the same samples the same way; None when there is none."""
     if not path.exists():
         return None
     weighed = json.loads(path.read_text())
-    if (weighed["samples"], weighed.get("seed", 0), weighed.get("bos", False)) != (samples, seed, bos):
-        raise SystemExit(f"{path} weighed {weighed['samples']} samples of seed {weighed.get('seed', 0)} (bos "
-                         f"{weighed.get('bos', False)}), not {samples} of seed {seed} (bos {bos}); give another "
-                         "--pass-file, or remove it to measure again")
+    found = (weighed["samples"], weighed.get("seed", 0), weighed.get("bos", False), weighed.get("labels", "data"))
+    if found != (samples, seed, bos, labels):
+        raise SystemExit(f"{path} weighed {found[0]} samples of seed {found[1]} (bos {found[2]}, labels {found[3]}), "
+                         f"not {samples} of seed {seed} (bos {bos}, labels {labels}); give another --pass-file, or "
+                         "remove it to measure again")
     weighed.setdefault("candidates", list(next(iter(weighed["sums"]["fisher"].values()))))
     return weighed
 

@@ -50,6 +50,8 @@ MAX_TARGET_BITS = 8
 # calibration tokens per forward and backward pass of the sensitivities: several short samples share one
 # pass (each Linear is rounded once per pass), a long one goes alone; autograd's activations grow with it
 PASS_TOKENS = 2048
+# what the pass's loss is taken against: the text's next tokens, or the float model's own draws
+LABELS = ("data", "model")
 
 
 class BudgetError(ValueError):
@@ -98,7 +100,7 @@ def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[
 
 def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
                    scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True,
-                   measures: dict | None = None) -> tuple[dict, int]:
+                   measures: dict | None = None, labels: str = "data") -> tuple[dict, int]:
     """({measure: {Linear: {candidate label: Σ over the calibration batches}}}, tokens) where each of
     ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
     output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
@@ -110,8 +112,16 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     keeping the rounded grids instead would hold one byte per weight and candidate for the whole
     model); only one Linear's float rounding error is held at a time besides autograd's own
     activations. The weights are left as they were; the whole model takes part (a lazily loaded one
-    is filled for the pass and its decoder layers emptied again after)."""
+    is filled for the pass and its decoder layers emptied again after).
+
+    ``labels``: ``data``, the loss of the text's own next tokens (the empirical Fisher); ``model``,
+    of next tokens drawn from the float model's own prediction at each position (seeded), whose
+    squared gradients average to the model's Fisher: the estimate is then of the rise of the KL
+    divergence from the float model's predictions, whatever the text's next token is."""
+    if labels not in LABELS:
+        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
     measures = measures or {"fisher": fisher}
+    draw = torch.Generator().manual_seed(0)
     rtn = registry.get("rtn")
     sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in measures}
     prefix, layers = decoder_layers(model)
@@ -149,8 +159,8 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
             per_pass = max(1, PASS_TOKENS // samples.shape[1])
             for ids in tqdm(samples.split(per_pass), desc="sensitivities", unit="pass", disable=not progress):
                 ids = ids.to(device)
-                logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float().flatten(0, 1)
+                loss = torch.nn.functional.cross_entropy(logits, next_tokens(logits, ids, labels, draw), reduction="sum")
                 loss.backward()
                 tokens += ids[:, 1:].numel()
     finally:
@@ -165,6 +175,14 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
                         module._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
         move_data(model, home)
     return sums, tokens
+
+
+def next_tokens(logits: torch.Tensor, ids: torch.Tensor, labels: str, draw: torch.Generator) -> torch.Tensor:
+    """The targets of the pass's loss: the text's next tokens, or tokens drawn from the model's logits."""
+    if labels == "data":
+        return ids[:, 1:].flatten()
+    probs = torch.softmax(logits.detach(), -1).cpu()
+    return torch.multinomial(probs, 1, generator=draw).flatten().to(logits.device)
 
 
 # ------------------------------------------------------------------ assignment

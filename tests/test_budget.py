@@ -327,3 +327,21 @@ def test_recipe_round_trips_with_a_budget():
     # the default: 3 and 4 bits at groups 32/64/128 and the recipe's, 8 bits at the recipe's; no 2 bits (README)
     default = parse_recipe({"model": "m", "weights": {"target_bits": 3.5, "group_size": 48}}).weights.budget_candidates
     assert default == [Candidate(b, g) for b in (3, 4) for g in (32, 64, 128, 48)] + [Candidate(8, 48)]
+
+
+def test_model_labels_weigh_against_the_float_models_own_draws():
+    """``labels="model"``: the pass's loss against next tokens drawn (seeded) from the float model, so
+    the same samples give the same sums; they differ from the text's labels; an unknown choice is named."""
+    from quant.budget import weigh_rounding
+    from quant.calibration import calibration_samples
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    samples = calibration_samples(tok, TEXT * 20, 4, 32, 0)
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    candidates = [Candidate(b, 32) for b in (3, 8)]
+    runs = [weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False, labels=labels)[0]["fisher"]
+            for labels in ("model", "model", "data")]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert all(by["w3 g32"] > by["w8 g32"] > 0 for by in runs[0].values())
+    with pytest.raises(ValueError, match="labels must be one of data, model"):
+        weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False, labels="text")

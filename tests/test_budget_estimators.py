@@ -36,10 +36,12 @@ def test_a_pass_file_takes_the_candidates_it_lacks_and_drops_measures_one_pass_l
     assert set(estimates(weighed)) == {"fisher"}  # no output sums, so no output or relative estimate
     with pytest.raises(SystemExit, match="not the same samples"):
         add_to_pass(weighed, pass_with(["w4 g32"], tokens=11), "abc")
-    with pytest.raises(SystemExit, match=r"weighed 2 samples of seed 0 \(bos False\), not 8 of seed 0"):
+    with pytest.raises(SystemExit, match=r"weighed 2 samples of seed 0 \(bos False, labels data\), not 8 of seed 0"):
         read_pass(path, 8, 0)
     with pytest.raises(SystemExit, match="not 2 of seed 1"):
         read_pass(path, 2, 1)
-    with pytest.raises(SystemExit, match=r"not 2 of seed 0 \(bos True\)"):
+    with pytest.raises(SystemExit, match=r"not 2 of seed 0 \(bos True"):
         read_pass(path, 2, 0, bos=True)
+    with pytest.raises(SystemExit, match=r"\(bos False, labels model\)"):
+        read_pass(path, 2, 0, labels="model")
     assert read_pass(tmp_path / "none.json", 2, 0) is None
