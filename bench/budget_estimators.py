@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -139,6 +140,9 @@ def main():
     ap.add_argument("--labels", choices=("data", "model"), default="data",
                     help="The pass's loss against the text's next tokens (empirical Fisher) or against tokens "
                          "drawn from the float model (its Fisher: the rise of KL from the float model).")
+    ap.add_argument("--code-share", type=float, default=0.0,
+                    help="Share of the calibration samples drawn from Python source (CPython's Lib/*.py of this "
+                         "interpreter, argparse.py, the code text scored, left out) instead of the Austen text.")
     ap.add_argument("--targets", type=float, nargs="*", default=[3.296875, 4.3125])
     ap.add_argument("--estimators", nargs="*", default=list(ESTIMATORS), choices=ESTIMATORS)
     ap.add_argument("--candidates", nargs="*", default=["2:64", "3:64", "4:64", "8:64"],
@@ -158,7 +162,6 @@ def main():
     from evals.provenance import versions
     from quant.affine import QuantScheme
     from quant.budget import BudgetError, assign, linear_costs
-    from quant.calibration import calibration_samples, load_calibration_text
     from quant.models import load_float_model, resolve
     from quant.plan import plan_layers
 
@@ -173,7 +176,7 @@ def main():
               "scheme": f"RTN, asymmetric, bfloat16 scales, lm_head kept; candidates "
                         f"{', '.join(c.label for c in candidates)}; sensitivities from {args.samples} x 512 "
                         f"calibration tokens (seed {args.seed}{', BOS first' if args.bos else ''}, labels "
-                        f"{args.labels}); "
+                        f"{args.labels}, code share {args.code_share:g}); "
                         "fake-quantized float32 model",
               "sets": {name: [c.label for c in members] for name, members in sets.items()},
               "calibration_loss": f"mean next-token loss, nats, on the first {args.check_samples} x 512 calibration "
@@ -181,13 +184,12 @@ def main():
               "protocols": {p: {t: d.describe() for t, d in protocols(p, texts).items()} for p in PROTOCOLS},
               "load_average_at_start": os.getloadavg(), "rows": []}
     model, tok = load_float_model(resolve("smollm2-135m"))
-    samples = calibration_samples(tok, load_calibration_text("default"), args.samples, 512, args.seed,
-                                  args.bos or None)
+    samples = calibration_mix(tok, args.samples, args.seed, args.bos, args.code_share)
     plan = plan_layers(model, QuantScheme(4, 64), ["lm_head"])
-    weighed = read_pass(args.pass_file, args.samples, args.seed, args.bos, args.labels)
+    how = {k: getattr(args, k) for k in PASS_KEYS}
+    weighed = read_pass(args.pass_file, **how)
     if weighed is None:
-        weighed = {**weigh(model, plan, candidates, samples, args.labels), "samples": args.samples,
-                   "seed": args.seed, "bos": args.bos, "labels": args.labels, "commit": result["commit"]}
+        weighed = {**weigh(model, plan, candidates, samples, args.labels), **how, "commit": result["commit"]}
         args.pass_file.write_text(json.dumps(weighed))
     elif missing := [c for c in candidates if c.label not in weighed["candidates"]]:
         add_to_pass(weighed, weigh(model, plan, missing, samples, args.labels), result["commit"])
@@ -239,15 +241,42 @@ def main():
                                          "bits": 4, "quantize_s": None, "budget": budget})
 
 
-def read_pass(path: Path, samples: int, seed: int, bos: bool = False, labels: str = "data") -> dict | None:
-    """A pass file's sums when it weighed the same samples the same way; None when there is none."""
+# how a pass weighed: a pass file is reused only for the same samples weighed the same way (the
+# defaults are what files written before a key existed did)
+PASS_KEYS = {"samples": None, "seed": 0, "bos": False, "labels": "data", "code_share": 0.0}
+
+
+def stdlib_source() -> str:
+    """The running CPython's own ``Lib/*.py``, sorted by name, ``argparse.py`` left out: Python source
+    disjoint from the code text scored (``evals/data/code.txt.gz``, CPython 3.11.7's argparse.py)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join(f.read_text(encoding="utf-8") for f in sorted(lib.glob("*.py")) if f.name != "argparse.py")
+
+
+def calibration_mix(tok, samples: int, seed: int, bos: bool, code_share: float) -> torch.Tensor:
+    """``samples`` windows of 512 tokens: ``round(samples * code_share)`` of Python source
+    (:func:`stdlib_source`), the rest of the bundled Austen text, each drawn as the pipeline draws."""
+    from quant.calibration import calibration_samples, load_calibration_text
+
+    if not 0 <= code_share <= 1:
+        raise SystemExit(f"--code-share is a share of the samples, from 0 to 1; got {code_share}")
+    code = round(samples * code_share)
+    prose = calibration_samples(tok, load_calibration_text("default"), samples - code, 512, seed, bos or None)
+    if not code:
+        return prose
+    return torch.cat([prose, calibration_samples(tok, stdlib_source(), code, 512, seed, bos or None)])
+
+
+def read_pass(path: Path, **how) -> dict | None:
+    """A pass file's sums when it weighed as ``how`` says (``PASS_KEYS``); None when there is none."""
     if not path.exists():
         return None
     weighed = json.loads(path.read_text())
-    found = (weighed["samples"], weighed.get("seed", 0), weighed.get("bos", False), weighed.get("labels", "data"))
-    if found != (samples, seed, bos, labels):
-        raise SystemExit(f"{path} weighed {found[0]} samples of seed {found[1]} (bos {found[2]}, labels {found[3]}), "
-                         f"not {samples} of seed {seed} (bos {bos}, labels {labels}); give another --pass-file, or "
+    found = {k: weighed.get(k, default) for k, default in PASS_KEYS.items()}
+    wanted = {k: how.get(k, default) for k, default in PASS_KEYS.items()}
+    if found != wanted:
+        differ = ", ".join(f"{k} {found[k]} (here {wanted[k]})" for k in PASS_KEYS if found[k] != wanted[k])
+        raise SystemExit(f"{path} weighed other samples or another way: {differ}; give another --pass-file, or "
                          "remove it to measure again")
     weighed.setdefault("candidates", list(next(iter(weighed["sums"]["fisher"].values()))))
     return weighed

@@ -28,7 +28,7 @@ def test_sets_are_subsets_of_the_candidates_weighed():
 def test_a_pass_file_takes_the_candidates_it_lacks_and_drops_measures_one_pass_lacks(tmp_path):
     path = tmp_path / "pass.json"
     path.write_text(json.dumps({**pass_with(["w3 g64"]), "samples": 2}))
-    weighed = read_pass(path, 2, 0)  # a file from before the seed was written: seed 0
+    weighed = read_pass(path, samples=2)  # a file from before the other keys were written: their defaults
     add_to_pass(weighed, pass_with(["w3 g32"], measures=("fisher", "output"), value=5.0), "abc")
     assert weighed["candidates"] == ["w3 g64", "w3 g32"]
     assert weighed["sums"] == {"fisher": {"a": {"w3 g64": 1.0, "w3 g32": 5.0}, "b": {"w3 g64": 2.0, "w3 g32": 10.0}}}
@@ -36,12 +36,17 @@ def test_a_pass_file_takes_the_candidates_it_lacks_and_drops_measures_one_pass_l
     assert set(estimates(weighed)) == {"fisher"}  # no output sums, so no output or relative estimate
     with pytest.raises(SystemExit, match="not the same samples"):
         add_to_pass(weighed, pass_with(["w4 g32"], tokens=11), "abc")
-    with pytest.raises(SystemExit, match=r"weighed 2 samples of seed 0 \(bos False, labels data\), not 8 of seed 0"):
-        read_pass(path, 8, 0)
-    with pytest.raises(SystemExit, match="not 2 of seed 1"):
-        read_pass(path, 2, 1)
-    with pytest.raises(SystemExit, match=r"not 2 of seed 0 \(bos True"):
-        read_pass(path, 2, 0, bos=True)
-    with pytest.raises(SystemExit, match=r"\(bos False, labels model\)"):
-        read_pass(path, 2, 0, labels="model")
-    assert read_pass(tmp_path / "none.json", 2, 0) is None
+    with pytest.raises(SystemExit, match=r"another way: samples 2 \(here 8\); give another --pass-file"):
+        read_pass(path, samples=8)
+    for key, value in (("seed", 1), ("bos", True), ("labels", "model"), ("code_share", 0.25)):
+        with pytest.raises(SystemExit, match=f"{key} .* \\(here {value}\\)"):
+            read_pass(path, samples=2, **{key: value})
+    assert read_pass(tmp_path / "none.json", samples=2) is None
+
+
+def test_the_code_calibration_is_python_source_without_the_code_text_scored():
+    from bench.budget_estimators import stdlib_source
+    from evals.texts import load_text
+
+    source = stdlib_source()
+    assert "def " in source and load_text("code")[:2000] not in source
