@@ -55,7 +55,7 @@ def measures() -> dict:
             "fisher_dot": lambda x, g, e: float(((g * e).sum(-1) ** 2).sum())}
 
 
-def weigh(model, plan, candidates, samples, labels: str = "data") -> dict:
+def weigh(model, plan, candidates, samples, labels: str = "data", float_weights: dict | None = None) -> dict:
     """The pass: {"sums": {measure: {Linear: {label: Σ}}}, "energy": {Linear: Σ‖W x‖²}, "tokens", "seconds"}."""
     from quant.budget import weigh_rounding
 
@@ -70,7 +70,7 @@ def weigh(model, plan, candidates, samples, labels: str = "data") -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     try:
         sums, tokens = weigh_rounding(model, plan, candidates, samples, torch.bfloat16, progress=False,
-                                      measures=measures(), labels=labels)
+                                      measures=measures(), labels=labels, float_weights=float_weights)
     finally:
         for h in hooks:
             h.remove()
@@ -143,6 +143,9 @@ def main():
     ap.add_argument("--code-share", type=float, default=0.0,
                     help="Share of the calibration samples drawn from Python source (CPython's Lib/*.py of this "
                          "interpreter, argparse.py, the code text scored, left out) instead of the Austen text.")
+    ap.add_argument("--relinearize", action="store_true",
+                    help="After each budget row, weigh the candidates again with the model rounded as that row "
+                         "chose (inputs and gradients of the rounded model) and score the assignment made from it.")
     ap.add_argument("--targets", type=float, nargs="*", default=[3.296875, 4.3125])
     ap.add_argument("--estimators", nargs="*", default=list(ESTIMATORS), choices=ESTIMATORS)
     ap.add_argument("--candidates", nargs="*", default=["2:64", "3:64", "4:64", "8:64"],
@@ -220,25 +223,33 @@ def main():
     for c in uniform:
         score(dict.fromkeys(plan, c.label), {"row": f"uniform {c.label}", "tool": tool, "method": "rtn",
                                              "bits": c.bits, "quantize_s": None})
+    def place(target: float, estimator: str, set_name: str, members: list, by_estimate: dict, tag: str = "") -> bool:
+        """Assign and score one budget row; False when the set's cheapest candidates exceed the target."""
+        labels = {c.label for c in members}
+        pick = {n: {k: v for k, v in by.items() if k in labels} for n, by in by_estimate[estimator].items()}
+        try:
+            chosen = assign({n: {k: v for k, v in by.items() if k in labels} for n, by in costs.items()},
+                            pick, int(target * params))
+        except BudgetError as e:
+            print(f"budget {target:g} ({estimator}, {set_name}): {e}", flush=True)
+            return False
+        budget = {"target_bits": target, "estimator": estimator, "candidates": sorted(labels),
+                  "estimated_loss": chosen["loss"],
+                  "layers": {n: {"choice": k, "loss": pick[n]} for n, k in chosen["choice"].items()}}
+        suffix = "" if set_name == "all" else f",weights.candidates={set_name}"
+        score(chosen["choice"], {"row": f"budget {target:g} ({estimator}, {set_name}{tag})", "tool": tool,
+                                 "method": f"rtn:weights.target_bits={target:g},weights.sensitivity="
+                                           f"{estimator}{suffix}",
+                                 "bits": 4, "quantize_s": None, "budget": budget})
+        return True
+
     for target in args.targets:
         for estimator in args.estimators:
             for set_name, members in sets.items():
-                labels = {c.label for c in members}
-                pick = {n: {k: v for k, v in by.items() if k in labels} for n, by in estimated[estimator].items()}
-                try:
-                    chosen = assign({n: {k: v for k, v in by.items() if k in labels} for n, by in costs.items()},
-                                    pick, int(target * params))
-                except BudgetError as e:  # this set's cheapest candidates exceed the target: no row
-                    print(f"budget {target:g} ({estimator}, {set_name}): {e}", flush=True)
-                    continue
-                budget = {"target_bits": target, "estimator": estimator, "candidates": sorted(labels),
-                          "estimated_loss": chosen["loss"],
-                          "layers": {n: {"choice": k, "loss": pick[n]} for n, k in chosen["choice"].items()}}
-                suffix = "" if set_name == "all" else f",weights.candidates={set_name}"
-                score(chosen["choice"], {"row": f"budget {target:g} ({estimator}, {set_name})", "tool": tool,
-                                         "method": f"rtn:weights.target_bits={target:g},weights.sensitivity="
-                                                   f"{estimator}{suffix}",
-                                         "bits": 4, "quantize_s": None, "budget": budget})
+                if place(target, estimator, set_name, members, estimated) and args.relinearize:
+                    # the model now holds this row's rounding: weigh every candidate again around it
+                    again = weigh(model, plan, members, samples, args.labels, float_weights=originals)
+                    place(target, estimator, set_name, members, estimates(again), ", relinearized")
 
 
 # how a pass weighed: a pass file is reused only for the same samples weighed the same way (the

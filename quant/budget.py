@@ -100,7 +100,8 @@ def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[
 
 def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
                    scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True,
-                   measures: dict | None = None, labels: str = "data") -> tuple[dict, int]:
+                   measures: dict | None = None, labels: str = "data",
+                   float_weights: dict | None = None) -> tuple[dict, int]:
     """({measure: {Linear: {candidate label: Σ over the calibration batches}}}, tokens) where each of
     ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
     output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
@@ -117,7 +118,11 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     ``labels``: ``data``, the loss of the text's own next tokens (the empirical Fisher); ``model``,
     of next tokens drawn from the float model's own prediction at each position (seeded), whose
     squared gradients average to the model's Fisher: the estimate is then of the rise of the KL
-    divergence from the float model's predictions, whatever the text's next token is."""
+    divergence from the float model's predictions, whatever the text's next token is.
+
+    ``float_weights`` ({Linear: float weight}): the model runs with the weights it holds (say, an
+    assignment already rounded), and each named Linear's candidates are rounded from its float weight
+    there: the same error, weighed by the inputs and gradients of the rounded model."""
     if labels not in LABELS:
         raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
     measures = measures or {"fisher": fisher}
@@ -131,7 +136,7 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     move_data(model, torch.device(device))
 
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
-        weight = linear.weight.detach()
+        weight = (float_weights or {}).get(name, linear.weight).detach()
         x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
         for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
             delta = weight.float() - rtn.round_linear(weight, scheme, None, scale_dtype, None, name).dequantize(torch.float32)

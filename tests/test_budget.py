@@ -345,3 +345,28 @@ def test_model_labels_weigh_against_the_float_models_own_draws():
     assert all(by["w3 g32"] > by["w8 g32"] > 0 for by in runs[0].values())
     with pytest.raises(ValueError, match="labels must be one of data, model"):
         weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False, labels="text")
+
+
+def test_float_weights_round_from_the_float_weight_whatever_the_model_holds():
+    """A model already holding a Linear rounded at w3 g32: weighed as it stands, re-rounding that grid
+    costs nothing; with ``float_weights`` the candidate is rounded from the float weight again."""
+    from quant import rtn
+    from quant.budget import weigh_rounding
+    from quant.calibration import calibration_samples
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    samples = calibration_samples(tok, TEXT * 20, 2, 32, 0)
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    name = "model.layers.0.mlp.up_proj"
+    linear = model.get_submodule(name)
+    original = linear.weight.detach().clone()
+    with torch.no_grad():
+        linear.weight.copy_(rtn.quantize_weight(original, QuantScheme(3, 32), torch.float32).dequantize(torch.float32))
+    candidates = [Candidate(3, 32)]
+    as_held, _ = weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False)
+    from_float, _ = weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False,
+                                   float_weights={name: original})
+    assert as_held["fisher"][name]["w3 g32"] < 1e-9 * from_float["fisher"][name]["w3 g32"]
+    assert from_float["fisher"][name]["w3 g32"] > 0
+    assert torch.equal(linear.weight, rtn.quantize_weight(original, QuantScheme(3, 32), torch.float32)
+                       .dequantize(torch.float32))  # the model keeps what it held
