@@ -143,6 +143,9 @@ def main():
     ap.add_argument("--code-share", type=float, default=0.0,
                     help="Share of the calibration samples drawn from Python source (CPython's Lib/*.py of this "
                          "interpreter, argparse.py, the code text scored, left out) instead of the Austen text.")
+    ap.add_argument("--check", type=int, default=0,
+                    help="Check the fisher estimates of this many Linears (the largest at w4 g64) by measuring the "
+                         "loss with each alone rounded, and scale them by measured / estimated (quant.budget).")
     ap.add_argument("--relinearize", action="store_true",
                     help="After each budget row, weigh the candidates again with the model rounded as that row "
                          "chose (inputs and gradients of the rounded model) and score the assignment made from it.")
@@ -164,7 +167,7 @@ def main():
     from evals.perplexity import hf_logits_fn
     from evals.provenance import versions
     from quant.affine import QuantScheme
-    from quant.budget import BudgetError, assign, linear_costs
+    from quant.budget import BudgetError, Candidate, assign, check_largest, linear_costs
     from quant.models import load_float_model, resolve
     from quant.plan import plan_layers
 
@@ -201,6 +204,12 @@ def main():
     estimated = estimates(weighed)
     if missing := [e for e in args.estimators if e not in estimated]:
         raise SystemExit(f"{args.pass_file} has no sums for {missing}; pass --estimators {' '.join(estimated)}")
+    if args.check:  # the largest estimates checked by measurement on the pass's own samples
+        per_token = {n: {k: v / (2 * weighed["tokens"]) for k, v in by.items()}
+                     for n, by in estimated["fisher"].items()}
+        checked, result["check"] = check_largest(model, plan, per_token, candidates, Candidate(4, 64), samples,
+                                                 torch.bfloat16, args.check)
+        estimated["fisher"] = {n: {k: v * 2 * weighed["tokens"] for k, v in by.items()} for n, by in checked.items()}
     costs = linear_costs(model, plan, candidates, torch.bfloat16)
     params = sum(model.get_submodule(n).weight.numel() for n in plan)
     originals = {n: model.get_submodule(n).weight.detach().clone() for n in plan}

@@ -370,3 +370,34 @@ def test_float_weights_round_from_the_float_weight_whatever_the_model_holds():
     assert from_float["fisher"][name]["w3 g32"] > 0
     assert torch.equal(linear.weight, rtn.quantize_weight(original, QuantScheme(3, 32), torch.float32)
                        .dequantize(torch.float32))  # the model keeps what it held
+
+
+def test_the_largest_estimates_are_scaled_to_what_the_model_measures():
+    """check_largest: the Linear with the largest estimate at the base candidate gets every estimate
+    scaled by its measured rise (the loss with it alone rounded) over the estimated one; the rest
+    keep theirs; the weights are as they were."""
+    from quant import rtn
+    from quant.budget import check_largest, mean_loss
+    from quant.calibration import calibration_samples
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    samples = calibration_samples(tok, TEXT * 20, 4, 32, 0)
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    candidates = [Candidate(b, 32) for b in (2, 4)]
+    losses = {n: {"w2 g32": 4e-3, "w4 g32": 1e-3} for n in plan}
+    name = "model.layers.1.mlp.down_proj"
+    losses[name] = {"w2 g32": 8.0, "w4 g32": 2.0}  # far above anything rounding it can do
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    corrected, record = check_largest(model, plan, losses, candidates, Candidate(4, 32), samples, torch.float32, 1)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert list(record) == [name] and record[name]["estimated"] == 2.0
+    floor = mean_loss(model, samples)
+    linear = model.get_submodule(name)
+    with torch.no_grad():
+        linear.weight.copy_(rtn.quantize_weight(before[f"{name}.weight"], QuantScheme(4, 32), torch.float32)
+                            .dequantize(torch.float32))
+    measured = mean_loss(model, samples) - floor
+    assert record[name]["measured"] == pytest.approx(measured, abs=1e-6)
+    factor = max(measured, 0.0) / 2.0
+    assert corrected[name] == pytest.approx({"w2 g32": 8.0 * factor, "w4 g32": 2.0 * factor})
+    assert all(corrected[n] == losses[n] for n in plan if n != name)
