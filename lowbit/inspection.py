@@ -104,6 +104,10 @@ def budget_lines(budget: dict, layers: bool) -> list[str]:
              "assignment: " + ", ".join(f"{c} x{counts[c]}" for c in candidates if counts[c])
              + (f"; {len(budget['pinned'])} Linears set by overrides" if budget.get("pinned") else ""),
              f"sensitivity = {budget['sensitivity']}"]
+    if budget.get("checked"):  # manifests from before the check have none
+        lines.append("checked (estimated -> measured nats): " + ", ".join(
+            f"{n} {c['estimated']:.3g} -> {c['measured']:.3g}" for n, c in sorted(budget["checked"].items(),
+                                                                             key=lambda kv: _natural_key(kv[0]))))
     if layers:
         lines += ["", f"{'layer':<40} " + " ".join(f"{c:>11}" for c in candidates) + "   (* chosen)"]
         for name in sorted(budget["layers"], key=_natural_key):

@@ -10,7 +10,11 @@
    no weight, so every Linear is measured on the float model, whatever the others will get. It needs
    the whole model at once (a backward pass): for an 8B model its float weights plus one pass's
    activations (``PASS_TOKENS`` tokens, or one sample if longer), not one layer as the quantization
-   pass does.
+   pass does. Then the check: for the ``CHECKED_LINEARS`` Linears with the largest estimates, the
+   loss is measured with each alone rounded (one forward pass over ``CHECK_TOKENS`` calibration
+   tokens each) and their estimates scaled to it (:func:`check_largest`): the second-order estimate
+   can miss by far where the loss reads a Linear's output non-linearly, and those few decide much
+   of the assignment (README).
 2. Assignment. Each Linear takes one candidate; the summed estimated loss is minimized under the
    budget, a multiple-choice knapsack solved by its Lagrangian: every Linear's candidates reduced to
    their lower convex hull of (bits, loss), then the upgrade steps with the most loss saved per bit
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,6 +55,10 @@ MAX_TARGET_BITS = 8
 # calibration tokens per forward and backward pass of the sensitivities: several short samples share one
 # pass (each Linear is rounded once per pass), a long one goes alone; autograd's activations grow with it
 PASS_TOKENS = 2048
+# the Linears whose estimates are checked by measurement (check_largest), and the calibration tokens the
+# check reads (each checked Linear costs one forward pass over them): bench/results/budget-check16*-cpu.json
+CHECKED_LINEARS = 8
+CHECK_TOKENS = 8192
 # what the pass's loss is taken against: the text's next tokens, or the float model's own draws
 LABELS = ("data", "model")
 
@@ -129,11 +138,6 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     draw = torch.Generator().manual_seed(0)
     rtn = registry.get("rtn")
     sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in measures}
-    prefix, layers = decoder_layers(model)
-    home = next(p.device for p in model.parameters() if not p.is_meta)
-    for i, layer in enumerate(layers if lazy is not None else ()):
-        lazy.fill(layer, f"{prefix}.{i}.", device)
-    move_data(model, torch.device(device))
 
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
         weight = (float_weights or {}).get(name, linear.weight).detach()
@@ -160,7 +164,7 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
     try:
         for p in wanted:
             p.requires_grad_(False)
-        with torch.enable_grad():
+        with whole_model(model, lazy, device), torch.enable_grad():
             per_pass = max(1, PASS_TOKENS // samples.shape[1])
             for ids in tqdm(samples.split(per_pass), desc="sensitivities", unit="pass", disable=not progress):
                 ids = ids.to(device)
@@ -174,13 +178,28 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
             h.remove()
         for p, flag in wanted.items():
             p.requires_grad_(flag)
-        for layer in layers if lazy is not None else ():  # emptied again: the quantization pass reads each anew
+    return sums, tokens
+
+
+@contextmanager
+def whole_model(model, lazy=None, device="cpu"):
+    """The whole model on ``device`` for the block: a lazily loaded one's decoder layers filled, and
+    emptied again after (the quantization pass reads each anew); the data moved back where it was.
+    Inside another such block (``lazy=None``) it only moves what is already there."""
+    prefix, layers = decoder_layers(model)
+    home = next(p.device for p in model.parameters() if not p.is_meta)
+    for i, layer in enumerate(layers if lazy is not None else ()):
+        lazy.fill(layer, f"{prefix}.{i}.", device)
+    move_data(model, torch.device(device))
+    try:
+        yield
+    finally:
+        for layer in layers if lazy is not None else ():
             for module in layer.modules():
                 for key, param in module._parameters.items():
                     if param is not None:
                         module._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
         move_data(model, home)
-    return sums, tokens
 
 
 def next_tokens(logits: torch.Tensor, ids: torch.Tensor, labels: str, draw: torch.Generator) -> torch.Tensor:
@@ -346,6 +365,16 @@ def check_budget(target_bits: float, costs: dict, pinned_bits: int, params: int)
                             "weights.candidates")
 
 
+def check_base(candidates: list[Candidate], plan: dict[str, QuantScheme]) -> Candidate:
+    """The candidate the check rounds at: the widest below 8 bits, at the plan's most common group
+    size when that is among them (4 bits at the recipe's group for the default candidates)."""
+    narrow = [c for c in candidates if c.bits < WIDEST_BITS] or candidates
+    at_width = [c for c in narrow if c.bits == max(c.bits for c in narrow)]
+    groups = [s.group_size for s in plan.values()]
+    common = max(set(groups), key=lambda g: (groups.count(g), g))
+    return next((c for c in at_width if c.group_size == common), at_width[0])
+
+
 def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target_bits: float,
                    candidates: list[Candidate], samples: torch.Tensor, scale_dtype, device="cpu", lazy=None,
                    progress: bool = True) -> tuple[dict[str, QuantScheme], dict]:
@@ -362,7 +391,12 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
     costs = linear_costs(model, free, candidates, scale_dtype)
     check_budget(target_bits, costs, pinned_bits, params)
     start = time.perf_counter()
-    losses = measure_sensitivities(model, free, candidates, samples, scale_dtype, device, lazy, progress)
+    base = check_base(candidates, free)
+    with whole_model(model, lazy, device):
+        losses = measure_sensitivities(model, free, candidates, samples, scale_dtype, device, None, progress)
+        losses, checked = check_largest(model, free, losses, candidates, base,
+                                        samples[:max(1, CHECK_TOKENS // samples.shape[1])], scale_dtype,
+                                        CHECKED_LINEARS, device)
     seconds = time.perf_counter() - start
     result = assign(costs, losses, int(target_bits * params) - pinned_bits)
     schemes = {n: candidate_schemes(free[n], model.get_submodule(n).in_features, candidates) for n in free}
@@ -371,13 +405,15 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
         "target_bits": target_bits,
         "bits_per_weight": (result["cost"] + pinned_bits) / params,
         "candidates": [c.label for c in candidates],
-        "estimator": "fisher",
+        "estimator": f"fisher, the {len(checked)} largest at {base.label} checked by measurement",
         "sensitivity": "rise of the mean next-token loss (nats/token) estimated for rounding the Linear alone "
                        "to nearest at each candidate: ½ Σ g² (ΔW x)² over the calibration tokens, x its input and "
-                       "g the loss gradient at its output (diagonal empirical Fisher, float model)",
+                       "g the loss gradient at its output (diagonal empirical Fisher, float model); the Linears in "
+                       "'checked' scaled to the rise measured with each alone rounded at the check's candidate",
         "estimated_loss": result["loss"],
         "lower_bound": result["lower_bound"],
         "sensitivity_s": seconds,
+        "checked": checked,
         "pinned": sorted(pinned & set(plan)),
         "layers": {n: {"choice": result["choice"][n], "loss": losses[n],
                        "bits_per_weight": {k: v / model.get_submodule(n).weight.numel() for k, v in costs[n].items()}}

@@ -10,6 +10,7 @@ import torch
 from lowbit.recipe import RecipeError, parse_recipe
 from quant import checkpoint
 from quant.affine import QuantScheme
+from quant import budget as budget_module
 from quant.budget import Candidate, assign, measure_sensitivities
 from quant.format import stored_bytes
 from quant.plan import plan_layers
@@ -250,6 +251,9 @@ def test_budgeted_checkpoint_is_an_ordinary_mixed_checkpoint(tmp_path, tiny_dir,
     budget = manifest["budget"]
     bits = weight_stats(out).bits_per_weight
     assert bits == pytest.approx(budget["bits_per_weight"]) and 3.5 < bits <= 4.0
+    # the largest estimates checked by measurement (at 4 bits, the widest candidate below 8), on the whole model
+    assert 0 < len(budget["checked"]) <= budget_module.CHECKED_LINEARS and "w4" in budget["estimator"]
+    assert all(set(v) == {"estimated", "measured"} for v in budget["checked"].values())
     widths = {g["weights"]["num_bits"] for g in checkpoint.read_config(out)["quantization_config"]["config_groups"].values()}
     assert len(widths) > 1  # mixed: one config group per scheme
     ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(3))
