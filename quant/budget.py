@@ -233,8 +233,8 @@ def check_largest(model, plan: dict[str, QuantScheme], losses: dict, candidates:
 
     Why: the second-order estimate can miss by far on a Linear whose output the loss reads
     non-linearly; on SmolLM2 layer 11's down_proj (it writes the outsized activations) it estimates
-    W4's rounding at +0.064 nats where the model measures -0.014 (README), and the budget spent a
-    tenth of a bit per weight on it. The few largest estimates decide most of the assignment, and
+    W4's rounding at +0.064 nats where the model measures -0.014 (README), and the budget bought
+    it 8 bits with 3-bit MLPs elsewhere. The few largest estimates decide most of the assignment, and
     a rise that large is measurable on the calibration tokens."""
     rtn = registry.get("rtn")
     chosen = sorted(losses, key=lambda n: (-losses[n][base.label], n))[:count]
