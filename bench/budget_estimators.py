@@ -7,7 +7,7 @@
 SmolLM2-135M, every decoder Linear at each of ``--candidates`` (bits:group; default 2/3/4/8 bits at
 group 64), asymmetric, round-to-nearest with bfloat16 scales (lm_head kept). One float forward and
 backward pass over the calibration samples
-(``quant.budget.weigh_rounding``, the code the budget runs) weighs each Linear's rounding error at
+(``quant.sensitivity.weigh_rounding``, the code the budget runs) weighs each Linear's rounding error at
 its output four ways:
 
 - ``output``: Σ‖ΔW x‖², the output energy (the first estimator, tr(ΔW H ΔWᵀ) up to a constant);
@@ -49,7 +49,7 @@ ESTIMATORS = ("output", "relative", "fisher", "fisher_dot")
 
 
 def measures() -> dict:
-    from quant.budget import fisher
+    from quant.sensitivity import fisher
 
     return {"output": lambda x, g, e: float((e ** 2).sum()), "fisher": fisher,
             "fisher_dot": lambda x, g, e: float(((g * e).sum(-1) ** 2).sum())}
@@ -57,7 +57,7 @@ def measures() -> dict:
 
 def weigh(model, plan, candidates, samples, labels: str = "data", float_weights: dict | None = None) -> dict:
     """The pass: {"sums": {measure: {Linear: {label: Σ}}}, "energy": {Linear: Σ‖W x‖²}, "tokens", "seconds"}."""
-    from quant.budget import weigh_rounding
+    from quant.sensitivity import weigh_rounding
 
     energy = dict.fromkeys(plan, 0.0)  # of each Linear's own output, for the relative estimate
 
@@ -90,7 +90,7 @@ def estimates(weighed: dict) -> dict:
 def round_to(model, plan, candidates, originals: dict, choice: dict) -> None:
     """Each Linear's weight replaced by its float weight rounded to nearest at its chosen candidate."""
     from quant import methods
-    from quant.budget import candidate_schemes
+    from quant.sensitivity import candidate_schemes
 
     rtn = methods.get("rtn")
     with torch.no_grad():
@@ -102,7 +102,7 @@ def round_to(model, plan, candidates, originals: dict, choice: dict) -> None:
 
 def parse_candidates(specs: list[str]) -> list:
     """``["3:64", "4:128"]`` -> [Candidate(3, 64), Candidate(4, 128)]."""
-    from quant.budget import Candidate
+    from quant.sensitivity import Candidate
 
     try:
         return [Candidate(*(int(v) for v in spec.split(":"))) for spec in specs]
@@ -123,14 +123,6 @@ def parse_sets(specs: list[str] | None, candidates: list) -> dict[str, list]:
     return sets
 
 
-def calibration_loss(model, samples) -> float:
-    """Mean next-token loss (nats) on calibration samples: what the sensitivity estimate predicts the rise of."""
-    with torch.no_grad():
-        total = sum(float(torch.nn.functional.cross_entropy(model(input_ids=ids, use_cache=False).logits[0, :-1],
-                                                            ids[0, 1:], reduction="sum")) for ids in samples.split(1))
-    return total / (samples.shape[0] * (samples.shape[1] - 1))
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8, help="Calibration samples of 512 tokens.")
@@ -144,8 +136,8 @@ def main():
                     help="Share of the calibration samples drawn from Python source (CPython's Lib/*.py of this "
                          "interpreter, argparse.py, the code text scored, left out) instead of the Austen text.")
     ap.add_argument("--check", type=int, default=0,
-                    help="Check the fisher estimates of this many Linears (the largest at w4 g64) by measuring the "
-                         "loss with each alone rounded, and scale them by measured / estimated (quant.budget).")
+                    help="Check the fisher estimates of this many Linears (the largest at quant.budget.check_base's "
+                         "candidate) by measuring the loss with each alone rounded (quant.sensitivity.check_largest).")
     ap.add_argument("--relinearize", action="store_true",
                     help="After each budget row, weigh the candidates again with the model rounded as that row "
                          "chose (inputs and gradients of the rounded model) and score the assignment made from it.")
@@ -167,7 +159,8 @@ def main():
     from evals.perplexity import hf_logits_fn
     from evals.provenance import versions
     from quant.affine import QuantScheme
-    from quant.budget import BudgetError, Candidate, assign, check_largest, linear_costs
+    from quant.budget import BudgetError, assign, check_base, linear_costs
+    from quant.sensitivity import check_largest, mean_loss
     from quant.models import load_float_model, resolve
     from quant.plan import plan_layers
 
@@ -207,21 +200,21 @@ def main():
     if args.check:  # the largest estimates checked by measurement on the pass's own samples
         per_token = {n: {k: v / (2 * weighed["tokens"]) for k, v in by.items()}
                      for n, by in estimated["fisher"].items()}
-        checked, result["check"] = check_largest(model, plan, per_token, candidates, Candidate(4, 64), samples,
-                                                 torch.bfloat16, args.check)
+        checked, result["check"] = check_largest(model, plan, per_token, candidates, check_base(candidates, plan),
+                                                 samples, torch.bfloat16, args.check)
         estimated["fisher"] = {n: {k: v * 2 * weighed["tokens"] for k, v in by.items()} for n, by in checked.items()}
     costs = linear_costs(model, plan, candidates, torch.bfloat16)
     params = sum(model.get_submodule(n).weight.numel() for n in plan)
     originals = {n: model.get_submodule(n).weight.detach().clone() for n in plan}
     check = samples[:args.check_samples]
     if args.check_samples:
-        result["float_calibration_loss"] = calibration_loss(model, check)
+        result["float_calibration_loss"] = mean_loss(model, check)
 
     def score(choice: dict, row: dict) -> None:
         round_to(model, plan, candidates, originals, choice)
         row["bits_per_weight"] = sum(costs[n][k] for n, k in choice.items()) / params
         row["estimated_fisher"] = sum(estimated["fisher"][n][k] for n, k in choice.items()) / (2 * weighed["tokens"])
-        row["calibration_loss"] = calibration_loss(model, check) if args.check_samples else None
+        row["calibration_loss"] = mean_loss(model, check) if args.check_samples else None
         row["scores"] = score_texts(hf_logits_fn(model), tok, texts)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
@@ -232,7 +225,8 @@ def main():
     for c in uniform:
         score(dict.fromkeys(plan, c.label), {"row": f"uniform {c.label}", "tool": tool, "method": "rtn",
                                              "bits": c.bits, "quantize_s": None})
-    def place(target: float, estimator: str, set_name: str, members: list, by_estimate: dict, tag: str = "") -> bool:
+    def place(target: float, estimator: str, set_name: str, members: list, by_estimate: dict,
+              relinearized: bool = False) -> bool:
         """Assign and score one budget row; False when the set's cheapest candidates exceed the target."""
         labels = {c.label for c in members}
         pick = {n: {k: v for k, v in by.items() if k in labels} for n, by in by_estimate[estimator].items()}
@@ -245,7 +239,10 @@ def main():
         budget = {"target_bits": target, "estimator": estimator, "candidates": sorted(labels),
                   "estimated_loss": chosen["loss"],
                   "layers": {n: {"choice": k, "loss": pick[n]} for n, k in chosen["choice"].items()}}
-        suffix = "" if set_name == "all" else f",weights.candidates={set_name}"
+        # how the row was made goes into its method, so bench/plot.py draws each way as its own curve
+        suffix = ("" if set_name == "all" else f",weights.candidates={set_name}") \
+            + (f",weights.check={args.check}" if args.check else "") + (",relinearized" if relinearized else "")
+        tag = ", relinearized" if relinearized else ""
         score(chosen["choice"], {"row": f"budget {target:g} ({estimator}, {set_name}{tag})", "tool": tool,
                                  "method": f"rtn:weights.target_bits={target:g},weights.sensitivity="
                                            f"{estimator}{suffix}",
@@ -258,7 +255,7 @@ def main():
                 if place(target, estimator, set_name, members, estimated) and args.relinearize:
                     # the model now holds this row's rounding: weigh every candidate again around it
                     again = weigh(model, plan, members, samples, args.labels, float_weights=originals)
-                    place(target, estimator, set_name, members, estimates(again), ", relinearized")
+                    place(target, estimator, set_name, members, estimates(again), relinearized=True)
 
 
 # how a pass weighed: a pass file is reused only for the same samples weighed the same way (the

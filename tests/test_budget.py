@@ -155,8 +155,8 @@ def test_sensitivities_are_the_fisher_weighted_rounding_error_on_the_float_model
 def test_samples_share_passes_and_give_the_sums_of_passes_alone(monkeypatch):
     """Short samples share a forward/backward pass, each Linear rounded once per pass and nothing
     rounded kept between passes; the sums are those of one pass per sample (no sample reads another)."""
-    from quant import budget, rtn
-    from quant.budget import weigh_rounding
+    from quant import rtn, sensitivity
+    from quant.sensitivity import weigh_rounding
     from quant.calibration import calibration_samples
 
     model, tok = tiny_llama(hidden=64, layers=2)
@@ -166,7 +166,7 @@ def test_samples_share_passes_and_give_the_sums_of_passes_alone(monkeypatch):
     calls = []
     real = rtn.quantize_weight
     monkeypatch.setattr(rtn, "quantize_weight", lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(budget, "PASS_TOKENS", 64)  # two samples of 32 tokens per pass
+    monkeypatch.setattr(sensitivity, "PASS_TOKENS", 64)  # two samples of 32 tokens per pass
     shared, tokens = weigh_rounding(model, plan, candidates, samples, torch.float32, progress=False)
     assert len(calls) == len(plan) * len(candidates) * 2 and tokens == 4 * 31
 
@@ -336,7 +336,7 @@ def test_recipe_round_trips_with_a_budget():
 def test_model_labels_weigh_against_the_float_models_own_draws():
     """``labels="model"``: the pass's loss against next tokens drawn (seeded) from the float model, so
     the same samples give the same sums; they differ from the text's labels; an unknown choice is named."""
-    from quant.budget import weigh_rounding
+    from quant.sensitivity import weigh_rounding
     from quant.calibration import calibration_samples
 
     model, tok = tiny_llama(hidden=64, layers=2)
@@ -355,7 +355,7 @@ def test_float_weights_round_from_the_float_weight_whatever_the_model_holds():
     """A model already holding a Linear rounded at w3 g32: weighed as it stands, re-rounding that grid
     costs nothing; with ``float_weights`` the candidate is rounded from the float weight again."""
     from quant import rtn
-    from quant.budget import weigh_rounding
+    from quant.sensitivity import weigh_rounding
     from quant.calibration import calibration_samples
 
     model, tok = tiny_llama(hidden=64, layers=2)
@@ -381,7 +381,7 @@ def test_the_largest_estimates_are_scaled_to_what_the_model_measures():
     scaled by its measured rise (the loss with it alone rounded) over the estimated one; the rest
     keep theirs; the weights are as they were."""
     from quant import rtn
-    from quant.budget import check_largest, mean_loss
+    from quant.sensitivity import check_largest, mean_loss
     from quant.calibration import calibration_samples
 
     model, tok = tiny_llama(hidden=64, layers=2)
