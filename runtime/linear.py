@@ -70,6 +70,16 @@ class QuantLinear(nn.Module):
         else:
             self._dense = self.dequantized_weight(dtype)
 
+    def fall_back(self, reason: str) -> None:
+        """Run this layer on the dense reference path from now on (the load-time self-check's switch
+        when a kernel fails or disagrees with the reference); ``reason`` is what was wrong."""
+        self._kernel_unsupported, self._kernel = reason, None
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why this layer cannot run the kernels (None: it can, or nothing has asked yet)."""
+        return self._kernel_unsupported or None
+
     def _kernels_can_run(self, dtype: torch.dtype) -> bool:
         if self._kernel_unsupported is None:
             reason = weight_layout.unsupported_reason(self.scheme, self.in_features, getattr(self, "weight_g_idx", None))
