@@ -5,7 +5,7 @@ Every check draws fresh random inputs (never zeros) and poisons the memory an ou
 in first: the caching allocator hands a freed block of the same size to the next allocation, so
 the output buffer a kernel allocates starts as NaN, and an element it never writes fails the
 check. Errors are ``‖out − ref‖ / ‖ref‖`` against a float64 reference of the same quantized
-values; the bounds are per activation dtype (fp16 rounds at 2⁻¹¹, bf16 at 2⁻⁸).
+values, within ``runtime.tolerances``' bounds (the load-time self-check holds the kernels to the same).
 
 With ``smoke`` the same code runs on CPU tensors through the Triton interpreter on tiny shapes
 (fp16 only: the interpreter cannot run bf16 kernels); it checks the script, not the hardware.
@@ -18,8 +18,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-REL_ERROR_BOUND = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
-POISON = float("nan")
+from runtime.tolerances import REL_ERROR_BOUND, poison, rel_error
 
 
 def device_for(smoke: bool) -> torch.device:
@@ -28,19 +27,6 @@ def device_for(smoke: bool) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is visible: run with --smoke to check the script on CPU")
     return torch.device("cuda")
-
-
-def poison(numel: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Leave a NaN-filled block of this size in the caching allocator for the next output to reuse."""
-    torch.full((numel,), POISON, dtype=dtype, device=device)
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN (an unwritten or broken element) never passes."""
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 # ------------------------------------------------------------------------------ weight kernels
