@@ -41,6 +41,7 @@ class QuantLinear(nn.Module):
         self._dense: torch.Tensor | None = None
         self._kernel: weight_layout.KernelWeight | None = None
         self._kernel_unsupported: str | None = None  # why the kernels cannot read this layer
+        self._fell_back = False  # switched to the reference by fall_back
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return reference.dequantize_weight(
@@ -72,8 +73,9 @@ class QuantLinear(nn.Module):
 
     def fall_back(self, reason: str) -> None:
         """Run this layer on the dense reference path from now on (the load-time self-check's switch
-        when a kernel fails or disagrees with the reference); ``reason`` is what was wrong."""
-        self._kernel_unsupported, self._kernel = reason, None
+        when a kernel fails or disagrees with the reference); ``reason`` is what was wrong. The
+        self-check has warned once for every layer it switches, so the forward does not again."""
+        self._kernel_unsupported, self._kernel, self._fell_back = reason, None, True
 
     @property
     def fallback_reason(self) -> str | None:
@@ -85,7 +87,7 @@ class QuantLinear(nn.Module):
             reason = weight_layout.unsupported_reason(self.scheme, self.in_features, getattr(self, "weight_g_idx", None))
             self._kernel_unsupported = reason or ""
         reason = self._kernel_unsupported or (None if dtype in KERNEL_DTYPES else f"{dtype} activations")
-        if reason:
+        if reason and not self._fell_back:
             warnings.warn(f"a {self.scheme.describe()} layer runs the dense reference instead of the kernels: {reason}")
         return not reason
 
