@@ -45,8 +45,16 @@ def _fail_cleanly(fn):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lowbit")
-def main():
+@click.option("--no-self-check", is_flag=True,
+              help="Skip the check of the GPU kernels against the reference at load (as LOWBIT_SELF_CHECK=0).")
+def main(no_self_check):
     """Quantize LLMs into compressed checkpoints, run them, measure them."""
+    if no_self_check:
+        import os
+
+        from runtime.selfcheck import ENV_SWITCH
+
+        os.environ[ENV_SWITCH] = "0"  # every load in this process, and the processes it starts
     # a library warning (an unverified checkpoint, a refitted group) is one line for the user, not a source location
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
 
@@ -314,6 +322,34 @@ def diagnose(ckpt, prompt_len, output_len, batch, kv, json_out):
     click.echo(dg.diagnose_text(result, describe_device(prov["device"])))
     if json_out:
         json_out.write_text(json.dumps({"model": ckpt, **result, **prov}, indent=2))
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--device", default=None, help="Where to run it (default: cuda if available, else cpu).")
+@click.option("--kv", help=KV_HELP)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the table as JSON.")
+@_fail_cleanly
+def doctor(ckpt, device, kv, json_out):
+    """Which kernels run CKPT here: fused, or the reference path and why (the load-time self-check's table)."""
+    import torch
+
+    import runtime
+    from evals.provenance import describe_device, provenance
+    from runtime import selfcheck
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = runtime.load(ckpt, device=device, kv=kv)
+    rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
+    prov = provenance(model.device)
+    checked = "checked against the reference at load" if selfcheck.enabled(model.decoder) else \
+        f"NOT checked ({selfcheck.ENV_SWITCH}=0 or --no-self-check)"
+    click.echo(f"{ckpt} on {describe_device(prov['device'])}, torch {torch.__version__}, Triton "
+               f"{selfcheck.triton_version()}; fused kernels {checked}:")
+    click.echo(selfcheck.table_text(rows))
+    if json_out:
+        json_out.write_text(json.dumps({"model": ckpt, "kernels": rows, "triton": selfcheck.triton_version(),
+                                        "self_check": selfcheck.enabled(model.decoder), **prov}, indent=2))
 
 
 @main.command()

@@ -53,6 +53,7 @@ from runtime.generate import check_prompt
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.selfcheck import check_engine
 
 
 class EngineClosedError(RuntimeError):
@@ -109,6 +110,8 @@ class Engine:
         self._last_finish: float | None = None
         if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
             warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
+        # before the graphs capture them: the tuned GEMMs and this cache's attention against the reference
+        self.kernels = check_engine(model, scheme, self.kernels, attention == "triton", max(max_batch, prefill_chunk))
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs and (model.device.type != "cuda" or not self.kernels):
             raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")

@@ -13,6 +13,7 @@ from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
+from runtime import selfcheck
 from runtime.linear import QuantLinear
 from quant.architectures import architecture
 from runtime.model import Decoder, DecoderConfig, plain_linear
@@ -178,9 +179,12 @@ def kv_scheme_of(manifest: dict | None, kv: KVScheme | str | None) -> KVScheme:
     return kv or saved
 
 
-def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype) -> None:
+def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_scheme: KVScheme | None = None,
+            self_check: bool = True) -> None:
     """A decoder whose weights are in, made ready to run on ``device``: what every runtime model
-    goes through (``load``, and the benchmarks' random models)."""
+    goes through (``load``, and the benchmarks' random models). ``self_check``: run each kernel
+    configuration it chose once against the reference (attention over ``kv_scheme``) and send
+    the failed ones to the reference path (``runtime/selfcheck.py``; nothing to do on CPU)."""
     decoder.to(device).eval()
     decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
@@ -189,13 +193,16 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype) -> None:
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it
+    decoder.self_check = self_check  # an Engine's start-up check reads it too
+    selfcheck.check_decoder(decoder, dtype, kv_scheme)
 
 
 def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-         kv: KVScheme | str | None = None) -> Model:
+         kv: KVScheme | str | None = None, self_check: bool = True) -> Model:
     """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias.
 
     ``kv`` overrides the KV-cache scheme saved with the checkpoint (``"int4"``, ``"fp16"``, a KVScheme).
+    ``self_check=False`` skips the check of the kernels against the reference (``runtime/selfcheck.py``).
     """
     path = models.resolve(path)
     manifest = checkpoint.verify(path)  # a manifest, when present, must match every file
@@ -217,6 +224,6 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     check_quantized_shapes(decoder, path)
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
-    prepare(decoder, device, dtype)
+    prepare(decoder, device, dtype, kv_scheme, self_check)
     tokenizer = load_tokenizer(path) if any((path / f).exists() for f in TOKENIZER_FILES) else None
     return Model(decoder, config, tokenizer, device, dtype, path, kv_scheme)

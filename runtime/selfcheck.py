@@ -1,0 +1,150 @@
+"""The self-check on first use: each kernel configuration a model will run is run once on a small
+input against its reference before a request reaches it.
+
+Kernels nobody has run on this GPU, driver and Triton release must not crash a user's job or give
+wrong numbers. :func:`check_decoder` (``runtime.load.prepare``) and :func:`check_engine` (an
+Engine's start-up: its KV scheme, and the GEMM configurations it tuned) find every distinct
+configuration the decoder is set to run on Triton (``runtime/selfcheck_cases.py``: quantized
+Linears per scheme, shape, dtype and M regime; the fused small ops; attention over the KV scheme),
+run each once per process and compare it with its reference within ``runtime.tolerances``. A
+compile error, a launch error or a result outside the bound sends that configuration to its
+reference path (``QuantLinear.fall_back``, the PyTorch small ops, SDPA over the dequantized cache)
+with one warning naming the kernel, the configuration, the GPU, the Triton release and the error.
+Where nothing runs on Triton (CPU) it does nothing. :func:`kernel_table` is what ``lowbit doctor``
+prints. Skipped by ``runtime.load(..., self_check=False)`` or ``LOWBIT_SELF_CHECK=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from runtime import selfcheck_cases as cases
+from runtime.selfcheck_cases import Config
+
+ENV_SWITCH = "LOWBIT_SELF_CHECK"  # "0" skips the check in every process that reads it
+
+_OUTCOMES: dict[tuple, str | None] = {}  # configuration key -> None (passed) or what failed: once per process
+
+
+class SelfCheckError(ValueError):
+    """The kernels were asked for explicitly (``attention="triton"``) and failed their check."""
+
+
+def enabled(decoder=None) -> bool:
+    """Whether the check runs: not switched off by the environment or for this decoder (``prepare``)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return getattr(decoder, "self_check", True)
+
+
+def check_decoder(decoder, dtype: torch.dtype, kv_scheme=None) -> list[Config]:
+    """Check every configuration ``decoder`` is set to run on Triton (after ``prepare`` chose them);
+    the failed ones run their reference from now on. Attention over ``kv_scheme`` when the decoder
+    chose the attention kernels. Returns the configurations as they now run."""
+    if not enabled(decoder):
+        return []
+    configs = cases.linear_configs(decoder, dtype) + cases.small_op_configs(decoder, dtype)
+    if kv_scheme is not None and decoder.attention_kernels:
+        configs.append(cases.attention_config(decoder, dtype, kv_scheme, decoder.attention_kernels))
+    return run(configs)
+
+
+def check_engine(model, scheme, kernels: bool, strict: bool, largest_m: int) -> bool:
+    """At an Engine's start-up (its GEMMs tuned, before its CUDA graphs are captured): the tuned
+    configuration of every M bucket of each quantized Linear, and attention over the engine's KV
+    scheme when ``kernels`` chose the Triton backend. Returns whether attention stays on the kernels.
+    ``strict`` (``attention="triton"``): a failed attention check is an error, not a fallback."""
+    decoder = model.decoder
+    if not enabled(decoder):
+        return kernels
+    if model.device.type == "cuda":  # where the engine tuned them (elsewhere the load-time check saw the same)
+        run(cases.linear_configs(decoder, model.dtype, tuned_up_to=largest_m))
+    if not kernels:
+        return False
+    config = cases.attention_config(decoder, model.dtype, scheme, kernels)
+    run([config], strict=strict)
+    return config.fused
+
+
+def run(configs: list[Config], strict: bool = False) -> list[Config]:
+    """Check each fused configuration (once per process); the failed ones fall back."""
+    for config in configs:
+        if not config.fused:
+            continue
+        error = _outcome(config)
+        if error is None:
+            continue
+        if strict:
+            raise SelfCheckError(f"{config.kernel} [{config.config}] failed its self-check on {device_name(config)}: "
+                                 f"{error}; the reference path (attention='reference' or 'auto') runs instead of it")
+        config.fall_back(f"self-check failed: {error}")
+        config.fused, config.why_not = False, f"fell back: {error}"
+    return configs
+
+
+def _outcome(config: Config) -> str | None:
+    """None when the configuration passed (run now, or earlier in this process), else the error;
+    a new failure warns once."""
+    if config.key in _OUTCOMES:
+        return _OUTCOMES[config.key]
+    try:
+        with torch.inference_mode():
+            config.check()
+        error = None
+    except Exception as e:  # noqa: BLE001 - a compile error, a launch error or a mismatch: all mean "do not run it"
+        error = describe_error(e)
+    _OUTCOMES[config.key] = error
+    if error is not None:
+        warnings.warn(f"self-check: {config.kernel} [{config.config}] failed on {device_name(config)} "
+                      f"(Triton {triton_version()}): {error}; it runs {config.reference} instead (correct, slower)",
+                      stacklevel=3)
+    return error
+
+
+def describe_error(e: Exception, limit: int = 400) -> str:
+    """The error in one line: its type and message (a compile error's last lines say the most)."""
+    text = " ".join(str(e).split())
+    if len(text) > limit:
+        text = "..." + text[-limit:]
+    return f"{type(e).__name__}: {text}" if not isinstance(e, cases.Mismatch) else text
+
+
+def device_name(config: Config) -> str:
+    device = config.key[-1]
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (driver: CUDA {torch.version.cuda})"
+    return f"{device.type} (Triton interpreter)"
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
+def kernel_table(decoder, dtype: torch.dtype, kv_scheme=None) -> list[dict]:
+    """What runs fused and what runs the reference (and why), one row per configuration."""
+    configs = cases.linear_configs(decoder, dtype) + cases.small_op_configs(decoder, dtype)
+    if kv_scheme is not None:
+        configs.append(cases.attention_config(decoder, dtype, kv_scheme, decoder.attention_kernels))
+    rows = []
+    for c in configs:
+        failed = _OUTCOMES.get(c.key)
+        why = None if c.fused else (f"fell back: {failed}" if failed else c.why_not)
+        rows.append({"kernel": c.kernel, "configuration": c.config, "runs": "fused" if c.fused else "reference",
+                     "reference": c.reference, "why": why})
+    return rows
+
+
+def table_text(rows: list[dict]) -> str:
+    """``kernel_table`` as aligned text columns."""
+    header = ("kernel", "configuration", "runs", "why")
+    lines = [header] + [(r["kernel"], r["configuration"], r["runs"], r["why"] or "") for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(3)]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line[:3], widths)) + "  " + line[3]
+                     for line in lines).rstrip()

@@ -1,0 +1,296 @@
+"""The kernel configurations a decoder runs, each with its check against the reference and its way
+back to the reference path (``runtime/selfcheck.py`` runs them).
+
+A configuration is what makes a different compiled kernel or launch: a quantized Linear's scheme,
+shape, bias, scale and activation dtypes, in each M regime ``matmul_configs.candidate_configs``
+launches differently (the GEMV at M = 1, 16-row ``tl.dot`` tiles up to ``DECODE_MAX_M``, 32/64-row
+tiles up to 64, 64-row tiles and more above, by TMA on Hopper); each fused small op per width and
+dtype; attention per KV scheme, head layout, window and dtype. Inputs are small (a few rows), so a
+check costs a launch or a few, and the float64 reference of a large Linear reads only its first and
+last output rows (the last tile's masking is where a bug would hide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime.tolerances import REL_ERROR_BOUND, poison, rel_error
+
+LINEAR_ROWS = (1, 5, 40, 65)  # one M per launch regime of matmul_configs.candidate_configs (65: one 128-row tile, masked)
+CHECKED_OUTPUTS = 256  # output rows of a large Linear the reference computes, at each end
+CPU_ONLY = "kernels run on CUDA only; this device runs the reference"
+
+
+class Mismatch(AssertionError):
+    """The kernel ran, and its result is not the reference's."""
+
+
+@dataclass
+class Config:
+    """One kernel configuration: what it is, whether it runs fused now, how to check it and how to
+    send it to the reference path. ``key`` (ending with the device) identifies it in the process."""
+
+    kernel: str
+    config: str
+    reference: str
+    key: tuple
+    fused: bool
+    why_not: str | None = None
+    check: Callable[[], None] | None = None
+    fall_back: Callable[[str], None] | None = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    err, bound = rel_error(out, ref), REL_ERROR_BOUND[dtype]
+    if not err <= bound:
+        raise Mismatch(f"{what}: relative error {err:.2e} against the reference (bound {bound:.1e})")
+
+
+def random(shape, dtype, device, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+# ------------------------------------------------------------------------------ quantized Linears
+
+
+def linear_configs(decoder, dtype: torch.dtype, tuned_up_to: int | None = None) -> list[Config]:
+    """One configuration per distinct quantized Linear (layers of one shape share it). Checked at
+    the first row count of each M regime on its default launch configuration, or, ``tuned_up_to``
+    (an Engine), at every M bucket up to it on the configuration tuned for it."""
+    from runtime.linear import QuantLinear, runs_kernels
+
+    groups: dict[tuple, list] = {}
+    names: dict[tuple, set] = {}
+    for name, m in decoder.named_modules():
+        if isinstance(m, QuantLinear):
+            shape = (m.scheme.describe(), m.out_features, m.in_features, m.bias is not None,
+                     hasattr(m, "weight_g_idx"), dtype_name(m.weight_scale.dtype))
+            groups.setdefault(shape, []).append(m)
+            names.setdefault(shape, set()).add(name.rsplit(".", 1)[-1])
+    configs = []
+    for shape, layers in groups.items():
+        first = layers[0]
+        device = first.weight_packed.device
+        fused = runs_kernels(first.weight_packed) and first._kernels_can_run(dtype)
+        description = (f"{shape[0]}, {shape[2]}->{shape[1]}{', bias' if shape[3] else ''}"
+                       f"{', act-order' if shape[4] else ''}, {dtype_name(dtype)}: {'/'.join(sorted(names[shape]))}"
+                       f" x{len(layers)}")
+        why = None if fused else (first.fallback_reason or (CPU_ONLY if not runs_kernels(first.weight_packed)
+                                                            else f"{dtype_name(dtype)} activations"))
+        rows = _tuned_rows(tuned_up_to) if tuned_up_to else LINEAR_ROWS
+        configs.append(Config(
+            "quant_matmul", description, "dequantize + matmul",
+            ("linear", shape, dtype, "tuned" if tuned_up_to else "default", rows, device), fused, why,
+            check=lambda first=first, rows=rows: check_linear(first, dtype, rows, tuned=bool(tuned_up_to)),
+            fall_back=lambda reason, layers=layers: _linears_fall_back(layers, reason, dtype)))
+    return configs
+
+
+def _tuned_rows(largest_m: int) -> tuple[int, ...]:
+    from runtime.kernels.matmul_configs import m_bucket
+
+    return tuple(sorted({m_bucket(M) for M in range(1, max(largest_m, 1) + 1)}))
+
+
+def _linears_fall_back(layers, reason: str, dtype: torch.dtype) -> None:
+    for layer in layers:
+        layer.fall_back(reason)
+        layer.materialize(dtype)  # the dense weight now, so the first request does not build it
+
+
+def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> None:
+    """The kernel's ``x @ W.T + b`` at each row count against float64 over the dequantized weight."""
+    from runtime.kernels import quant_matmul as qm
+    from runtime.kernels.matmul_configs import candidate_configs
+
+    kw = layer._kernel if layer._kernel is not None else layer.kernel_weight()
+    device = layer.weight_packed.device
+    outputs = _checked_outputs(layer.out_features, 32 // layer.scheme.bits)
+    dense = torch.cat([_dense_rows(layer, a, b, dtype) for a, b in outputs]).double()
+    picked = torch.cat([torch.arange(a, b) for a, b in outputs]).to(device)
+    for M in rows:
+        x = random((M, layer.in_features), dtype, device, seed=M)
+        config = qm.choose_config(M, kw, dtype, device) if tuned else candidate_configs(M, kw)[0]
+        poison(M * layer.out_features, dtype, device)
+        out = qm.quant_matmul(x, kw, layer.bias, config=config)
+        ref = x.double() @ dense.T
+        if layer.bias is not None:
+            ref = ref + layer.bias[picked].double()
+        compare(out.index_select(-1, picked), ref, dtype, f"M={M} ({config})")
+
+
+def _checked_outputs(n: int, pack: int) -> list[tuple[int, int]]:
+    """The output rows the reference computes: all of a small Linear, else both ends (the second
+    range starts on a zero-point word boundary, so its packed zero points slice cleanly)."""
+    if n <= 2 * CHECKED_OUTPUTS:
+        return [(0, n)]
+    start = (n - CHECKED_OUTPUTS) // pack * pack
+    return [(0, CHECKED_OUTPUTS), (start, n)]
+
+
+def _dense_rows(layer, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """Output rows ``a .. b`` of the layer's dequantized weight (the reference path's weight)."""
+    from runtime.kernels import reference
+
+    pack = 32 // layer.scheme.bits
+    zero = getattr(layer, "weight_zero_point", None)
+    zero = None if zero is None else zero[a // pack:-(-b // pack)]
+    return reference.dequantize_weight(layer.weight_packed[a:b], layer.weight_scale[a:b], zero,
+                                       (b - a, layer.in_features), layer.scheme, dtype,
+                                       getattr(layer, "weight_g_idx", None))
+
+
+# ------------------------------------------------------------------------------------ small ops
+
+
+def small_op_configs(decoder, dtype: torch.dtype) -> list[Config]:
+    """The fused add + RMSNorm, RoPE and SiLU-and-multiply, per width and dtype, where the decoder
+    uses them (``Decoder.use_kernels``; Gemma's offset norms and q/k-normed models never do)."""
+    from runtime.model import MLP, Attention
+    from runtime.norms import RMSNorm
+
+    cfg = decoder.cfg
+    device = next(decoder.parameters()).device
+    norms = [m for m in decoder.modules() if type(m) is RMSNorm and m.weight.shape[0] == cfg.hidden_size]
+    ropes = [m for m in decoder.modules() if isinstance(m, Attention) and hasattr(m, "qkv_proj") and not cfg.qk_norm]
+    mlps: dict[int, list] = {}
+    for m in decoder.modules():
+        if isinstance(m, MLP) and hasattr(m, "gate_up_proj") and m.act_name == "silu":
+            mlps.setdefault(m.gate_up_proj.out_features // 2, []).append(m)
+    configs = []
+    if norms:
+        configs.append(_small_op("add_rmsnorm", f"width {cfg.hidden_size}", norms, dtype, device,
+                                 lambda: check_norm(norms[0], dtype, device)))
+    if ropes:
+        shape = f"{cfg.num_heads} query / {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
+        configs.append(_small_op("rope_qkv", shape, ropes, dtype, device, lambda: check_rope(decoder, dtype, device)))
+    for width, modules in mlps.items():
+        configs.append(_small_op("silu_mul", f"width {width}", modules, dtype, device,
+                                 lambda width=width: check_silu(width, dtype, device)))
+    return configs
+
+
+def _small_op(kernel: str, shape: str, modules: list, dtype, device, check) -> Config:
+    def fall_back(reason: str) -> None:
+        for m in modules:
+            m.kernels = False
+
+    fused = modules[0].kernels
+    return Config(kernel, f"{shape}, {dtype_name(dtype)}", "PyTorch ops", (kernel, shape, dtype, device), fused,
+                  None if fused else CPU_ONLY if device.type != "cuda" else "not chosen at load",
+                  check=check, fall_back=fall_back)
+
+
+def check_norm(norm, dtype, device) -> None:
+    from runtime.kernels.small_ops import add_rmsnorm
+
+    n = norm.weight.shape[0]
+    x, residual = random((3, n), dtype, device, 1), random((3, n), dtype, device, 2)
+    for res in (residual, None):
+        out, total = add_rmsnorm(x, res, norm.weight.to(dtype), norm.eps)
+        want_total = x if res is None else x + res
+        compare(total, want_total, dtype, "the residual sum")
+        compare(out, type(norm).forward(norm, want_total), dtype, "the norm")  # forward: the PyTorch path
+
+
+def check_silu(width: int, dtype, device) -> None:
+    import torch.nn.functional as F
+
+    from runtime.kernels.small_ops import silu_mul
+
+    gate_up = random((3, 2 * width), dtype, device, 3)
+    gate, up = gate_up.chunk(2, dim=-1)
+    compare(silu_mul(gate_up), F.silu(gate) * up, dtype, "silu(gate) * up")
+
+
+def check_rope(decoder, dtype, device) -> None:
+    """A prefill's rotation (cos/sin [T, D]) and a decode step's, which also writes each
+    sequence's key and value into its cache residual block (cos/sin per sequence)."""
+    from runtime.kernels.small_ops import rope_qkv
+    from runtime.rope import apply_rope
+
+    cfg = decoder.cfg
+    h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def reference(qkv, cos, sin):
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, -1, d).transpose(1, 2) for t in qkv.split([h * d, kv * d, kv * d], dim=-1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    qkv = random((2, 3, (h + 2 * kv) * d), dtype, device, 4)
+    cos, sin = decoder.rope(5, 3, dtype)[0]
+    for got, want, what in zip(rope_qkv(qkv, cos, sin, h, kv, d), reference(qkv, cos, sin), "qkv"):
+        compare(got, want, dtype, f"{what} of a prefill")
+    starts = torch.tensor([3, 17], dtype=torch.int32, device=device)
+    block = 16
+    residual_k, residual_v = (torch.zeros(2, kv, block, d, dtype=dtype, device=device) for _ in range(2))
+    step = random((2, 1, (h + 2 * kv) * d), dtype, device, 5)
+    cos, sin = decoder.rope(starts, 1, dtype)[0]
+    got = rope_qkv(step, cos, sin, h, kv, d, store=(residual_k, residual_v, starts))
+    want = reference(step, cos, sin)
+    for what, g, w in zip("qkv", got, want):
+        compare(g, w, dtype, f"{what} of a decode step")
+    rows = (starts % block).long().cpu().tolist()
+    for b, row in enumerate(rows):
+        compare(residual_k[b, :, row], want[1][b, :, 0], dtype, "the key stored in the cache")
+        compare(residual_v[b, :, row], want[2][b, :, 0], dtype, "the value stored in the cache")
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool) -> Config:
+    """Attention over a ``scheme`` cache: the quantize-on-write, dequantize-to-dense (chunked
+    prefill) and decode kernels, for the decoder's head layout and windows."""
+    cfg = decoder.cfg
+    device = next(decoder.parameters()).device
+    windows = tuple(sorted({w for w in cfg.sliding_windows if w is not None}))
+    shape = f"{scheme.name} cache, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads x {cfg.head_dim}" + \
+        (f", windows {list(windows)}" if windows else "")
+    key = ("attention", scheme, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, dtype, device)
+    why = None
+    if not chosen:
+        why = CPU_ONLY if device.type != "cuda" else "not chosen at load (attention soft-capping: Gemma 2)"
+    else:
+        from runtime.kernels.attention import unsupported_reason
+
+        reason = unsupported_reason(scheme, cfg.head_dim, dtype, device)
+        why = reason and f"the kernels do not support {reason}"
+
+    def fall_back(reason: str) -> None:
+        decoder.attention_kernels = False
+
+    return Config("attention (write, decode, prefill)", f"{shape}, {dtype_name(dtype)}",
+                  "SDPA over the dequantized cache", key, why is None, why,
+                  check=lambda: check_attention(cfg, scheme, dtype, device, (None,) + windows), fall_back=fall_back)
+
+
+def check_attention(cfg, scheme, dtype, device, windows) -> None:
+    """The same steps on two one-layer caches, one through the kernels and one through their
+    references: a prefill that fills a block, a chunk after cached positions, two decode steps."""
+    from runtime.attention import attention_mask
+    from runtime.cache_lockstep import LockstepCache
+    from runtime.kernels import kv_reference as ref
+    from runtime.kernels.attention import KERNEL_OPS
+
+    B, h, kv, d = scheme.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    steps = [(0, B + 3), (B + 3, 2), (B + 5, 1), (B + 6, 1)]
+    for window in windows:
+        caches = [LockstepCache(1, 2, kv, d, B + 7, dtype, device, scheme=scheme, windows=[window]) for _ in "ab"]
+        for i, (start, T) in enumerate(steps):
+            q = random((2, h, T, d), dtype, device, 10 + i)
+            k = random((2, kv, T, d), dtype, device, 20 + i)
+            k[..., :: max(d // 8, 1)] += 4.0  # persistent key channels, as LLMs make them
+            v = random((2, kv, T, d), dtype, device, 30 + i)
+            mask = attention_mask(T, start + T, window, device)
+            got = ref.cache_attention(caches[0], 0, start, q, k, v, mask, window, ops=KERNEL_OPS)
+            want = ref.cache_attention(caches[1], 0, start, q, k, v, mask, window, ops=ref.REFERENCE_OPS)
+            compare(got, want, dtype, f"{'decode' if T == 1 else 'prefill'} at position {start}"
+                    + (f", window {window}" if window else ""))
