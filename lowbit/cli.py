@@ -327,10 +327,12 @@ def diagnose(ckpt, prompt_len, output_len, batch, kv, json_out):
 @main.command()
 @click.argument("ckpt")
 @click.option("--device", default=None, help="Where to run it (default: cuda if available, else cpu).")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
+              help="Compute dtype (default: the checkpoint's on a GPU, float32 on CPU).")
 @click.option("--kv", help=KV_HELP)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the table as JSON.")
 @_fail_cleanly
-def doctor(ckpt, device, kv, json_out):
+def doctor(ckpt, device, dtype, kv, json_out):
     """Which kernels run CKPT here: fused, or the reference path and why (the load-time self-check's table)."""
     import torch
 
@@ -339,7 +341,7 @@ def doctor(ckpt, device, kv, json_out):
     from runtime import selfcheck
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = runtime.load(ckpt, device=device, kv=kv)
+    model = runtime.load(ckpt, device=device, kv=kv, dtype=getattr(torch, dtype) if dtype else None)
     rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
     prov = provenance(model.device)
     checked = "checked against the reference at load" if selfcheck.enabled(model.decoder) else \

@@ -64,7 +64,7 @@ def check_engine(model, scheme, kernels: bool, strict: bool, largest_m: int) -> 
         run(cases.linear_configs(decoder, model.dtype, tuned_up_to=largest_m))
     if not kernels:
         return False
-    config = cases.attention_config(decoder, model.dtype, scheme, kernels)
+    config = cases.attention_config(decoder, model.dtype, scheme, kernels, own_cache=scheme == model.kv_scheme)
     run([config], strict=strict)
     return config.fused
 
@@ -98,8 +98,8 @@ def _outcome(config: Config) -> str | None:
         error = describe_error(e)
     _OUTCOMES[config.key] = error
     if error is not None:
-        warnings.warn(f"self-check: {config.kernel} [{config.config}] failed on {device_name(config)} "
-                      f"(Triton {triton_version()}): {error}; it runs {config.reference} instead (correct, slower)",
+        warnings.warn(f"self-check: {config.kernel} [{config.config}] failed on {device_name(config)}, "
+                      f"Triton {triton_version()}: {error}; it runs {config.reference} instead (correct, slower)",
                       stacklevel=3)
     return error
 
@@ -113,9 +113,11 @@ def describe_error(e: Exception, limit: int = 400) -> str:
 
 
 def device_name(config: Config) -> str:
+    """The GPU (its architecture and torch's CUDA release) or, in tests, the interpreter."""
     device = config.key[-1]
     if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (driver: CUDA {torch.version.cuda})"
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}, CUDA {torch.version.cuda})"
     return f"{device.type} (Triton interpreter)"
 
 

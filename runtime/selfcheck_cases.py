@@ -111,6 +111,7 @@ def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) 
     from runtime.kernels.matmul_configs import candidate_configs
 
     kw = layer._kernel if layer._kernel is not None else layer.kernel_weight()
+    bias = None if layer.bias is None else layer.bias.detach()
     device = layer.weight_packed.device
     outputs = _checked_outputs(layer.out_features, 32 // layer.scheme.bits)
     dense = torch.cat([_dense_rows(layer, a, b, dtype) for a, b in outputs]).double()
@@ -119,11 +120,17 @@ def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) 
         x = random((M, layer.in_features), dtype, device, seed=M)
         config = qm.choose_config(M, kw, dtype, device) if tuned else candidate_configs(M, kw)[0]
         poison(M * layer.out_features, dtype, device)
-        out = qm.quant_matmul(x, kw, layer.bias, config=config)
+        out = qm.quant_matmul(x, kw, bias, config=config)
         ref = x.double() @ dense.T
-        if layer.bias is not None:
-            ref = ref + layer.bias[picked].double()
-        compare(out.index_select(-1, picked), ref, dtype, f"M={M} ({config})")
+        if bias is not None:
+            ref = ref + bias[picked].double()
+        compare(out.index_select(-1, picked), ref, dtype, f"M={M} ({launch_name(config)})")
+
+
+def launch_name(config) -> str:
+    """A ``MatmulConfig`` in a few words: which loop, its tile, split and warps."""
+    loop = f"tl.dot {config.block_m}x{config.block_n}" if config.use_dot else f"GEMV x{config.block_n}"
+    return f"{loop}, split-K {config.split_k}, {config.num_warps} warps, {config.num_stages} stages"
 
 
 def _checked_outputs(n: int, pack: int) -> list[tuple[int, int]]:
@@ -246,9 +253,11 @@ def check_rope(decoder, dtype, device) -> None:
 # ------------------------------------------------------------------------------------ attention
 
 
-def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool) -> Config:
+def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool, own_cache: bool = True) -> Config:
     """Attention over a ``scheme`` cache: the quantize-on-write, dequantize-to-dense (chunked
-    prefill) and decode kernels, for the decoder's head layout and windows."""
+    prefill) and decode kernels, for the decoder's head layout and windows. ``own_cache``: the
+    model's own scheme, whose failure turns the model's choice (``attention_kernels``) off; an
+    Engine's other scheme only decides that Engine's backend."""
     cfg = decoder.cfg
     device = next(decoder.parameters()).device
     windows = tuple(sorted({w for w in cfg.sliding_windows if w is not None}))
@@ -265,7 +274,8 @@ def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool) -> Confi
         why = reason and f"the kernels do not support {reason}"
 
     def fall_back(reason: str) -> None:
-        decoder.attention_kernels = False
+        if own_cache:
+            decoder.attention_kernels = False
 
     return Config("attention (write, decode, prefill)", f"{shape}, {dtype_name(dtype)}",
                   "SDPA over the dequantized cache", key, why is None, why,

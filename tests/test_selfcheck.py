@@ -1,0 +1,278 @@
+"""The self-check on first use (runtime/selfcheck.py), on CPU tensors in the Triton interpreter
+(QuantLinear sent to the kernels as on a GPU, the way tests/test_kernels_linear.py does): a kernel
+that raises and one that returns wrong numbers each send their configuration, and only it, to the
+reference path with one warning that names it; the model then computes what the reference path
+computes; `lowbit doctor` shows the fallback; the real kernels pass; the switches turn it off.
+
+Injected kernels stand in for the real ones (instant); only the passing test runs the real ones."""
+
+import warnings
+
+import pytest
+import torch
+
+from kernel_device import DEVICE  # noqa: F401 (sets TRITON_INTERPRET before triton is imported)
+
+import runtime  # noqa: E402
+from quant.affine import QuantScheme  # noqa: E402
+from runtime import linear as linear_module  # noqa: E402
+from runtime import selfcheck  # noqa: E402
+from runtime import selfcheck_cases as cases  # noqa: E402
+from runtime.kernels import attention as attention_kernels  # noqa: E402
+from runtime.kernels import quant_matmul, small_ops  # noqa: E402
+from runtime.kernels.weight_layout import reference_matmul  # noqa: E402
+
+INT4 = "int4-g16-r16"
+GATE_UP = 320  # out_features of the joined gate/up Linear of the tiny model (2 x 160)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A W4 g32 asymmetric checkpoint of a one-layer tiny Llama (four distinct Linear shapes)."""
+    from quant import checkpoint as ckpt
+    from quant.plan import plan_layers
+    from quant.quantize import quantize_model
+    from tiny import tiny_llama
+
+    model, tok = tiny_llama(hidden=64, layers=1, initializer_range=0.3)
+    plan = plan_layers(model, QuantScheme(4, 32, symmetric=False), ["lm_head"])
+    quantized, _ = quantize_model(model, plan, "rtn", progress=False)
+    return ckpt.save(model, quantized, tmp_path_factory.mktemp("selfcheck") / "w4", tokenizer=tok, dtype=torch.float16)
+
+
+@pytest.fixture(autouse=True)
+def fresh_outcomes(monkeypatch):
+    """Each test starts with nothing checked (outcomes are kept per process), and its injected
+    failures stay out of the other tests' process-wide outcomes."""
+    monkeypatch.setattr(selfcheck, "_OUTCOMES", {})
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
+
+
+def load_on_kernels(path, kv=INT4, **options):
+    """Load as on a GPU: every kernel chosen, then checked (on CUDA ``prepare`` does both)."""
+    model = runtime.load(path, device=DEVICE, dtype=torch.float16, kv=kv, **options)
+    if DEVICE.type == "cpu":
+        model.decoder.use_kernels(True)
+        model.decoder.attention_kernels = True
+        if options.get("self_check", True):
+            selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)
+    return model
+
+
+def reference_logits(model, ids, monkeypatch):
+    """The model's logits on the reference path throughout."""
+    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: False)
+    model.decoder.use_kernels(False)
+    model.decoder.attention_kernels = False
+    return model.logits(ids)
+
+
+def self_check_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "self-check" in str(w.message)]
+
+
+def quant_layers(model):
+    return [m for m in model.decoder.modules() if isinstance(m, linear_module.QuantLinear)]
+
+
+def rows_of(model, kernel):
+    return [r for r in selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme) if r["kernel"] == kernel]
+
+
+IDS = torch.tensor([[5, 17, 33, 2, 90, 41, 7]])
+
+
+def test_a_wrong_linear_kernel_falls_back_and_the_model_computes_the_reference(checkpoint, kernels_on_cpu,
+                                                                               monkeypatch):
+    wrong = lambda x, kw, bias=None, config=None: reference_matmul(x, kw, bias) * 1.01  # noqa: E731 (1% off)
+    monkeypatch.setattr(quant_matmul, "quant_matmul", wrong)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+        logits = model.logits(IDS)
+    messages = self_check_warnings(caught)
+    assert len(messages) == 4 == len(caught), [str(w.message) for w in caught]  # one per Linear shape, nothing else
+    for shape in ("64->64", "64->128", "160->64", "64->320"):
+        [message] = [m for m in messages if f"{shape}," in m]
+        assert "quant_matmul" in message and "relative error" in message and "M=1" in message
+        assert "Triton " in message and ("Triton interpreter" in message or "CUDA" in message)
+    assert all(layer.fallback_reason and "relative error" in layer.fallback_reason for layer in quant_layers(model))
+    assert torch.equal(logits, reference_logits(model, IDS, monkeypatch))
+    rows = rows_of(model, "quant_matmul")
+    assert len(rows) == 4 and all(r["runs"] == "reference" and r["why"].startswith("fell back: ") for r in rows)
+
+    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
+    with warnings.catch_warnings(record=True) as caught:  # the outcome is kept: a second model falls back silently
+        warnings.simplefilter("always")
+        again = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+    assert not caught and all(layer.fallback_reason for layer in quant_layers(again))
+
+
+def test_a_failing_kernel_sends_only_its_configuration_to_the_reference(checkpoint, kernels_on_cpu, monkeypatch):
+    """The GEMV of the gate/up shape fails to compile; the other shapes (here: a stand-in that is
+    right) stay on the kernels, and the gate/up layer computes the reference's output."""
+
+    def kernel(x, kw, bias=None, config=None):
+        if kw.out_features == GATE_UP and not config.use_dot:
+            raise RuntimeError("PassManager::run failed (an injected compile error)")
+        return reference_matmul(x, kw, bias)
+
+    monkeypatch.setattr(quant_matmul, "quant_matmul", kernel)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+    [message] = self_check_warnings(caught)
+    assert len(caught) == 1
+    assert "quant_matmul [w4 g32 asym, 64->320, float16: gate_up_proj x1]" in message
+    assert "RuntimeError: PassManager::run failed (an injected compile error)" in message
+    assert "dequantize + matmul" in message
+    [mlp] = [m for m in model.decoder.modules() if hasattr(m, "gate_up_proj")]
+    assert mlp.gate_up_proj.fallback_reason and "PassManager" in mlp.gate_up_proj.fallback_reason
+    others = [layer for layer in quant_layers(model) if layer is not mlp.gate_up_proj]
+    assert len(others) == 3 and not any(layer.fallback_reason for layer in others)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mlp.gate_up_proj(x)
+    assert not caught  # no second warning at each forward
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, mlp.gate_up_proj.dequantized_weight(torch.float16)))
+    assert [r["runs"] for r in rows_of(model, "quant_matmul")].count("reference") == 1
+
+
+def test_a_wrong_small_op_falls_back_alone(checkpoint, monkeypatch):
+    monkeypatch.setattr(small_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[..., ::2]))
+    model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+    model.decoder.use_kernels(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)
+        logits = model.logits(IDS)
+    [message] = self_check_warnings(caught)
+    assert "silu_mul [width 160, float16]" in message and "relative error inf" not in message
+    assert "PyTorch ops" in message
+    kinds = {type(m).__name__: m.kernels for m in model.decoder.modules() if hasattr(m, "kernels")}
+    assert kinds == {"MLP": False, "Attention": True, "RMSNorm": True}  # add + norm and RoPE passed
+    want = reference_logits(model, IDS, monkeypatch)
+    torch.testing.assert_close(logits, want, rtol=0, atol=2e-3 * want.abs().max().item())
+
+
+def test_a_failing_attention_kernel_falls_back_to_sdpa_at_load_and_in_the_engine(checkpoint, monkeypatch):
+    """Decode attention over INT4 caches raises (as decode_folded did under Triton 3.6): a model
+    whose cache is INT4 takes the reference at load; an engine on an fp16 model asked for an INT4
+    cache checks that one at start-up and takes SDPA, or refuses when attention='triton' was asked."""
+    real = attention_kernels.KERNEL_OPS.decode_attention
+
+    def decode(q, paged, *args, **kwargs):
+        if paged.scheme.bits == 4:
+            raise TypeError("Both operands must be same dtype. Got fp16 and fp32")
+        return real(q, paged, *args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "KERNEL_OPS", attention_kernels.KERNEL_OPS._replace(decode_attention=decode))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_on_kernels(checkpoint, kv=INT4)
+        tokens = [t.id for t in model.generate(IDS[0].tolist(), max_new_tokens=4, stop_at_eos=False)]
+    [message] = self_check_warnings(caught)
+    assert "attention (write, decode, prefill) [int4-g16-r16 cache, 4 query / 2 KV heads x 16, float16]" in message
+    assert "Both operands must be same dtype" in message and "SDPA over the dequantized cache" in message
+    assert model.decoder.attention_kernels is False
+    [row] = rows_of(model, "attention (write, decode, prefill)")
+    assert row["runs"] == "reference" and "Both operands" in row["why"]
+    model.decoder.use_kernels(False)
+    assert tokens == [t.id for t in model.generate(IDS[0].tolist(), max_new_tokens=4, stop_at_eos=False)]
+
+    from runtime.engine import Engine
+
+    fp16 = load_on_kernels(checkpoint, kv="fp16-r16")
+    assert fp16.decoder.attention_kernels is True  # its own cache's kernels passed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = Engine(fp16, max_batch=2, max_len=32, kv=INT4)
+    assert engine.kernels is False and engine.stats()["attention"] == "reference"
+    assert not caught  # the INT4 outcome is kept from the load above: no second warning
+    with pytest.raises(selfcheck.SelfCheckError, match="Both operands must be same dtype"):
+        Engine(fp16, max_batch=2, max_len=32, kv=INT4, attention="triton")
+
+
+def test_the_real_kernels_pass_their_check(checkpoint, kernels_on_cpu, monkeypatch):
+    monkeypatch.setattr(cases, "LINEAR_ROWS", (5,))  # the interpreter is slow: one regime here (all on a GPU)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_on_kernels(checkpoint)
+    assert not self_check_warnings(caught)
+    rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
+    assert [r["kernel"] for r in rows] == ["quant_matmul"] * 4 + ["add_rmsnorm", "rope_qkv", "silu_mul",
+                                                                   "attention (write, decode, prefill)"]
+    assert all(r["runs"] == "fused" and r["why"] is None for r in rows), rows
+    assert all(error is None for error in selfcheck._OUTCOMES.values()) and len(selfcheck._OUTCOMES) == 8
+
+
+def test_a_large_linear_is_checked_at_both_ends_of_its_outputs(monkeypatch):
+    """Past 512 outputs the reference computes the first and last 256 rows only: a kernel wrong in
+    the last tile alone (its masking) is still caught."""
+    from test_kernels_linear import checkpoint_tensors
+
+    scheme = QuantScheme(4, 32, symmetric=False, actorder="group")
+    packed, scale, zero, g_idx = checkpoint_tensors(600, 64, scheme, seed=1, act_order=True)
+    layer = linear_module.QuantLinear(64, 600, scheme, bias=True, scale_dtype=scale.dtype)
+    layer.load_state_dict({"weight_packed": packed, "weight_scale": scale, "weight_zero_point": zero,
+                           "weight_g_idx": g_idx, "weight_shape": torch.tensor([600, 64]),
+                           "bias": torch.randn(600)})
+    layer = layer.to(DEVICE).half()
+    assert cases._checked_outputs(600, 8) == [(0, 256), (344, 600)]
+    cases.check_linear(layer, torch.float16, (5,), tuned=False)  # the real kernels, act-order and bias: pass
+
+    def last_tile_wrong(x, kw, bias=None, config=None):
+        out = reference_matmul(x, kw, bias)
+        out[..., -3:] += 1.0
+        return out
+
+    monkeypatch.setattr(quant_matmul, "quant_matmul", last_tile_wrong)
+    with pytest.raises(cases.Mismatch, match="M=1 \\(GEMV"):
+        cases.check_linear(layer, torch.float16, (1,), tuned=False)
+
+
+def test_the_switches_skip_it(checkpoint, kernels_on_cpu, monkeypatch):
+    wrong = lambda x, kw, bias=None, config=None: reference_matmul(x, kw, bias) * 2  # noqa: E731
+    monkeypatch.setattr(quant_matmul, "quant_matmul", wrong)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        skipped = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4, self_check=False)
+        monkeypatch.setenv(selfcheck.ENV_SWITCH, "0")
+        by_env = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+    assert not caught and not selfcheck._OUTCOMES
+    assert not any(layer.fallback_reason for m in (skipped, by_env) for layer in quant_layers(m))
+
+
+def test_doctor_prints_what_runs_fused_and_what_fell_back(checkpoint, kernels_on_cpu, monkeypatch):
+    from click.testing import CliRunner
+
+    from lowbit.cli import main
+
+    wrong = lambda x, kw, bias=None, config=None: reference_matmul(x, kw, bias) * 1.01  # noqa: E731
+    monkeypatch.setattr(quant_matmul, "quant_matmul", wrong)
+    with pytest.warns(UserWarning, match="self-check: quant_matmul"):
+        result = CliRunner().invoke(main, ["doctor", str(checkpoint), "--device", str(DEVICE), "--dtype", "float16",
+                                           "--kv", INT4])
+    assert result.exit_code == 0, result.output
+    table = [line for line in result.output.splitlines() if line.startswith("quant_matmul")]
+    assert len(table) == 4 and all(" reference " in line and "fell back: M=1" in line for line in table)
+    assert "Triton" in result.output and "checked against the reference at load" in result.output
+
+
+def test_doctor_on_cpu_says_the_reference_runs(checkpoint):
+    from click.testing import CliRunner
+
+    from lowbit.cli import main
+
+    if DEVICE.type != "cpu":
+        pytest.skip("a GPU runs the kernels")
+    result = CliRunner().invoke(main, ["doctor", str(checkpoint), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()[2:]
+    assert len(lines) == 8 and all(" reference " in line and "kernels run on CUDA only" in line for line in lines)
