@@ -342,6 +342,7 @@ def doctor(ckpt, device, dtype, kv, json_out):
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = runtime.load(ckpt, device=device, kv=kv, dtype=getattr(torch, dtype) if dtype else None)
+    selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)  # done at load on CUDA: kept outcomes
     rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
     prov = provenance(model.device)
     checked = "checked against the reference at load" if selfcheck.enabled(model.decoder) else \

@@ -103,7 +103,9 @@ class Model:
 
 def default_dtype(device: torch.device, config: dict) -> torch.dtype:
     if device.type == "cpu":
-        return torch.float32  # bf16/fp16 matmuls are slow on CPUs
+        # float32 norms, attention and float Linears; the quantized Linears' CPU kernels take bf16
+        # activations themselves (runtime/cpu_linear.py), where the int4 kernel is fast
+        return torch.float32
     name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(name, torch.bfloat16)
 
@@ -170,6 +172,18 @@ def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
             )
 
 
+def to_compute_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
+    """Float tensors in the compute dtype (scales keep the stored one: dequantize upcasts them),
+    converted in place one at a time, so the stored copy of each is freed before the next is made
+    (peak memory: the model once, plus one tensor). A tied lm_head is the embedding's tensor again."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not name.endswith("weight_scale") and not (tied and name == "lm_head.weight"):
+            tensors[name] = t.to(dtype)
+    if tied:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
+
+
 def kv_scheme_of(manifest: dict | None, kv: KVScheme | str | None) -> KVScheme:
     """``kv`` when given (a scheme or a name such as ``int4``), else the one saved with the checkpoint
     (its manifest's ``kv_cache``), else unquantized."""
@@ -194,7 +208,8 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
         if isinstance(module, QuantLinear):
             module.materialize(dtype)  # at load, so the first request does not pay for it
     decoder.self_check = self_check  # an Engine's start-up check reads it too
-    selfcheck.check_decoder(decoder, dtype, kv_scheme)
+    if device.type == "cuda":  # elsewhere nothing runs on Triton (tests that send it to the interpreter check it)
+        selfcheck.check_decoder(decoder, dtype, kv_scheme)
 
 
 def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -217,10 +232,9 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     # Build on the meta device: no memory is spent on weights that are replaced right away.
     with torch.device("meta"):
         decoder = Decoder(cfg, linear_factory(schemes))
-    tensors = read_checked_tensors(path, decoder, config, tied)
-    # Float tensors take the compute dtype; scales keep the stored one (dequantize upcasts them).
-    state = {k: (t.to(dtype) if t.is_floating_point() and not k.endswith("weight_scale") else t) for k, t in tensors.items()}
-    decoder.load_state_dict(state, assign=True)
+    tensors = to_compute_dtype(read_checked_tensors(path, decoder, config, tied), dtype, tied)
+    decoder.load_state_dict(tensors, assign=True)
+    del tensors  # the modules hold them now, so prepare frees what a layer's kernel copy replaces
     check_quantized_shapes(decoder, path)
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight

@@ -22,6 +22,7 @@ from runtime.tolerances import REL_ERROR_BOUND, poison, rel_error
 LINEAR_ROWS = (1, 5, 40, 65)  # one M per launch regime of matmul_configs.candidate_configs (65: one 128-row tile, masked)
 CHECKED_OUTPUTS = 256  # output rows of a large Linear the reference computes, at each end
 CPU_ONLY = "kernels run on CUDA only; this device runs the reference"
+CPU_LINEAR = "kernels run on CUDA only; this device runs PyTorch's CPU weight-only kernel (runtime/cpu_linear.py)"
 
 
 class Mismatch(AssertionError):
@@ -41,6 +42,13 @@ class Config:
     why_not: str | None = None
     check: Callable[[], None] | None = None
     fall_back: Callable[[str], None] | None = None
+    instead: str = "reference"  # what runs when it is not fused
+
+    @property
+    def checkable(self) -> bool:
+        """The Triton interpreter (tests, no GPU) runs bf16 as raw integers (its ``tl.dot``
+        multiplies them), so there only fp16 and fp32 configurations can be judged."""
+        return self.key[-1].type == "cuda" or torch.bfloat16 not in self.key
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,19 +85,23 @@ def linear_configs(decoder, dtype: torch.dtype, tuned_up_to: int | None = None) 
     configs = []
     for shape, layers in groups.items():
         first = layers[0]
-        device = first.weight_packed.device
-        fused = runs_kernels(first.weight_packed) and first._kernels_can_run(dtype)
+        device = first.weight_scale.device  # (on CPU the packed codes may live in the CPU kernel's copy)
+        on_kernels = runs_kernels(first.weight_scale)
+        fused = on_kernels and first._kernels_can_run(dtype)
         description = (f"{shape[0]}, {shape[2]}->{shape[1]}{', bias' if shape[3] else ''}"
                        f"{', act-order' if shape[4] else ''}, {dtype_name(dtype)}: {'/'.join(sorted(names[shape]))}"
                        f" x{len(layers)}")
-        why = None if fused else (first.fallback_reason or (CPU_ONLY if not runs_kernels(first.weight_packed)
-                                                            else f"{dtype_name(dtype)} activations"))
+        cpu_kernel = getattr(first, "_cpu", None) is not None
+        why = None if fused else (first._kernel_unsupported or (
+            f"{dtype_name(dtype)} activations (the kernels take float16 and bfloat16)" if on_kernels else
+            CPU_LINEAR if cpu_kernel else CPU_ONLY))
         rows = _tuned_rows(tuned_up_to) if tuned_up_to else LINEAR_ROWS
         configs.append(Config(
             "quant_matmul", description, "dequantize + matmul",
             ("linear", shape, dtype, "tuned" if tuned_up_to else "default", rows, device), fused, why,
             check=lambda first=first, rows=rows: check_linear(first, dtype, rows, tuned=bool(tuned_up_to)),
-            fall_back=lambda reason, layers=layers: _linears_fall_back(layers, reason, dtype)))
+            fall_back=lambda reason, layers=layers: _linears_fall_back(layers, reason, dtype),
+            instead="cpu kernel" if cpu_kernel and not fused else "reference"))
     return configs
 
 
@@ -112,7 +124,7 @@ def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) 
 
     kw = layer._kernel if layer._kernel is not None else layer.kernel_weight()
     bias = None if layer.bias is None else layer.bias.detach()
-    device = layer.weight_packed.device
+    device = layer.weight_scale.device
     outputs = _checked_outputs(layer.out_features, 32 // layer.scheme.bits)
     dense = torch.cat([_dense_rows(layer, a, b, dtype) for a, b in outputs]).double()
     picked = torch.cat([torch.arange(a, b) for a, b in outputs]).to(device)

@@ -53,14 +53,14 @@ def kernels_on_cpu(monkeypatch):
         monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
 
 
-def load_on_kernels(path, kv=INT4, **options):
-    """Load as on a GPU: every kernel chosen, then checked (on CUDA ``prepare`` does both)."""
+def load_on_kernels(path, kv=INT4, small_ops=True, **options):
+    """Load as on a GPU: every kernel chosen, then checked (on CUDA ``prepare`` does both; here
+    Linears go to the kernels when the test sends them, ``kernels_on_cpu``)."""
     model = runtime.load(path, device=DEVICE, dtype=torch.float16, kv=kv, **options)
     if DEVICE.type == "cpu":
-        model.decoder.use_kernels(True)
-        model.decoder.attention_kernels = True
-        if options.get("self_check", True):
-            selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)
+        model.decoder.use_kernels(small_ops)
+        model.decoder.attention_kernels = small_ops
+        selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)
     return model
 
 
@@ -93,7 +93,7 @@ def test_a_wrong_linear_kernel_falls_back_and_the_model_computes_the_reference(c
     monkeypatch.setattr(quant_matmul, "quant_matmul", wrong)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+        model = load_on_kernels(checkpoint, small_ops=False)
         logits = model.logits(IDS)
     messages = self_check_warnings(caught)
     assert len(messages) == 4 == len(caught), [str(w.message) for w in caught]  # one per Linear shape, nothing else
@@ -109,7 +109,7 @@ def test_a_wrong_linear_kernel_falls_back_and_the_model_computes_the_reference(c
     monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
     with warnings.catch_warnings(record=True) as caught:  # the outcome is kept: a second model falls back silently
         warnings.simplefilter("always")
-        again = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+        again = load_on_kernels(checkpoint, small_ops=False)
     assert not caught and all(layer.fallback_reason for layer in quant_layers(again))
 
 
@@ -125,7 +125,7 @@ def test_a_failing_kernel_sends_only_its_configuration_to_the_reference(checkpoi
     monkeypatch.setattr(quant_matmul, "quant_matmul", kernel)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+        model = load_on_kernels(checkpoint, small_ops=False)
     [message] = self_check_warnings(caught)
     assert len(caught) == 1
     assert "quant_matmul [w4 g32 asym, 64->320, float16: gate_up_proj x1]" in message
@@ -146,11 +146,9 @@ def test_a_failing_kernel_sends_only_its_configuration_to_the_reference(checkpoi
 
 def test_a_wrong_small_op_falls_back_alone(checkpoint, monkeypatch):
     monkeypatch.setattr(small_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[..., ::2]))
-    model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
-    model.decoder.use_kernels(True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)
+        model = load_on_kernels(checkpoint)
         logits = model.logits(IDS)
     [message] = self_check_warnings(caught)
     assert "silu_mul [width 160, float16]" in message and "relative error inf" not in message
@@ -242,9 +240,9 @@ def test_the_switches_skip_it(checkpoint, kernels_on_cpu, monkeypatch):
     monkeypatch.setattr(quant_matmul, "quant_matmul", wrong)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        skipped = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4, self_check=False)
+        skipped = load_on_kernels(checkpoint, small_ops=False, self_check=False)
         monkeypatch.setenv(selfcheck.ENV_SWITCH, "0")
-        by_env = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, kv=INT4)
+        by_env = load_on_kernels(checkpoint, small_ops=False)
     assert not caught and not selfcheck._OUTCOMES
     assert not any(layer.fallback_reason for m in (skipped, by_env) for layer in quant_layers(m))
 
