@@ -53,7 +53,7 @@ from runtime.generate import check_prompt
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler
-from runtime.selfcheck import check_engine
+from runtime.selfcheck import check_engine, checked_capture
 
 
 class EngineClosedError(RuntimeError):
@@ -115,7 +115,8 @@ class Engine:
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs and (model.device.type != "cuda" or not self.kernels):
             raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")
-        self.executor = Executor(model.decoder, self.cache, self.kernels, bool(use_graphs))
+        self.executor = checked_capture(lambda graphs: Executor(model.decoder, self.cache, self.kernels, graphs),
+                                        bool(use_graphs), model.decoder)
 
     # ------------------------------------------------------------------ public
 

@@ -69,6 +69,36 @@ def check_engine(model, scheme, kernels: bool, strict: bool, largest_m: int) -> 
     return config.fused
 
 
+def checked_capture(make_executor, graphs: bool, decoder):
+    """``make_executor(graphs)``, its CUDA graphs (one per batch bucket) each replayed once against
+    the same step run eagerly on the same inputs; a capture that fails or a replay that disagrees
+    leaves the engine on eager decode steps (the same kernels, launched one by one) with one warning."""
+    if not graphs or not enabled(decoder):
+        return make_executor(graphs)
+    try:
+        executor = make_executor(True)
+        for graph in executor.graphs.graphs.values():
+            check_replay(graph, next(decoder.parameters()).dtype)
+    except Exception as e:  # noqa: BLE001 - whatever broke the capture or the replay: run without graphs
+        device = next(decoder.parameters()).device
+        warnings.warn(f"self-check: the CUDA graphs of the decode step failed on {device_name_of(device)}, Triton "
+                      f"{triton_version()}: {describe_error(e)}; decode steps run eagerly instead (correct, slower)",
+                      stacklevel=2)
+        return make_executor(False)
+    return executor
+
+
+def check_replay(graph, dtype: torch.dtype) -> None:
+    """One replay of ``graph`` (``runtime.execution.DecodeGraph``) against its step run eagerly on
+    the same static inputs: token 0 at position 0 of every row (free slots at start-up, which the
+    capture's own warm-up wrote the same way)."""
+    rows = graph.batch
+    with torch.inference_mode():
+        replayed = graph.run([0] * rows, [0] * rows).clone()
+        eager = graph.step()
+    cases.compare(replayed, eager, dtype, f"the replay of the decode graph for {rows} rows")
+
+
 def run(configs: list[Config], strict: bool = False) -> list[Config]:
     """Check each fused configuration (once per process); the failed ones fall back."""
     for config in configs:
@@ -113,8 +143,11 @@ def describe_error(e: Exception, limit: int = 400) -> str:
 
 
 def device_name(config: Config) -> str:
+    return device_name_of(config.key[-1])
+
+
+def device_name_of(device: torch.device) -> str:
     """The GPU (its architecture and torch's CUDA release) or, in tests, the interpreter."""
-    device = config.key[-1]
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}, CUDA {torch.version.cuda})"

@@ -274,3 +274,58 @@ def test_doctor_on_cpu_says_the_reference_runs(checkpoint):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()[2:]
     assert len(lines) == 8 and all(" reference " in line and "kernels run on CUDA only" in line for line in lines)
+
+
+def test_cuda_graphs_that_fail_or_disagree_leave_the_engine_on_eager_steps():
+    """An Engine's captured decode steps are each replayed once against the same step run eagerly
+    (no GPU here: stand-in executors); a capture that raises or a replay that disagrees gives an
+    executor without graphs and one warning."""
+    from types import SimpleNamespace
+
+    class Graph:
+        batch = 2
+
+        def __init__(self, replayed):
+            self.replayed = replayed
+
+        def run(self, tokens, starts):
+            return self.replayed
+
+        def step(self):
+            return torch.ones(2, 1, 8)
+
+    def maker(replayed=None, capture_error=None):
+        made = []
+
+        def make(graphs):
+            made.append(graphs)
+            if graphs and capture_error:
+                raise capture_error
+            return SimpleNamespace(graphs=SimpleNamespace(graphs={(2, False): Graph(replayed)}) if graphs else None)
+
+        return make, made
+
+    decoder = torch.nn.Linear(4, 4)
+    for make, made, error in [(*maker(replayed=torch.full((2, 1, 8), 1.5)), "relative error"),
+                              (*maker(capture_error=RuntimeError("operation not permitted when stream is capturing")),
+                               "RuntimeError: operation not permitted")]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            executor = selfcheck.checked_capture(make, True, decoder)
+        [message] = self_check_warnings(caught)
+        assert made == [True, False] and executor.graphs is None
+        assert "CUDA graphs of the decode step" in message and error in message and "run eagerly" in message
+    make, made = maker(replayed=torch.ones(2, 1, 8))
+    assert selfcheck.checked_capture(make, True, decoder).graphs is not None and made == [True]
+
+
+def test_a_decode_graph_replay_is_compared_with_its_eager_step(checkpoint):
+    """The replay check on the engine's own DecodeGraph objects (run eagerly here: capture=False)."""
+    from runtime.engine import Engine
+    from runtime.execution import DecodeGraphs
+
+    model = load_on_kernels(checkpoint, kv="fp16-r16")
+    engine = Engine(model, max_batch=2, max_len=32, attention="triton")
+    graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2,))
+    for graph in graphs.graphs.values():
+        selfcheck.check_replay(graph, model.dtype)
