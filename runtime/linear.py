@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from quant.affine import QuantScheme
-from quant.packing import packed_length
+from quant.packing import pack, packed_length
+from runtime import cpu_linear
 from runtime.kernels import reference, weight_layout
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_REPORTED_CPU_REASONS: set[str] = set()  # why layers keep the dense reference on CPU, warned once each
 
 
 def runs_kernels(x: torch.Tensor) -> bool:
@@ -42,6 +44,8 @@ class QuantLinear(nn.Module):
         self._kernel: weight_layout.KernelWeight | None = None
         self._kernel_unsupported: str | None = None  # why the kernels cannot read this layer
         self._fell_back = False  # switched to the reference by fall_back
+        self._cpu: cpu_linear.CpuWeight | None = None  # the CPU kernels' weight (materialize)
+        self._cpu_unsupported: str | None = None  # why no CPU kernel takes this layer ("" : one does)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return reference.dequantize_weight(
@@ -56,31 +60,65 @@ class QuantLinear(nn.Module):
             (self.out_features, self.in_features), self.scheme, getattr(self, "weight_g_idx", None),
         )
 
-    def materialize(self, dtype: torch.dtype) -> None:
-        """Prepare the weight for inference in ``dtype`` on the buffers' device (at load).
+    def materialize(self, dtype: torch.dtype, cpu_kernels: bool = True) -> None:
+        """Prepare the weight for inference in ``dtype`` on the buffers' device (at load): the
+        backend is chosen here, once per layer.
 
         On GPU the fused kernels read a re-laid copy of the packed weight (``kernel_weight``).
         The checkpoint-layout buffers stay (state_dict, the dense fallback), so a GPU holds the
         packed weight twice; keeping only the kernel copy there is a known follow-up.
-        On CPU the reference path is the implementation: unpacking every weight on every decode
-        step would dominate the step, so the dense weight is built once and kept: correct and
-        fast enough for CPU, at the memory of a float model.
+        On CPU PyTorch's weight-only kernels read their own packed copy (``runtime/cpu_linear.py``),
+        which replaces ``weight_packed`` (read back from it on demand). Layers no kernel takes, and
+        layers sent back by ``fall_back``, multiply with a dense weight dequantized once here
+        (``cpu_kernels=False``: every layer, the reference that tests compare at float32 precision).
         """
-        if self.weight_packed.is_cuda and self._kernels_can_run(dtype):
+        if self.weight_scale.is_cuda and self._kernels_can_run(dtype):
             self._kernel, self._dense = self.kernel_weight(), None
+        elif self.weight_scale.device.type == "cpu" and cpu_kernels and self._cpu_can_run():
+            if self._cpu is None:
+                self._cpu = cpu_linear.build(
+                    self.weight_packed, self.weight_scale, getattr(self, "weight_zero_point", None),
+                    (self.out_features, self.in_features), self.scheme, getattr(self, "weight_g_idx", None))
+            self._dense = None
+            if self._cpu.codes_readable and "weight_packed" in self._buffers:
+                del self._buffers["weight_packed"]  # one packed copy: __getattr__ reads it back from the kernel's
         else:
             self._dense = self.dequantized_weight(dtype)
+
+    def __getattr__(self, name: str):
+        if name == "weight_packed" and self.__dict__.get("_cpu") is not None:
+            return self._cpu_weight_packed()
+        return super().__getattr__(name)
+
+    def _cpu_weight_packed(self) -> torch.Tensor:
+        """The checkpoint's ``weight_packed``, rebuilt from the CPU kernel's copy (exact)."""
+        return pack(self._cpu.codes(), self.scheme.bits, dim=1)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "weight_packed" not in self._buffers:  # held by the CPU kernel's copy: saved as the checkpoint stores it
+            destination[prefix + "weight_packed"] = self._cpu_weight_packed()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if "weight_packed" not in self._buffers:  # new tensors: the kernel's copy is stale
+            self.register_buffer("weight_packed", self._cpu_weight_packed())
+        self._cpu = self._dense = self._kernel = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def fall_back(self, reason: str) -> None:
         """Run this layer on the dense reference path from now on (the load-time self-check's switch
         when a kernel fails or disagrees with the reference); ``reason`` is what was wrong. The
         self-check has warned once for every layer it switches, so the forward does not again."""
+        if self._cpu is not None:
+            if "weight_packed" not in self._buffers:
+                self.register_buffer("weight_packed", self._cpu_weight_packed())
+            self._cpu = None
         self._kernel_unsupported, self._kernel, self._fell_back = reason, None, True
 
     @property
     def fallback_reason(self) -> str | None:
         """Why this layer cannot run the kernels (None: it can, or nothing has asked yet)."""
-        return self._kernel_unsupported or None
+        return self._kernel_unsupported or self._cpu_unsupported or None
 
     def _kernels_can_run(self, dtype: torch.dtype) -> bool:
         if self._kernel_unsupported is None:
@@ -91,14 +129,30 @@ class QuantLinear(nn.Module):
             warnings.warn(f"a {self.scheme.describe()} layer runs the dense reference instead of the kernels: {reason}")
         return not reason
 
+    def _cpu_can_run(self) -> bool:
+        if self._fell_back:
+            return False
+        if self._cpu_unsupported is None:
+            reason = cpu_linear.unsupported_reason(self.scheme, self.in_features, self.out_features,
+                                                   getattr(self, "weight_g_idx", None))
+            self._cpu_unsupported = reason or ""
+            if reason and reason not in _REPORTED_CPU_REASONS:  # once per reason, not per layer
+                _REPORTED_CPU_REASONS.add(reason)
+                warnings.warn(f"{self.scheme.describe()} layers with {reason} run the dense reference on CPU "
+                              "(a float copy of the weight)")
+        return not self._cpu_unsupported
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The dispatch point: CUDA inputs go to the fused Triton kernels, everything else to the reference.
+        # The dispatch point: CUDA inputs go to the fused Triton kernels, CPU inputs to the CPU kernels
+        # when materialize chose them, everything else to the reference.
         if runs_kernels(x) and self._kernels_can_run(x.dtype):
             from runtime.kernels import quant_matmul  # imports triton: only where kernels run
 
             if self._kernel is None or self._kernel.qweight.device != x.device:
                 self._kernel = self.kernel_weight()
             return quant_matmul.quant_matmul(x, self._kernel, self.bias)
+        if self._cpu is not None and x.device.type == "cpu":
+            return self._cpu(x, self.bias)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
             self._dense = self.dequantized_weight(x.dtype)
         return reference.quant_linear(x, self._dense, self.bias)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -193,31 +194,45 @@ def kv_scheme_of(manifest: dict | None, kv: KVScheme | str | None) -> KVScheme:
     return kv or saved
 
 
+CPU_KERNELS_ENV = "LOWBIT_CPU_KERNELS"  # "0": quantized Linears on CPU run the dense reference (tests)
+
+
+def use_cpu_kernels(cpu_kernels: bool | None) -> bool:
+    """``cpu_kernels`` when given, else on unless ``LOWBIT_CPU_KERNELS=0``."""
+    if cpu_kernels is not None:
+        return cpu_kernels
+    return os.environ.get(CPU_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_scheme: KVScheme | None = None,
-            self_check: bool = True) -> None:
+            self_check: bool = True, cpu_kernels: bool | None = None) -> None:
     """A decoder whose weights are in, made ready to run on ``device``: what every runtime model
     goes through (``load``, and the benchmarks' random models). ``self_check``: run each kernel
     configuration it chose once against the reference (attention over ``kv_scheme``) and send
-    the failed ones to the reference path (``runtime/selfcheck.py``; nothing to do on CPU)."""
+    the failed ones to the reference path (``runtime/selfcheck.py``; nothing to do on CPU).
+    ``cpu_kernels``: quantized Linears on CPU run PyTorch's weight-only kernels (bf16 activations,
+    ``runtime/cpu_linear.py``) or, False, the dense float reference (default: ``use_cpu_kernels``)."""
     decoder.to(device).eval()
     decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
     # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
     decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
+    cpu = use_cpu_kernels(cpu_kernels)
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
-            module.materialize(dtype)  # at load, so the first request does not pay for it
+            module.materialize(dtype, cpu)  # at load, so the first request does not pay for it
     decoder.self_check = self_check  # an Engine's start-up check reads it too
     if device.type == "cuda":  # elsewhere nothing runs on Triton (tests that send it to the interpreter check it)
         selfcheck.check_decoder(decoder, dtype, kv_scheme)
 
 
 def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-         kv: KVScheme | str | None = None, self_check: bool = True) -> Model:
+         kv: KVScheme | str | None = None, self_check: bool = True, cpu_kernels: bool | None = None) -> Model:
     """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias.
 
     ``kv`` overrides the KV-cache scheme saved with the checkpoint (``"int4"``, ``"fp16"``, a KVScheme).
     ``self_check=False`` skips the check of the kernels against the reference (``runtime/selfcheck.py``).
+    ``cpu_kernels=False``: quantized Linears on CPU run the dense float reference (``prepare``).
     """
     path = models.resolve(path)
     manifest = checkpoint.verify(path)  # a manifest, when present, must match every file
@@ -238,6 +253,6 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     check_quantized_shapes(decoder, path)
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
-    prepare(decoder, device, dtype, kv_scheme, self_check)
+    prepare(decoder, device, dtype, kv_scheme, self_check, cpu_kernels)
     tokenizer = load_tokenizer(path) if any((path / f).exists() for f in TOKENIZER_FILES) else None
     return Model(decoder, config, tokenizer, device, dtype, path, kv_scheme)

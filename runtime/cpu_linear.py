@@ -1,0 +1,239 @@
+"""Quantized Linears on CPU from packed weights: PyTorch's built-in weight-only kernels, chosen once
+per layer at load (as the Triton kernels are on CUDA).
+
+* ``Int4Slots``: 2-, 3- and 4-bit layers through ``aten._weight_int4pack_mm_for_cpu`` (tinygemm's
+  CPU kernel: ``w = (u - 8) * scale + zero`` per group, ``u`` an unsigned nibble, ``scale`` and
+  ``zero`` floats). A signed code ``q`` of ours (``x = (q - z) * s``) is stored as ``u = q + 8``
+  with ``zero = -z * s``, so 2- and 3-bit codes sit in 4-bit slots and dequantize to the same
+  values (4 bits per weight in memory until a narrower kernel exists). Groups the kernel does not
+  take (above 256, per channel) are cut into kernel groups that repeat the scale.
+* ``Int8Channels``: 8-bit per-channel layers through ``aten._weight_int8pack_mm`` (symmetric
+  ``x @ (q * s).T``); an asymmetric zero point is one correction per row, ``- s z * sum(x)``.
+
+Both kernels run bf16 activations: with float32 activations the int4 kernel is 5-100x slower than a
+dense float32 matmul (measured, bench/cpu_decode.py), so a layer converts its input to bf16 and its
+output back. Layers neither kernel takes keep the dense reference path (``QuantLinear``), with the
+reason from :func:`unsupported_reason`.
+
+The checkpoint's ``weight_packed`` is not kept beside the kernel's copy (memory at load stays
+proportional to bits): :meth:`Int4Slots.codes` reads the codes back from the kernel layout, whose
+order is found once per process (:func:`int4_layout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from quant.affine import QuantScheme
+from quant.packing import unpack
+from runtime.kernels.weight_layout import act_order_permutation
+
+ACTIVATIONS = torch.bfloat16  # what both kernels are fast with (see the module docstring)
+INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu takes
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu refuses other output counts
+INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, crashes) otherwise
+
+
+def kernel_group(group: int) -> int | None:
+    """The int4 kernel's group size for a checkpoint group of ``group`` inputs (the largest it takes
+    that divides ``group``; the scale repeats), or None."""
+    return next((g for g in INT4_GROUPS if group % g == 0), None)
+
+
+def unsupported_reason(scheme: QuantScheme, in_features: int, out_features: int,
+                       g_idx: torch.Tensor | None = None) -> str | None:
+    """Why no CPU kernel takes this layer (it then keeps the dense reference path), or None. The
+    reasons name no layer, so each is reported once per process, not once per layer."""
+    group = scheme.group_len(in_features)
+    if scheme.bits == 8:
+        if group != in_features:
+            return "8-bit groups (the CPU int8 kernel takes per-channel scales only)"
+        if in_features % INT8_K_MULTIPLE:
+            return f"8-bit layers with inputs not a multiple of {INT8_K_MULTIPLE} (the CPU int8 kernel's rows)"
+        return None
+    if kernel_group(group) is None:
+        return f"groups of {group} inputs (the CPU int4 kernel takes multiples of {INT4_GROUPS[-1]})"
+    if out_features % INT4_N_MULTIPLE:
+        return f"outputs not a multiple of {INT4_N_MULTIPLE} (the CPU int4 kernel's blocks)"
+    if g_idx is not None and act_order_permutation(g_idx, group) is None:
+        return "weight_g_idx that does not split the inputs into equal groups"
+    return None
+
+
+def _linear_out(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = y.to(x.dtype).unflatten(0, x.shape[:-1])
+    return y if bias is None else y + bias
+
+
+@dataclass
+class Int4Slots:
+    """A 2/3/4-bit layer in the int4 kernel's layout (see the module docstring)."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2], _convert_weight_to_int4pack_for_cpu's layout
+    scale_zeros: torch.Tensor  # bf16 [K / group, N, 2]: (scale, zero) per kernel group
+    group: int  # the kernel's group size
+    perm: torch.Tensor | None  # act-order: input columns sorted by group (weight_layout)
+    bits: int
+
+    @classmethod
+    def build(cls, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int, scheme: QuantScheme,
+              g_idx: torch.Tensor | None) -> "Int4Slots":
+        """From a checkpoint's ``weight_packed`` [N, words] of ``k`` inputs, scales [N, groups] and
+        zero points int8 [N, groups] (unpacked)."""
+        group = scheme.group_len(k)
+        perm = None if g_idx is None else act_order_permutation(g_idx, group)
+        if perm is not None and torch.equal(perm, torch.arange(k)):
+            perm = None
+        s = scale.float()
+        z = torch.zeros_like(s) if zero is None else -zero.float() * s
+        repeat = group // kernel_group(group)
+        scale_zeros = torch.stack([s.repeat_interleave(repeat, 1), z.repeat_interleave(repeat, 1)], -1)
+        return cls(_int4_slots(packed, scheme.bits, k, perm), scale_zeros.transpose(0, 1).to(ACTIVATIONS).contiguous(),
+                   kernel_group(group), perm, scheme.bits)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
+        if self.perm is not None:
+            a = a.index_select(1, self.perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
+        return _linear_out(y, x, bias)
+
+    @property
+    def codes_readable(self) -> bool:
+        return int4_layout() is not None
+
+    def codes(self) -> torch.Tensor:
+        """The signed codes int8 [N, K] in the checkpoint's column order (read back from the layout)."""
+        n, k = self.packed.shape[0], self.packed.shape[1] * 2
+        q = (unpack_int4(self.packed, n, k).to(torch.int16) - 8).to(torch.int8)
+        if self.perm is not None:
+            q = q[:, torch.argsort(self.perm)]
+        return q
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zeros.nbytes
+
+
+@dataclass
+class Int8Channels:
+    """An 8-bit per-channel layer for ``_weight_int8pack_mm``."""
+
+    q: torch.Tensor  # int8 [N, K], the signed codes
+    scales: torch.Tensor  # bf16 [N]
+    zero_scales: torch.Tensor | None  # bf16 [N]: s * z, subtracted times sum(x) (asymmetric)
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> "Int8Channels":
+        s = scale.float().flatten()
+        zs = None if zero is None else (s * zero.float().flatten()).to(ACTIVATIONS)
+        return cls(q.contiguous(), s.to(ACTIVATIONS), zs)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
+        y = torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
+        if self.zero_scales is not None:
+            y = y.float() - a.float().sum(-1, keepdim=True) * self.zero_scales.float()
+        return _linear_out(y, x, bias)
+
+    codes_readable = True
+
+    def codes(self) -> torch.Tensor:
+        return self.q
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + (0 if self.zero_scales is None else self.zero_scales.nbytes)
+
+
+CpuWeight = Int4Slots | Int8Channels
+
+
+def build(packed: torch.Tensor, scale: torch.Tensor, zero_packed: torch.Tensor | None, shape: tuple[int, int],
+          scheme: QuantScheme, g_idx: torch.Tensor | None = None) -> CpuWeight:
+    """A checkpoint's ``weight_packed``/``weight_scale``/``weight_zero_point`` (``weight_g_idx``) as the
+    CPU kernel's weight; the caller has checked :func:`unsupported_reason`."""
+    n, k = shape
+    zero = None if zero_packed is None else unpack(zero_packed, scheme.bits, n, dim=0)
+    if scheme.bits == 8:
+        return Int8Channels.build(unpack(packed, 8, k, dim=1), scale, zero)
+    return Int4Slots.build(packed, scale, zero, k, scheme, g_idx)
+
+
+_ROWS_PER_CHUNK = 2048  # bounds the int32 temporaries of a large layer; a multiple of every block_n
+
+
+def _int4_slots(packed: torch.Tensor, bits: int, k: int, perm: torch.Tensor | None) -> torch.Tensor:
+    """The codes of ``weight_packed`` as ``u = q + 8`` in the int4 kernel's layout. Rows go in
+    chunks (whole blocks of outputs: the layout concatenates them) where the layout is known."""
+    step = _ROWS_PER_CHUNK if int4_layout() is not None else packed.shape[0]
+    chunks = []
+    for r in range(0, packed.shape[0], step):
+        q = unpack(packed[r:r + step], bits, k, dim=1)
+        if perm is not None:
+            q = q[:, perm]  # columns of a group side by side; the activations follow per call
+        chunks.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1))
+    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
+
+# ---------------------------------------------------------------- reading the int4 layout back
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """How ``_convert_weight_to_int4pack_for_cpu`` orders nibbles (it depends on the CPU's vector
+    width): outputs in blocks of ``block_n``, each block stored ``[K, block_n / 2]`` bytes; byte
+    ``j`` of a full block holds outputs ``j`` (low nibble) and ``j + block_n / 2`` (high) when
+    ``halves``, else ``2 j`` and ``2 j + 1`` (as every partial block does)."""
+
+    block_n: int
+    halves: bool
+
+    def pairs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = torch.arange(size // 2)
+        if size == self.block_n and self.halves:
+            return j, j + size // 2
+        return 2 * j, 2 * j + 1
+
+    def pack(self, u: torch.Tensor) -> torch.Tensor:
+        """Nibbles ``u`` [N, K] (0..15) in this layout: uint8 [N, K / 2]."""
+        n, k = u.shape
+        out = []
+        for start in range(0, n, self.block_n):
+            block = u[start:start + self.block_n].to(torch.uint8)
+            lo, hi = self.pairs(block.shape[0])
+            out.append((block[lo] | (block[hi] << 4)).t().contiguous().flatten())  # [K, size / 2]
+        return torch.cat(out).view(n, k // 2)
+
+    def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        flat, u, offset = packed.flatten(), torch.empty(n, k, dtype=torch.uint8), 0
+        for start in range(0, n, self.block_n):
+            size = min(self.block_n, n - start)
+            block = flat[offset:offset + size * k // 2].view(k, size // 2).t()
+            lo, hi = self.pairs(size)
+            u[start + lo], u[start + hi] = block & 15, block >> 4
+            offset += size * k // 2
+        return u
+
+
+@lru_cache(maxsize=1)
+def int4_layout() -> Int4Layout | None:
+    """The layout this process's int4 kernel uses, found on a probe that has full and partial blocks
+    (None: an order lowbit does not know; layers then keep the checkpoint's codes beside it)."""
+    probe = torch.randint(0, 16, (64 + 48, 8), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    for layout in (Int4Layout(64, True), Int4Layout(32, True), Int4Layout(32, False), Int4Layout(64, False)):
+        if torch.equal(layout.pack(probe), packed):
+            return layout
+    return None
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The nibbles uint8 [N, K] of a ``_convert_weight_to_int4pack_for_cpu`` result."""
+    layout = int4_layout()
+    if layout is None:
+        raise RuntimeError("the CPU int4 kernel packs weights in an order lowbit does not know (torch "
+                           f"{torch.__version__}, {torch.backends.cpu.get_cpu_capability()}): the codes cannot be read back")
+    return layout.unpack(packed, n, k)
