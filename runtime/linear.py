@@ -100,19 +100,23 @@ class QuantLinear(nn.Module):
             destination[prefix + "weight_packed"] = self._cpu_weight_packed()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if "weight_packed" not in self._buffers:  # new tensors: the kernel's copy is stale
-            self.register_buffer("weight_packed", self._cpu_weight_packed())
-        self._cpu = self._dense = self._kernel = None
+        self._drop_cpu_weight()  # new tensors: the kernel's copy is stale
+        self._dense = self._kernel = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _drop_cpu_weight(self) -> None:
+        """Back to the checkpoint's buffers: ``weight_packed`` read back from the CPU kernel's copy."""
+        if self._cpu is not None:
+            packed = self._cpu_weight_packed() if "weight_packed" not in self._buffers else None
+            self._cpu = None
+            if packed is not None:
+                self.register_buffer("weight_packed", packed)
 
     def fall_back(self, reason: str) -> None:
         """Run this layer on the dense reference path from now on (the load-time self-check's switch
         when a kernel fails or disagrees with the reference); ``reason`` is what was wrong. The
         self-check has warned once for every layer it switches, so the forward does not again."""
-        if self._cpu is not None:
-            if "weight_packed" not in self._buffers:
-                self.register_buffer("weight_packed", self._cpu_weight_packed())
-            self._cpu = None
+        self._drop_cpu_weight()
         self._kernel_unsupported, self._kernel, self._fell_back = reason, None, True
 
     @property

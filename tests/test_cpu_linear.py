@@ -1,0 +1,167 @@
+"""Quantized Linears on CPU through PyTorch's weight-only kernels (runtime/cpu_linear.py): the values
+they compute against the dense reference, the codes they keep, and what falls back and why."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quant.affine import QuantScheme, choose_qparams, quantize
+from quant.packing import pack
+from runtime import cpu_linear
+from runtime import linear as linear_module
+from runtime.linear import QuantLinear
+
+BF16_EPS = 2.0 ** -8
+
+
+def quant_layer(n: int, k: int, scheme: QuantScheme, seed: int, bias: bool = True, act_order: bool = False):
+    """A QuantLinear loaded with a random weight rounded by quant's own math (as a checkpoint stores it)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g)
+    g_idx = None
+    if act_order:  # columns of group j are perm[j*group : (j+1)*group]
+        perm = torch.randperm(k, generator=g)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(k) // scheme.group_size).int()
+    plain = QuantScheme(scheme.bits, scheme.group_size, scheme.symmetric)
+    ordered = weight if g_idx is None else weight[:, perm]
+    scale, zero = choose_qparams(ordered, plain)
+    q = quantize(ordered, scale, zero, plain)
+    if g_idx is not None:
+        q = q[:, torch.argsort(perm)]  # codes back in model column order
+    state = {"weight_packed": pack(q, scheme.bits, dim=1), "weight_scale": scale,
+             "weight_shape": torch.tensor([n, k])}
+    if zero is not None:
+        state["weight_zero_point"] = pack(zero, scheme.bits, dim=0)
+    if g_idx is not None:
+        state["weight_g_idx"] = g_idx
+    if bias:
+        state["bias"] = torch.randn(n, generator=g)
+    layer = QuantLinear(k, n, scheme, bias=bias)
+    layer.load_state_dict(state)
+    return layer
+
+
+def reference_out(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The dense reference on the bf16-rounded activations the kernels read."""
+    return F.linear(x.bfloat16().float(), layer.dequantized_weight(torch.float32), layer.bias)
+
+
+SCHEMES = [QuantScheme(b, g, s) for b in (2, 3, 4) for g in (32, 96, 512, -1) for s in (True, False)] + [
+    QuantScheme(8, -1, True), QuantScheme(8, -1, False)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe().replace(" ", "-"))
+def test_cpu_kernels_compute_the_reference_to_bf16_rounding(scheme):
+    k = 960 if scheme.group_size == 96 else 1024
+    layer = quant_layer(48, k, scheme, seed=scheme.bits)
+    x = torch.randn(2, 5, k, generator=torch.Generator().manual_seed(1))
+    layer.materialize(torch.float32)
+    assert layer._cpu is not None and layer._dense is None
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (2, 5, 48)
+    ref = reference_out(layer, x)
+    # bf16 output (and stored scale/zero) rounding: a few bf16 steps of the largest output
+    torch.testing.assert_close(out, ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
+    torch.testing.assert_close(layer(x[:, :1]), ref[:, :1], rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (3, True), (2, False)])
+def test_int4_slots_dequantize_to_the_reference_weight(bits, symmetric):
+    """The int4 kernel's weight, read through an identity input, is the reference weight at bf16
+    precision: 2/3-bit codes in 4-bit slots with the adjusted zero mean the same values, up to the
+    bf16 rounding of each group's scale and zero (``- z s``: a zero code is off by a step of ``z s``)."""
+    scheme = QuantScheme(bits, 64, symmetric)
+    layer = quant_layer(32, 128, scheme, seed=7, bias=False)
+    layer.materialize(torch.float32)
+    through_kernel = layer(torch.eye(128)).t()  # [N, K]
+    expected = layer.dequantized_weight(torch.float32)
+    torch.testing.assert_close(through_kernel, expected, rtol=0, atol=2 * BF16_EPS * float(expected.abs().max()))
+
+
+def test_the_kernel_copy_replaces_the_checkpoint_codes_which_read_back_exactly():
+    layer = quant_layer(80, 256, QuantScheme(4, 64, False), seed=3)  # 80 outputs: a full block and a partial one
+    stored = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.materialize(torch.float32)
+    assert "weight_packed" not in layer._buffers  # one packed copy in memory: the kernel's
+    assert layer._cpu.packed.nbytes == 80 * 256 // 2
+    assert torch.equal(layer.weight_packed, stored["weight_packed"])
+    saved = layer.state_dict()
+    assert saved.keys() == stored.keys() and all(torch.equal(saved[k], stored[k]) for k in stored)
+    again = QuantLinear(256, 80, QuantScheme(4, 64, False), bias=True)
+    again.load_state_dict(saved)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(again(x), F.linear(x, layer.dequantized_weight(torch.float32), layer.bias))
+
+
+def test_fall_back_on_cpu_switches_to_the_exact_dense_reference():
+    layer = quant_layer(64, 128, QuantScheme(4, 32, True), seed=4)
+    x = torch.randn(4, 128)
+    exact = F.linear(x, layer.dequantized_weight(torch.float32), layer.bias)
+    layer.materialize(torch.float32)
+    assert not torch.equal(layer(x), exact)  # bf16 activations
+    layer.fall_back("disagreed with the reference")
+    layer.materialize(torch.float32)
+    assert layer._cpu is None and layer.fallback_reason == "disagreed with the reference"
+    torch.testing.assert_close(layer(x), exact, rtol=1e-6, atol=1e-6)
+
+
+def test_act_order_groups_run_the_kernel_through_a_permutation():
+    layer = quant_layer(32, 256, QuantScheme(4, 64, False, actorder="group"), seed=5, act_order=True)
+    x = torch.randn(3, 256)
+    layer.materialize(torch.float32)
+    assert layer._cpu is not None and layer._cpu.perm is not None
+    ref = reference_out(layer, x)
+    torch.testing.assert_close(layer(x), ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
+    assert torch.equal(layer.weight_packed, quant_layer(32, 256, layer.scheme, seed=5, act_order=True).weight_packed)
+
+
+def test_layers_no_kernel_takes_keep_the_reference_and_say_why_once(monkeypatch):
+    monkeypatch.setattr(linear_module, "_REPORTED_CPU_REASONS", set())
+    layers = [quant_layer(32, 128, QuantScheme(8, 32, True), seed=s) for s in range(2)]
+    odd = quant_layer(40, 128, QuantScheme(4, 32, True), seed=3)  # 40 outputs: not whole int4 blocks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in layers + [odd]:
+            layer.materialize(torch.float32)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages  # one per reason, not one per layer
+    assert "per-channel scales only" in messages[0] and "multiple of 16" in messages[1]
+    for layer in layers + [odd]:
+        assert layer._cpu is None and layer._dense is not None and layer.fallback_reason
+        x = torch.randn(2, 128)
+        torch.testing.assert_close(layer(x), F.linear(x, layer._dense, layer.bias))
+
+
+def test_unsupported_reasons_name_what_the_kernels_refuse():
+    assert cpu_linear.unsupported_reason(QuantScheme(4, 16), 256, 64) == (
+        "groups of 16 inputs (the CPU int4 kernel takes multiples of 32)")
+    assert "inputs not a multiple of 16" in cpu_linear.unsupported_reason(QuantScheme(8, -1), 40, 64)
+    assert cpu_linear.unsupported_reason(QuantScheme(4, -1), 576, 64) is None  # per channel: 576 = 9 x 64
+    assert cpu_linear.kernel_group(576) == 64 and cpu_linear.kernel_group(96) == 32
+
+
+def test_int4_layout_reads_back_every_block_shape():
+    assert cpu_linear.int4_layout() is not None
+    for n in (16, 48, 64, 112, 960):
+        u = torch.randint(0, 16, (n, 64), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+        assert torch.equal(cpu_linear.unpack_int4(packed, n, 64), u.to(torch.uint8))
+
+
+def test_a_loaded_checkpoint_runs_the_cpu_kernels_close_to_the_reference(tmp_path):
+    import runtime
+    from quant.tiny_models import quantized_checkpoint
+
+    path, _, _ = quantized_checkpoint("llama", tmp_path)  # W4 g32 asym, hidden 96
+    kernels = runtime.load(path, cpu_kernels=True)
+    reference = runtime.load(path, cpu_kernels=False)
+    quantized = [m for m in kernels.decoder.modules() if isinstance(m, QuantLinear)]
+    assert quantized and all(isinstance(m._cpu, cpu_linear.Int4Slots) and m._dense is None for m in quantized)
+    ids = torch.randint(0, kernels.decoder.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    got, want = kernels.logits(ids), reference.logits(ids)
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+    tokens = [t for t in kernels.generate(ids[0].tolist(), max_new_tokens=4)]
+    assert len(tokens) == 4
