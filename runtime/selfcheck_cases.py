@@ -247,8 +247,8 @@ def check_rope(decoder, dtype, device) -> None:
     cos, sin = decoder.rope(5, 3, dtype)[0]
     for got, want, what in zip(rope_qkv(qkv, cos, sin, h, kv, d), reference(qkv, cos, sin), "qkv"):
         compare(got, want, dtype, f"{what} of a prefill")
-    starts = torch.tensor([3, 17], dtype=torch.int32, device=device)
-    block = 16
+    block, positions = 16, [3, 17]
+    starts = torch.tensor(positions, dtype=torch.int32, device=device)
     residual_k, residual_v = (torch.zeros(2, kv, block, d, dtype=dtype, device=device) for _ in range(2))
     step = random((2, 1, (h + 2 * kv) * d), dtype, device, 5)
     cos, sin = decoder.rope(starts, 1, dtype)[0]
@@ -256,8 +256,7 @@ def check_rope(decoder, dtype, device) -> None:
     want = reference(step, cos, sin)
     for what, g, w in zip("qkv", got, want):
         compare(g, w, dtype, f"{what} of a decode step")
-    rows = (starts % block).long().cpu().tolist()
-    for b, row in enumerate(rows):
+    for b, row in enumerate(p % block for p in positions):
         compare(residual_k[b, :, row], want[1][b, :, 0], dtype, "the key stored in the cache")
         compare(residual_v[b, :, row], want[2][b, :, 0], dtype, "the value stored in the cache")
 
@@ -272,13 +271,15 @@ def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool, own_cach
     Engine's other scheme only decides that Engine's backend."""
     cfg = decoder.cfg
     device = next(decoder.parameters()).device
-    windows = tuple(sorted({w for w in cfg.sliding_windows if w is not None}))
+    windows = tuple(sorted(set(cfg.sliding_windows), key=lambda w: w or 0))  # None: a layer that sees everything
+    slides = [w for w in windows if w is not None]
     shape = f"{scheme.name} cache, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads x {cfg.head_dim}" + \
-        (f", windows {list(windows)}" if windows else "")
+        (f", windows {slides}" if slides else "")
     key = ("attention", scheme, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, dtype, device)
     why = None
     if not chosen:
-        why = CPU_ONLY if device.type != "cuda" else "not chosen at load (attention soft-capping: Gemma 2)"
+        why = CPU_ONLY if device.type != "cuda" else \
+            "the kernels have no attention soft-capping (Gemma 2)" if cfg.attn_softcap is not None else "not chosen"
     else:
         from runtime.kernels.attention import unsupported_reason
 
@@ -291,7 +292,7 @@ def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool, own_cach
 
     return Config("attention (write, decode, prefill)", f"{shape}, {dtype_name(dtype)}",
                   "SDPA over the dequantized cache", key, why is None, why,
-                  check=lambda: check_attention(cfg, scheme, dtype, device, (None,) + windows), fall_back=fall_back)
+                  check=lambda: check_attention(cfg, scheme, dtype, device, windows), fall_back=fall_back)
 
 
 def check_attention(cfg, scheme, dtype, device, windows) -> None:
