@@ -123,7 +123,8 @@ def inspect_text(ckpt, layers: bool = False) -> str:
 
     path = models.resolve(ckpt)
     manifest = checkpoint.verify(path)  # as a load does: a damaged or tampered checkpoint is an error
-    config = checkpoint.read_config(path)
+    config = checkpoint.read_config(path)  # its sizes checked against the stored tensors
+    checkpoint.check_scales(path)  # a NaN scale the manifest was rewritten around
     stats = size.weight_stats(path)
     lines = [f"checkpoint: {path}",
              f"verified: every file matches {checkpoint.MANIFEST}" if manifest

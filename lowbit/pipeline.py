@@ -50,6 +50,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
         checkpoint.check_output(output, overwrite)  # fail before the slow work, and again at the final move
     with world.rank0_first():  # a download or conversion into the shared cache happens once
         source = models.resolve(recipe.model)
+    checkpoint.check_contained(source)  # its index and links name only files inside it (no manifest needed)
     chain = w.chain
     single = [m.name for m in chain if not m.ranks]
     if world.size > 1 and single:

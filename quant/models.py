@@ -9,7 +9,6 @@ GGUF-loaded model until its quantizer is cleared.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 from pathlib import Path
 
@@ -122,10 +121,15 @@ class LazyLayers:
         # One open per tensor, on purpose: get_tensor maps the file without copying, and a tensor
         # keeps its mapping alive. Opened together, a layer's kept norms would keep the pages of its
         # dropped Linear weights resident (bench/results/memory-reverted-8f1f82c-cpu.json).
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(self.files[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
+        from quant.checkpoint import CheckpointError
+
+        try:
+            with safe_open(self.files[name], framework="pt") as f:
+                tensor = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {name} from {self.files[name]}: {e}") from None
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
     def fill(self, module: torch.nn.Module, prefix: str = "", device="cpu", skip: tuple[str, ...] = ()) -> None:
@@ -145,18 +149,12 @@ class LazyLayers:
 
 def safetensors_index(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from ``model.safetensors.index.json`` or the single safetensors file."""
-    from safetensors import safe_open
+    from quant.checkpoint import read_header, read_index, safetensors_files
 
-    from quant.checkpoint import safetensors_files
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    files = {}
-    for f in safetensors_files(path):
-        with safe_open(f, framework="pt") as st:
-            files.update(dict.fromkeys(st.keys(), f))
-    return files
+    files = read_index(path)  # every file it names inside path, or one error
+    if files is not None:
+        return files
+    return {name: f for f in safetensors_files(path) for name in read_header(f)}
 
 
 def load_lazily(path: Path, dtype: torch.dtype = torch.float32):
