@@ -180,9 +180,12 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
 
     model = runtime.load(ckpt, kv=kv)
     if chat:
-        prompt = model.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        from lowbit.chat_template import TemplateTimeout, render_chat
+
+        try:
+            prompt = render_chat(model.tokenizer, [{"role": "user", "content": prompt}])
+        except TemplateTimeout as e:
+            raise click.ClickException(str(e)) from None
     gen = model.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     for token in gen:
         click.echo(token.text, nl=False)
@@ -203,9 +206,12 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests waiting beyond --max-batch; more are answered 503.")
 @click.option("--api-key", default=None, envvar="LOWBIT_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1 (or set LOWBIT_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on /v1. Prefer setting LOWBIT_API_KEY: a flag's value "
+                   "shows in ps to every user of the machine. /health and /metrics stay open.")
+@click.option("--max-body", default="4MiB", show_default=True,
+              help="Largest request body (413 beyond it, before it is read).")
 @_fail_cleanly
-def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key):
+def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key, max_body):
     """Serve CKPT over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), with /health and
     /metrics. SIGTERM or Ctrl-C finishes the running requests, then exits."""
     try:
@@ -213,8 +219,10 @@ def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key):
     except ImportError as e:
         raise click.ClickException(f"lowbit serve needs the serve extra ({e.name} is missing): "
                                    "pip install 'lowbit[serve]'") from None
+    from runtime.units import parse_bytes
+
     run_server(ckpt, host=host, port=port, kv=kv, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
-               api_key=api_key)
+               api_key=api_key, max_body_bytes=parse_bytes(max_body))
 
 
 @main.command()

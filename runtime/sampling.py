@@ -65,6 +65,8 @@ class SamplingParams:
         _check_top_p(self.top_p)
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
+            if self.seed >= 2 ** 64:  # what a torch.Generator takes
+                raise ValueError(f"seed must be below 2**64, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -19,7 +20,10 @@ def parse_bytes(value) -> int:
     unit = m and m[2].lower()
     if not m or unit not in _UNITS:
         raise ValueError(f"cannot read {value!r} as a size in bytes: use e.g. 24GB, 24GiB, 512MB or a byte count")
-    return int(float(m[1]) * _UNITS[unit])
+    size = float(m[1]) * _UNITS[unit]
+    if not math.isfinite(size):  # 1e400GB: int() of it would be an OverflowError
+        raise ValueError(f"{value!r} is too large to be a size in bytes")
+    return int(size)
 
 
 def sync(device: torch.device) -> None:

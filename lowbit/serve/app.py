@@ -4,6 +4,11 @@ Handlers never touch the engine: they check the body (``protocol``), hand the wo
 and read its job's events. A streaming response is started only once the engine took the request,
 so a refused one gets its real status (400, 413, 503) instead of a 200 and a broken stream. A client
 that disconnects (mid-stream, or while its request waits) aborts it, which frees its cache blocks.
+
+Hostile input keeps the event loop free: a body is read up to ``max_body_bytes`` (a larger declared
+length is a 413 before any of it is read), and the chat template (code from the model's files) and the
+tokenizer run in threads, the template under a time limit. ``/health`` and ``/metrics`` need no API key,
+as vLLM's do: they say how busy the server is, never what it was asked.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lowbit.chat_template import RENDER_TIME_LIMIT_S
 from lowbit.serve import protocol
 from lowbit.serve.protocol import APIError
 from lowbit.serve.worker import EngineWorker, Job
 
 log = logging.getLogger("lowbit.serve")
+MAX_BODY_BYTES = 4 << 20  # 4 MiB: about a million tokens of text, past any context this serves
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -34,9 +41,12 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None,
-               aliases: tuple[str, ...] = ()) -> Starlette:
+               aliases: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
+               render_time_limit: float = RENDER_TIME_LIMIT_S) -> Starlette:
     """The app; its lifespan starts the worker and, at shutdown (after the server drained the open
-    connections), stops it. ``aliases``: other names a request may give for the model (its path)."""
+    connections), stops it. ``aliases``: other names a request may give for the model (its path).
+    ``max_body_bytes``: larger request bodies get a 413; ``render_time_limit``: seconds a chat template
+    may run (past it: a 400 naming the template)."""
     names = {model_name, *aliases}
 
     def authorize(request: Request) -> None:
@@ -50,10 +60,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
                            param="model", code="model_not_found")
 
     async def body_of(request: Request):
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        return parse_json(await read_body(request, max_body_bytes))
 
     async def completions(request: Request) -> Response:
         authorize(request)
@@ -63,13 +70,15 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        work = protocol.chat_work(await body_of(request), worker.engine.model.tokenizer)
+        body = await body_of(request)
+        work = await asyncio.to_thread(protocol.chat_work, body, worker.engine.model.tokenizer, render_time_limit)
         check_model(work)
         return await run_work(request, work)
 
     async def run_work(request: Request, work: protocol.Work) -> Response:
         started = time.perf_counter()
-        job = worker.submit(work)  # a refusal (400, 413, 503) raises here, before any response starts
+        ids = await asyncio.to_thread(worker.prompt_ids, work)  # a long prompt tokenizes beside the loop
+        job = worker.submit(work, ids)  # a refusal (400, 413, 503) raises here, before any response starts
         if work.stream:
             return StreamingResponse(sse(job, started), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -156,6 +165,35 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or a 413 once it is longer than ``limit`` bytes: at once when its declared
+    length is, else when that much has arrived (a chunked body), never holding more than ``limit``."""
+    declared = request.headers.get("content-length", "")
+    too_long = APIError(413, f"the request body is larger than this server's limit of {limit:,} bytes "
+                             "(lowbit serve --max-body)", code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_long
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_long
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected after sending {size:,} bytes of its request body") from None
+    return b"".join(chunks)
+
+
+def parse_json(data: bytes):
+    try:
+        return json.loads(data)
+    except RecursionError:  # the parser recurses once per level: 100,000 nested brackets
+        raise APIError(400, "the request body nests JSON too deeply", code="invalid_json") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, an integer of more than 4,300 digits
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
 async def until_disconnect(request: Request, job: Job, awaitable):
     """``awaitable``'s result, or ClientGone if the client disconnects first."""
     task = asyncio.ensure_future(awaitable)
@@ -195,6 +233,7 @@ async def _api_error(request: Request, e: APIError) -> Response:
 
 
 async def _client_gone(request: Request, e: ClientGone) -> Response:
+    log.info("%s %s: %s", request.method, request.url.path, e)  # one line: a client going away is no fault here
     return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from lowbit.chat_template import RENDER_TIME_LIMIT_S, TemplateTimeout, render_chat
 from runtime.sampling import SamplingParams
 
 
@@ -134,8 +135,10 @@ def completion_work(body) -> Work:
     return Work(prompt, _sampling(body, ("max_tokens",)), stream, usage, chat=False, model=_model(body))
 
 
-def chat_work(body, tokenizer) -> Work:
-    """A ``/v1/chat/completions`` body, its messages rendered with the model's chat template."""
+def chat_work(body, tokenizer, time_limit: float = RENDER_TIME_LIMIT_S) -> Work:
+    """A ``/v1/chat/completions`` body, its messages rendered with the model's chat template (stopped
+    after ``time_limit`` seconds: a 400 naming the template). It runs code from the model's files:
+    call it off the event loop."""
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -145,7 +148,9 @@ def chat_work(body, tokenizer) -> Work:
         raise bad_param("messages", "this model's tokenizer has no chat template: use /v1/completions with a "
                                     "plain prompt, or serve a checkpoint whose tokenizer_config.json has one")
     try:
-        prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        prompt = render_chat(tokenizer, turns, time_limit)
+    except TemplateTimeout as e:
+        raise APIError(400, str(e), param="messages", code="chat_template_timeout") from None
     except Exception as e:  # a template may refuse a conversation (e.g. roles not alternating)
         raise bad_param("messages", f"the chat template refused these messages: {e}") from None
     stream, usage = _stream_flags(body)

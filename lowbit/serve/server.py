@@ -15,8 +15,10 @@ log = logging.getLogger("lowbit.serve")
 
 
 def build(model, model_name: str, kv_memory=None, max_batch: int = 32, max_queue: int = 256,
-          api_key: str | None = None, aliases: tuple[str, ...] = (), **engine_options):
-    """``(app, worker)`` for a loaded ``runtime.Model``: what ``serve`` runs, and what tests run in-process."""
+          api_key: str | None = None, aliases: tuple[str, ...] = (), max_body_bytes: int | None = None,
+          render_time_limit: float | None = None, **engine_options):
+    """``(app, worker)`` for a loaded ``runtime.Model``: what ``serve`` runs, and what tests run in-process.
+    ``max_body_bytes`` and ``render_time_limit``: ``create_app``'s (None: its defaults)."""
     from lowbit.serve.app import create_app
     from lowbit.serve.worker import EngineWorker
     from runtime.engine import Engine
@@ -25,7 +27,9 @@ def build(model, model_name: str, kv_memory=None, max_batch: int = 32, max_queue
         raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     engine = Engine(model, kv_memory=kv_memory, max_batch=max_batch, **engine_options)
     worker = EngineWorker(engine, max_queue=max_queue)
-    return create_app(worker, model_name, api_key=api_key, aliases=aliases), worker
+    limits = {k: v for k, v in (("max_body_bytes", max_body_bytes), ("render_time_limit", render_time_limit))
+              if v is not None}
+    return create_app(worker, model_name, api_key=api_key, aliases=aliases, **limits), worker
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -53,12 +57,14 @@ def banner(worker, model_name: str, model, host: str, port: int, api_key) -> str
         f"of {stats['block_size']} tokens",
         f"  fits       {engine.sequences_at(engine.max_len)} sequences of the full context ({engine.max_len} tokens) "
         f"at once; --max-batch {stats['max_batch']} running, --max-queue {worker.max_queue} waiting",
-        f"  auth       {'API key required' if api_key else 'none (--api-key to require one)'}",
+        f"  auth       {'API key required on /v1' if api_key else 'none (set LOWBIT_API_KEY to require one)'}; "
+        "/health and /metrics are open",
     ])
 
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, kv: str | None = None, kv_memory=None,
-          max_batch: int = 32, max_queue: int = 256, api_key: str | None = None) -> None:
+          max_batch: int = 32, max_queue: int = 256, api_key: str | None = None,
+          max_body_bytes: int | None = None) -> None:
     import uvicorn
 
     import runtime
@@ -68,7 +74,7 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, kv: str | None =
     model = runtime.load(ckpt, device="cuda" if _cuda() else "cpu", kv=kv)
     name = Path(ckpt).name or str(ckpt)
     app, worker = build(model, name, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
-                        api_key=api_key, aliases=(str(ckpt),))
+                        api_key=api_key, aliases=(str(ckpt),), max_body_bytes=max_body_bytes)
     sock = bind(host, port)
     print(banner(worker, name, model, host, sock.getsockname()[1], api_key), file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",

@@ -77,10 +77,11 @@ class EngineWorker:
     def in_flight(self) -> int:
         return len(self._jobs)
 
-    def submit(self, work: Work) -> Job:
-        """Hand ``work`` to the engine; a 400/413 for a bad prompt, a 503 when closed or when
-        ``max_batch`` requests run and ``max_queue`` wait already."""
-        ids = self.prompt_ids(work)
+    def submit(self, work: Work, ids: list[int] | None = None) -> Job:
+        """Hand ``work`` (its prompt as ``ids`` when ``prompt_ids`` made them already) to the engine; a
+        400/413 for a bad prompt, a 503 when closed or when ``max_batch`` requests run and ``max_queue``
+        wait already."""
+        ids = self.prompt_ids(work) if ids is None else ids
         params = self._params(work, len(ids))
         job = Job(work, asyncio.get_running_loop(), len(ids))
         with self._lock:
