@@ -2,7 +2,7 @@
 input against its reference before a request reaches it.
 
 Kernels nobody has run on this GPU, driver and Triton release must not crash a user's job or give
-wrong numbers. :func:`check_decoder` (``runtime.load.prepare``) and :func:`check_engine` (an
+wrong numbers. :func:`check_decoder` (``runtime.load.prepare`` on CUDA) and :func:`check_engine` (an
 Engine's start-up: its KV scheme, and the GEMM configurations it tuned) find every distinct
 configuration the decoder is set to run on Triton (``runtime/selfcheck_cases.py``: quantized
 Linears per scheme, shape, dtype and M regime; the fused small ops; attention over the KV scheme),
@@ -12,6 +12,11 @@ reference path (``QuantLinear.fall_back``, the PyTorch small ops, SDPA over the 
 with one warning naming the kernel, the configuration, the GPU, the Triton release and the error.
 Where nothing runs on Triton (CPU) it does nothing. :func:`kernel_table` is what ``lowbit doctor``
 prints. Skipped by ``runtime.load(..., self_check=False)`` or ``LOWBIT_SELF_CHECK=0``.
+
+One failure no fallback can undo: a launch that faults (an illegal address) leaves CUDA's context
+unusable for the whole process. The check then fails at load, naming the kernel, instead of in the
+middle of a job; every check reads its result back before the next starts, so the error surfaces
+in the configuration that caused it.
 """
 
 from __future__ import annotations
