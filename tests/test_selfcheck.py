@@ -329,3 +329,14 @@ def test_a_decode_graph_replay_is_compared_with_its_eager_step(checkpoint):
     graphs = DecodeGraphs(model.decoder, engine.cache, capture=False, buckets=(2,))
     for graph in graphs.graphs.values():
         selfcheck.check_replay(graph, model.dtype)
+
+
+def test_the_cli_flag_switches_it_off(checkpoint, monkeypatch):
+    from click.testing import CliRunner
+
+    from lowbit.cli import main
+
+    monkeypatch.setenv(selfcheck.ENV_SWITCH, "1")  # restored after the test: the flag sets it for the process
+    result = CliRunner().invoke(main, ["--no-self-check", "doctor", str(checkpoint), "--device", str(DEVICE)])
+    assert result.exit_code == 0, result.output
+    assert "NOT checked" in result.output and not selfcheck.enabled()
