@@ -19,7 +19,7 @@ import torch
 
 from runtime.tolerances import REL_ERROR_BOUND, poison, rel_error
 
-LINEAR_ROWS = (1, 5, 40, 65)  # one M per launch regime of matmul_configs.candidate_configs (65: one 128-row tile, masked)
+LINEAR_ROWS = (1, 5, 40, 65)  # an M per launch regime of matmul_configs.candidate_configs (65: a masked 128-row tile)
 CHECKED_OUTPUTS = 256  # output rows of a large Linear the reference computes, at each end
 CPU_ONLY = "kernels run on CUDA only; this device runs the reference"
 CPU_LINEAR = "kernels run on CUDA only; this device runs PyTorch's CPU weight-only kernel (runtime/cpu_linear.py)"
