@@ -273,7 +273,10 @@ def test_doctor_on_cpu_says_the_reference_runs(checkpoint):
     result = CliRunner().invoke(main, ["doctor", str(checkpoint), "--device", "cpu"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()[2:]
-    assert len(lines) == 8 and all(" reference " in line and "kernels run on CUDA only" in line for line in lines)
+    assert len(lines) == 8 and all("kernels run on CUDA only" in line for line in lines)
+    linears = [line for line in lines if line.startswith("quant_matmul")]  # the CPU kernels, unless switched off
+    assert len(linears) == 4 and all(" reference " in line or " cpu kernel " in line for line in linears)
+    assert all(" reference " in line for line in lines if line not in linears)
 
 
 def test_cuda_graphs_that_fail_or_disagree_leave_the_engine_on_eager_steps():
