@@ -1,0 +1,184 @@
+"""CPU decode: the float model against W4 through the CPU kernels, and W4 with an INT4 KV cache
+against W4 with an fp16 one, side by side in one run.
+
+    flock /tmp/lowbit-bench.lock python bench/cpu_decode.py [--shapes smollm2-135m,llama-1b] [--steps 24]
+
+Random weights at real shapes (SmolLM2-135M's config; a Llama-3.2-1B-shaped model): the float model
+in the CPU default dtype (float32, ``runtime.load.default_dtype``) and W4 (group 64, asymmetric,
+every decoder Linear; lm_head and embeddings float, as lowbit's recipes leave them), both through
+``runtime.load.prepare``. ITL: the median of greedy decode steps of ``decoder(token, cache, pos)``
+(``evals.speed.run_request``) after a prompt of 32 tokens, at batch 1 and 8; the two models are
+timed in alternating rounds so a busy machine slows both alike. The KV comparison runs the
+SmolLM2 shape at ``--kv-context`` tokens (prefilled, then decoded) with the fp16 and INT4 caches.
+Also per layer shape: one quantized Linear's time through the int4 kernel (bf16 activations),
+dense float32 and dense bf16 at M = 1, 8, 128, 512 (what picks the activation dtype and the
+prefill path). Writes raw JSON with device, versions and commit to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from evals.provenance import _cpu_name, commit, versions  # noqa: E402
+
+SHAPES = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                     tie_word_embeddings=True),  # Llama-3.2-1B's shape (RoPE without its 3.1 scaling)
+}
+SCHEME = dict(bits=4, group_size=64, symmetric=False)
+
+
+def random_model(config: dict, quantized: bool, kv: str = "fp16", seed: int = 0):
+    """A runtime Model with random weights: float (float32) or W4 through the CPU kernels."""
+    from kvquant import parse_kv
+    from quant.affine import QuantScheme
+    from runtime.linear import QuantLinear
+    from runtime.load import Model, linear_factory, linear_names, prepare
+    from runtime.model import Decoder, DecoderConfig
+
+    cfg = DecoderConfig.from_hf(config)
+    names = [n for n in linear_names(cfg) if n != "lm_head"] if quantized else []
+    with torch.device("meta"):
+        decoder = Decoder(cfg, linear_factory({n: QuantScheme(**SCHEME) for n in names}))
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, t in decoder.state_dict().items():
+        if t.dtype == torch.int32:  # packed codes and zero points: any bits are valid codes
+            state[name] = torch.randint(-2**31, 2**31 - 1, t.shape, dtype=torch.int32, generator=g)
+        elif name.endswith("weight_scale"):
+            state[name] = torch.rand(t.shape, generator=g) * 0.004 + 0.001
+        elif name.endswith("weight_shape"):
+            state[name] = torch.tensor(t.shape)  # set below, from the module
+        elif "norm" in name:
+            state[name] = torch.ones(t.shape)
+        else:
+            state[name] = torch.randn(t.shape, generator=g) * 0.02
+    for name, module in decoder.named_modules():
+        if isinstance(module, QuantLinear):
+            state[f"{name}.weight_shape"] = torch.tensor([module.out_features, module.in_features])
+    decoder.load_state_dict(state, assign=True)
+    if cfg.tie_embeddings:
+        decoder.lm_head.weight = decoder.model.embed_tokens.weight
+    del state
+    prepare(decoder, torch.device("cpu"), torch.float32, self_check=False, cpu_kernels=True)
+    return Model(decoder, config, None, torch.device("cpu"), torch.float32, Path("random"), parse_kv(kv))
+
+
+def itl(model, batch: int, prompt_len: int, steps: int, scheme=None) -> list[float]:
+    from evals.speed import run_request
+
+    prompt = torch.randint(0, model.decoder.cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    _, itls, _ = run_request(model, prompt, steps + 1, scheme)
+    return itls
+
+
+def side_by_side(models: dict, batch: int, prompt_len: int, steps: int, rounds: int, schemes=None) -> dict:
+    """Median ITL per model, the models alternating round by round."""
+    samples = {name: [] for name in models}
+    for name, model in models.items():  # warm-up: first calls allocate and pick kernels
+        itl(model, batch, 8, 2, (schemes or {}).get(name))
+    for _ in range(rounds):
+        for name, model in models.items():
+            samples[name] += itl(model, batch, prompt_len, steps, (schemes or {}).get(name))
+    return {name: {"median_itl_ms": 1e3 * statistics.median(s), "steps": len(s),
+                   "p10_ms": 1e3 * sorted(s)[len(s) // 10], "p90_ms": 1e3 * sorted(s)[9 * len(s) // 10]}
+            for name, s in samples.items()}
+
+
+def linear_times(n: int, k: int, repeats: int = 15) -> list[dict]:
+    """One W4 g64 Linear: the int4 kernel (bf16 activations) against dense float32 and bf16."""
+    from runtime import cpu_linear
+    from quant.affine import QuantScheme
+    from quant.packing import pack
+
+    scheme = QuantScheme(**SCHEME)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+    weight = cpu_linear.build(pack(q, 4, dim=1), torch.rand(n, k // 64, generator=g) * 0.01,
+                              pack(torch.randint(-8, 8, (n, k // 64), dtype=torch.int8, generator=g), 4, dim=0),
+                              (n, k), scheme)
+    dense = torch.randn(n, k, generator=g)
+    dense_bf16 = dense.bfloat16()
+    rows = []
+    for m in (1, 8, 128, 512):
+        x = torch.randn(m, k, generator=g)
+        xb = x.bfloat16()
+        ways = {"int4_kernel_bf16": lambda: weight(x, None), "dense_fp32": lambda: x @ dense.t(),
+                "dense_bf16": lambda: xb @ dense_bf16.t()}
+        row = {"n": n, "k": k, "m": m}
+        for name, f in ways.items():
+            f()
+            times = []
+            for _ in range(repeats if m < 128 else 5):
+                start = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - start)
+            row[f"{name}_ms"] = 1e3 * statistics.median(times)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kv-context", type=int, default=4096)
+    ap.add_argument("--skip-kv", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu-decode.json")
+    args = ap.parse_args()
+    import os
+
+    result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "threads": torch.get_num_threads(),
+              "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
+              "versions": versions(), "protocol": __doc__.split("\n\n", 2)[2].strip(),
+              "note": "a shared 2-core machine: other sessions' jobs may have run at the same time; "
+                      "ratios are between models timed in alternating rounds of one run",
+              "decode": [], "kv": [], "linears": []}
+    for shape in args.shapes.split(","):
+        config = SHAPES[shape]
+        models = {"float32": random_model(config, quantized=False), "w4": random_model(config, quantized=True)}
+        for batch in (1, 8):
+            row = {"shape": shape, "batch": batch, **side_by_side(models, batch, 32, args.steps, args.rounds)}
+            row["w4_over_float"] = row["w4"]["median_itl_ms"] / row["float32"]["median_itl_ms"]
+            result["decode"].append(row)
+            print(json.dumps(row), flush=True)
+        del models
+        gc.collect()
+    if not args.skip_kv:
+        from kvquant import parse_kv
+
+        model = random_model(SHAPES["smollm2-135m"], quantized=True)
+        schemes = {"w4_kv_fp16": parse_kv("fp16"), "w4_kv_int4": parse_kv("int4")}
+        row = {"shape": "smollm2-135m", "batch": 1, "context": args.kv_context,
+               **side_by_side({k: model for k in schemes}, 1, args.kv_context - args.steps - 1, args.steps, 1, schemes)}
+        row["int4_over_fp16"] = row["w4_kv_int4"]["median_itl_ms"] / row["w4_kv_fp16"]["median_itl_ms"]
+        result["kv"].append(row)
+        print(json.dumps(row), flush=True)
+    for n, k in ((1536, 576), (8192, 2048), (2048, 8192)):
+        result["linears"] += linear_times(n, k)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
