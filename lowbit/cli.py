@@ -353,10 +353,12 @@ def doctor(ckpt, device, dtype, kv, json_out):
     selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)  # done at load on CUDA: kept outcomes
     rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
     prov = provenance(model.device)
-    checked = "checked against the reference at load" if selfcheck.enabled(model.decoder) else \
-        f"NOT checked ({selfcheck.ENV_SWITCH}=0 or --no-self-check)"
+    on_triton = any(r["runs"] == "fused" or (r["why"] or "").startswith("fell back") for r in rows)
+    checked = "no kernel runs on Triton here" if not on_triton else \
+        "fused kernels checked against the reference at load" if selfcheck.enabled(model.decoder) else \
+        f"fused kernels NOT checked ({selfcheck.ENV_SWITCH}=0 or --no-self-check)"
     click.echo(f"{ckpt} on {describe_device(prov['device'])}, torch {torch.__version__}, Triton "
-               f"{selfcheck.triton_version()}; fused kernels {checked}:")
+               f"{selfcheck.triton_version()}; {checked}:")
     click.echo(selfcheck.table_text(rows))
     if json_out:
         json_out.write_text(json.dumps({"model": ckpt, "kernels": rows, "triton": selfcheck.triton_version(),

@@ -272,6 +272,7 @@ def test_doctor_on_cpu_says_the_reference_runs(checkpoint):
         pytest.skip("a GPU runs the kernels")
     result = CliRunner().invoke(main, ["doctor", str(checkpoint), "--device", "cpu"])
     assert result.exit_code == 0, result.output
+    assert "no kernel runs on Triton here" in result.output
     lines = result.output.splitlines()[2:]
     assert len(lines) == 8 and all("kernels run on CUDA only" in line for line in lines)
     linears = [line for line in lines if line.startswith("quant_matmul")]  # the CPU kernels, unless switched off
@@ -334,12 +335,16 @@ def test_a_decode_graph_replay_is_compared_with_its_eager_step(checkpoint):
         selfcheck.check_replay(graph, model.dtype)
 
 
-def test_the_cli_flag_switches_it_off(checkpoint, monkeypatch):
+def test_the_cli_flag_switches_it_off(checkpoint, kernels_on_cpu, monkeypatch):
     from click.testing import CliRunner
 
     from lowbit.cli import main
 
     monkeypatch.setenv(selfcheck.ENV_SWITCH, "1")  # restored after the test: the flag sets it for the process
-    result = CliRunner().invoke(main, ["--no-self-check", "doctor", str(checkpoint), "--device", str(DEVICE)])
+    wrong = lambda x, kw, bias=None, config=None: reference_matmul(x, kw, bias) * 2  # noqa: E731
+    monkeypatch.setattr(quant_matmul, "quant_matmul", wrong)
+    result = CliRunner().invoke(main, ["--no-self-check", "doctor", str(checkpoint), "--device", str(DEVICE),
+                                       "--dtype", "float16"])
     assert result.exit_code == 0, result.output
-    assert "NOT checked" in result.output and not selfcheck.enabled()
+    assert "fused kernels NOT checked" in result.output and not selfcheck.enabled()
+    assert [line.split()[-1] for line in result.output.splitlines() if line.startswith("quant_matmul")] == ["fused"] * 4
