@@ -43,8 +43,10 @@ def parse_memory(text: str) -> int:
     """``24GB`` (10^9), ``24GiB`` (2^30), ``512MB``, ``1.5TB`` or a plain byte count (``runtime.units``)."""
     try:
         return parse_bytes(str(text))
-    except ValueError:
-        raise PlanError(f"cannot read memory size {text!r}: use e.g. 24GB, 24GiB, 512MB or a byte count") from None
+    except ValueError as e:  # unreadable, or too large to be a size (1e400GB)
+        too_large = "too large" in str(e)
+        raise PlanError(f"cannot read memory size {text!r}: " + ("it is too large to be a size; " if too_large else "")
+                        + "use e.g. 24GB, 24GiB, 512MB or a byte count") from None
 
 
 def _config_path(spec: str) -> Path:

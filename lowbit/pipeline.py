@@ -38,7 +38,15 @@ def default_device() -> str:
 def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, device: str | None = None,
              progress: bool = True) -> Path:
     """Run a recipe end to end and return the checkpoint directory. Under torchrun (the world set
-    with ``quant.distributed.use``) every rank runs this with the same recipe; rank 0 writes."""
+    with ``quant.distributed.use``) every rank runs this with the same recipe; rank 0 writes, and
+    holds the output for the whole run (a second run to it fails at once, naming this one)."""
+    if not distributed.current().main:
+        return _quantize(recipe, overwrite, resume, device, progress)
+    with checkpoint.claim_output(Path(recipe.output)):
+        return _quantize(recipe, overwrite, resume, device, progress)
+
+
+def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None, progress: bool) -> Path:
     import runtime
 
     world = distributed.current()
@@ -161,9 +169,10 @@ def checkpoint_size_estimate(source: Path, recipe: Recipe) -> int:
     """About how many bytes the checkpoint takes, from the source's safetensors headers (no tensor
     read): 2-D ``.weight`` tensors the recipe does not ignore at its widest bits plus a 16-bit scale
     and zero point per group, the rest at the stored dtype."""
-    from quant.plan import matches
+    from quant.plan import Patterns
 
     w = recipe.weights
+    ignore = Patterns(w.ignore)
     bits = max([w.bits] + [o.bits for o in w.overrides if o.bits]
                + ([c.bits for c in w.budget_candidates] if w.target_bits is not None else []))
     group = w.group_size if w.group_size > 0 else 4096  # per channel: one scale per row, a small share
@@ -173,7 +182,7 @@ def checkpoint_size_estimate(source: Path, recipe: Recipe) -> int:
             numel = math.prod(info["shape"])
             module = name.removesuffix(".weight")
             if len(info["shape"]) == 2 and name != module and "embed" not in name and \
-                    not any(matches(module, p) for p in w.ignore):
+                    module not in ignore:
                 total += numel * bits // 8 + numel // group * 4
             else:
                 stored = DTYPES[recipe.dtype]

@@ -1,7 +1,8 @@
 """The recipe: a YAML file saying which model to compress, how, and where to put it.
 
 Validation names the offending key path (``weights.overrides[1].bits``) and
-suggests the closest known key for a typo. Only ``yaml.safe_load`` is used.
+suggests the closest known key for a typo. Only YAML's safe loader is used (libyaml's when
+installed: a recipe of 500,000 ``ignore`` patterns parses in seconds rather than a minute).
 """
 
 from __future__ import annotations
@@ -361,12 +362,19 @@ def find_recipe(spec) -> Path:
                       f"({', '.join(bundled_recipe_names())}, in {bundled_recipes_dir()})")
 
 
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the same safe constructors, in C
+
+
 def load_recipe(path, **cli_overrides) -> Recipe:
     """Read a recipe file (or a bundled recipe by name); ``cli_overrides`` are dotted key paths
     (``weights.bits``) that win over it."""
     path = find_recipe(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); a recipe is a YAML file") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: invalid YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

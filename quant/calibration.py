@@ -16,18 +16,31 @@ import torch
 DEFAULT_TEXT = Path(__file__).parent / "data" / "calibration.txt.gz"
 
 
+def _json_line(path: Path, number: int, line: str):
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{path}: line {number} is not JSON ({e}); a .jsonl file holds one JSON object "
+                         "with a 'text' field per line") from None
+
+
 def read_text_file(path) -> str:
     """A ``.txt`` file, or a ``.jsonl`` file whose lines each have a ``text`` field."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} not found; pass 'default' or a .txt/.jsonl path")
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if any("text" not in r for r in rows):
-            raise ValueError(f"{path}: every JSON line needs a 'text' field")
-        text = "\n\n".join(r["text"] for r in rows)
-    else:
-        text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".jsonl":
+            lines = path.read_text(encoding="utf-8").splitlines()
+            rows = [_json_line(path, i + 1, line) for i, line in enumerate(lines) if line.strip()]
+            if any(not isinstance(r, dict) or not isinstance(r.get("text"), str) for r in rows):
+                raise ValueError(f"{path}: every JSON line needs a 'text' field holding a string")
+            text = "\n\n".join(r["text"] for r in rows)
+        else:
+            text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # a binary file: say which, not only the codec's complaint
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); give a .txt or .jsonl "
+                         "file of text") from None
     if not text.strip():
         raise ValueError(f"{path} holds no text")
     return text

@@ -9,12 +9,14 @@ truncated or altered file is caught on load.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import struct
+import sys
 import warnings
 import tempfile
 import time
@@ -122,6 +124,52 @@ def check_output(output: Path, overwrite: bool = False, need_bytes: int = 0) -> 
         )
 
 
+def _claim_holder(claim: Path) -> dict:
+    try:
+        holder = json.loads(claim.read_text())
+        return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@contextmanager
+def claim_output(output: Path):
+    """Hold ``output`` for this run: a second run to the same output fails at once, naming this one,
+    instead of both working for an hour and one replacing the other. The claim (``.NAME.claim`` beside
+    it) is made whole with a hard link, which fails if it exists; one left by a run that died is taken over."""
+    output = Path(output).absolute()
+    claim = output.with_name(f".{output.name}.claim")
+    mine = output.with_name(f".{output.name}.claim-{os.getpid()}")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        mine.write_text(json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                    "command": " ".join(sys.argv)}))
+    except OSError:  # an unwritable place: check_output says so, in its words
+        yield
+        return
+    try:
+        for _ in range(3):
+            try:
+                os.link(mine, claim)
+                break
+            except FileExistsError:
+                holder = _claim_holder(claim)
+                if holder and holder["pid"] != os.getpid() and _pid_alive(holder["pid"]):
+                    raise CheckpointError(
+                        f"{output} is being written by another lowbit run (pid {holder['pid']}, since "
+                        f"{holder.get('since')}: {holder.get('command')}); wait for it or choose another output"
+                    ) from None
+                claim.unlink(missing_ok=True)  # its run is gone (or it was being written this instant)
+        else:
+            raise CheckpointError(f"could not claim {output}: {claim} keeps reappearing; try again")
+    finally:
+        mine.unlink(missing_ok=True)
+    try:
+        yield
+    finally:
+        claim.unlink(missing_ok=True)
+
+
 @contextmanager
 def staged_output(output: Path, overwrite: bool = False):
     """Yield a temporary directory that becomes ``output`` only if the block succeeds."""
@@ -137,6 +185,10 @@ def staged_output(output: Path, overwrite: bool = False):
         shutil.rmtree(stage, ignore_errors=True)
         raise
     old = None
+    if output.exists() and not overwrite:  # written by someone else while this run worked
+        shutil.rmtree(stage, ignore_errors=True)
+        raise FileExistsError(f"{output} appeared while this run worked; nothing was replaced: "
+                              "pass --overwrite to replace it, or choose another output")
     if output.exists():
         old = output.with_name(f".{output.name}.old-{os.getpid()}")
         output.rename(old)
@@ -205,6 +257,26 @@ def save(
 ) -> Path:
     """Write ``model`` with its ``quantized`` Linears as a compressed-tensors checkpoint."""
     output = Path(output)
+    with disk_full_named(output):
+        return _save(model, quantized, output, tokenizer, dtype, manifest, overwrite)
+
+
+@contextmanager
+def disk_full_named(output: Path):
+    """A write that fills the disk is one error naming the output (safetensors reports it as its own
+    error type, the rest as OSError ENOSPC); the staged directory is gone by then, so nothing is left."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if getattr(e, "errno", None) != errno.ENOSPC and "No space left" not in str(e):
+            raise
+        raise CheckpointError(f"the disk filled while writing {output}; nothing was written (no partial "
+                              "checkpoint is left): free some space or choose another output") from None
+
+
+def _save(model, quantized, output, tokenizer, dtype, manifest, overwrite) -> Path:
     plan = {name: qw.scheme for name, qw in quantized.items()}
     all_linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     with staged_output(output, overwrite) as stage:
@@ -420,10 +492,15 @@ def check_scales(path: Path) -> None:
     """The quantized Linears' scales are finite (read alone: they are a small part of a checkpoint)."""
     for f in safetensors_files(path):
         names = [k for k in read_header(f) if k.endswith(SCALE_SUFFIX)]
-        if names:
+        if not names:
+            continue
+        try:
             with safe_open(f, framework="pt") as st:
-                for name in names:
-                    check_finite(name, st.get_tensor(name), f)
+                scales = {name: st.get_tensor(name) for name in names}
+        except Exception as e:  # safetensors raises several types for damaged files
+            raise CheckpointError(f"cannot read {f}: {e}") from None
+        for name, scale in scales.items():
+            check_finite(name, scale, f)
 
 
 def read_config(path: Path) -> dict:
