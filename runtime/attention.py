@@ -84,7 +84,9 @@ def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: tor
     """Whether the Triton attention kernels serve this cache: ``auto`` when the model chose them
     (``model_choice``; None: on CUDA) and they take this cache (else the reference, with a
     warning), ``triton`` always (an error if they cannot; on CPU it needs the interpreter),
-    ``reference`` never."""
+    ``reference`` never. An Engine then checks the chosen kernels over its cache against the
+    reference once (``runtime.selfcheck.check_engine``): a failure sends it to the reference with
+    a warning, or with ``triton`` is an error."""
     if attention not in ("auto", "triton", "reference"):
         raise ValueError(f"attention must be auto, triton or reference, got {attention!r}")
     wanted = device.type == "cuda" if model_choice is None else model_choice
