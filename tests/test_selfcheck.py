@@ -192,6 +192,7 @@ def test_a_failing_attention_kernel_falls_back_to_sdpa_at_load_and_in_the_engine
         warnings.simplefilter("always")
         engine = Engine(fp16, max_batch=2, max_len=32, kv=INT4)
     assert engine.kernels is False and engine.stats()["attention"] == "reference"
+    assert fp16.decoder.attention_kernels is True  # another scheme's failure leaves the model's own choice
     assert not caught  # the INT4 outcome is kept from the load above: no second warning
     with pytest.raises(selfcheck.SelfCheckError, match="Both operands must be same dtype"):
         Engine(fp16, max_batch=2, max_len=32, kv=INT4, attention="triton")
