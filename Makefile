@@ -18,6 +18,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
+# The Triton release of the lent GPU machine (torch 2.11 pins it), in a venv of its own beside the
+# project's (which has the newest): the compile checks (tests/conftest.py's triton_release) run
+# under both. Only what compiling kernels needs: torch (the CPU wheel), triton, safetensors; lowbit
+# itself comes from PYTHONPATH. The venv ignores itself for git.
+TRITON36_VENV := .venv-triton36
+$(TRITON36_VENV)/.installed:
+	python3 -m venv $(TRITON36_VENV)
+	echo '*' > $(TRITON36_VENV)/.gitignore
+	$(TRITON36_VENV)/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 safetensors "numpy<2.4"
+	touch $@
+
+venv-triton36: $(TRITON36_VENV)/.installed
+
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
@@ -32,7 +45,7 @@ chromium:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 		echo "chromium not installed: the report rendering test will be skipped"
 
-test: install-test chromium
+test: install-test venv-triton36 chromium
 	$(PY) -m pytest -q
 
 # On a lent GPU machine, whose python3 holds torch with CUDA: correctness first, then speed
@@ -49,4 +62,4 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(PACKAGES)
 
-.PHONY: install install-test demo test chromium gpu-check gpu-wheels
+.PHONY: install install-test venv-triton36 demo test chromium gpu-check gpu-wheels

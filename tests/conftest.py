@@ -22,19 +22,66 @@ if not torch.cuda.is_available():
 os.environ.setdefault("LOWBIT_CPU_KERNELS", "0")
 
 
-@pytest.fixture(scope="session")
-def sass_reports(tmp_path_factory) -> list[dict]:
-    """Every kernel case of bench/sass.py compiled for sm_90a, once per session (Triton's own
-    ptxas and cuobjdump: no GPU needed; compiled, so the interpreter is off in the child)."""
+ROOT = Path(__file__).resolve().parent.parent
+# Triton releases the compile checks also run under, each in a venv of its own (`make venv-triton36`):
+# 3.6.0 is the lent GPU machine's (torch 2.11); the project venv has the newest.
+TRITON_VENVS = {"3.6.0": ROOT / ".venv-triton36"}
+
+
+class TritonRelease:
+    """A python with a given Triton, for the checks that compile kernels for NVIDIA GPUs in a child
+    process (compiled, so without TRITON_INTERPRET; the repository on PYTHONPATH)."""
+
+    def __init__(self, python: str, version: str):
+        self.python, self.version = python, version
+
+    def run(self, args: list, timeout: int = 900) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = str(ROOT)
+        return subprocess.run([self.python, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=timeout)
+
+
+def _installed_triton() -> str:
     import triton
 
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+    return triton.__version__
+
+
+@pytest.fixture(scope="session", params=[None, *TRITON_VENVS], ids=lambda v: f"triton{v or _installed_triton()}")
+def triton_release(request) -> TritonRelease:
+    """This venv's Triton, then each release of TRITON_VENVS (skipped where its venv was not built,
+    except in CI, where `make test` builds it)."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton build has no NVIDIA backend (ptxas, cuobjdump)")
-    root = Path(__file__).resolve().parent.parent
+    if request.param is None:
+        return TritonRelease(sys.executable, triton.__version__)
+    python = TRITON_VENVS[request.param] / "bin" / "python"
+    if not python.exists():
+        message = f"no Triton {request.param} venv at {python.parent.parent}: `make venv-triton36` builds it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    release = TritonRelease(str(python), request.param)
+    found = release.run(["-c", "import triton; print(triton.__version__)"]).stdout.strip()
+    assert found == request.param, f"{python} has Triton {found!r}, not {request.param}"
+    return release
+
+
+@pytest.fixture(scope="session")
+def sass_run(triton_release, tmp_path_factory) -> tuple[str, list[dict]]:
+    """Every kernel case of bench/sass.py compiled for sm_90a, once per session and Triton release
+    (Triton's own ptxas and cuobjdump: no GPU needed): (the Triton version, the reports)."""
     out = tmp_path_factory.mktemp("sass") / "sass.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    run = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--arch", "sm_90a", "--json", str(out)],
-                         capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    run = triton_release.run([ROOT / "bench" / "sass.py", "--arch", "sm_90a", "--json", out])
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text())["reports"]
+    result = json.loads(out.read_text())
+    assert result["triton"] == triton_release.version
+    return result["triton"], result["reports"]
+
+
+@pytest.fixture(scope="session")
+def sass_reports(sass_run) -> list[dict]:
+    return sass_run[1]

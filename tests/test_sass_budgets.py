@@ -12,12 +12,24 @@ import re
 import pytest
 
 
-# (case name prefix, budget) pairs the current kernels miss on sm_90a: none. Prefill is held to
-# the issue's own budget (dequantization slice <= 3 per weight, no spills, registers for 2 CTAs
-# per SM; bench/sass_dataflow.py), not to a whole-loop count; W8 M=16 is within 3.5 since the
-# interleaved word layout (16-byte copies) and one scale/zero load per group-sharing iteration
-# (bench/results/sass-8fc688c.json: 222 loop instructions, 3.47 per weight; 224 would be 3.5).
-KNOWN_MISSED: set = set()
+# (case name prefix, budget) pairs the current kernels miss on sm_90a, per Triton release.
+# Newest (3.9): none. Prefill is held to the issue's own budget (dequantization slice <= 3 per
+# weight, no spills, registers for 2 CTAs per SM; bench/sass_dataflow.py), not to a whole-loop
+# count; W8 M=16 is within 3.5 since the interleaved word layout (16-byte copies) and one
+# scale/zero load per group-sharing iteration (bench/results/sass-8fc688c.json: 222 loop
+# instructions, 3.47 per weight; 224 would be 3.5).
+# 3.6.0 (the lent GPU machine's): W8 M=16 takes 227 loop instructions (3.55 per weight): 3.6
+# pipelines the two K tiles of an iteration with 5 barriers instead of 2 and does not merge the
+# scale/zero loads of tiles sharing a group (bench/results/sass-*-triton3.6.0.json).
+KNOWN_MISSED = {
+    "3.9": set(),
+    "3.6": {("w8g128 fp16 small-m", "max_loop_instructions_per_unit")},
+}
+
+
+def known_missed(triton_version: str) -> set:
+    """KNOWN_MISSED of a release ("3.9.0" -> "3.9"); releases not listed are held to every budget."""
+    return KNOWN_MISSED.get(".".join(triton_version.split(".")[:2]), set())
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +53,13 @@ def test_every_launched_configuration_is_reported(reports):
         assert r["budgets"], r["name"]  # every configuration carries its budgets
 
 
-def test_budgets_hold_where_claimed(reports):
-    missed = {(case_prefix(r["name"]), budget) for r in reports for budget, b in r["budgets"].items() if not b["met"]}
-    newly_missed = sorted(missed - KNOWN_MISSED)
-    now_met = sorted(KNOWN_MISSED - missed)
+def test_budgets_hold_where_claimed(sass_run):
+    triton_version, reports = sass_run
+    known = known_missed(triton_version)
+    missed = {(case_prefix(r["name"]), budget) for r in reports if r["kernel"] in ("_quant_matmul_kernel", "_gemv_kernel")
+              for budget, b in r["budgets"].items() if not b["met"]}
+    newly_missed = sorted(missed - known)
+    now_met = sorted(known - missed)
     assert not newly_missed, f"budgets no longer met: {newly_missed}"
     assert not now_met, f"budgets now met, take them off KNOWN_MISSED: {now_met}"
 

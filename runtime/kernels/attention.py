@@ -70,9 +70,11 @@ def launch_config(bits: int, fp8: bool, kivi: bool, group_q: int, head_dim: int,
     if not folded:
         return dict(tile=DEFAULT_TILE, num_warps=4, num_stages=2)
     if bits == 8:  # folded INT8: a block-wide tile spreads the per-tile softmax work
-        return dict(tile=128, num_warps=4, num_stages=2)  # 4.6 instructions/element, 178 registers
+        # 4.5 instructions/element, 180 registers (Triton 3.9); 4.6, 189-245 (3.6)
+        return dict(tile=128, num_warps=4, num_stages=2)
     # folded INT4: a 16-word field tile is too narrow to share among more warps
-    return dict(tile=DEFAULT_TILE, num_warps=1, num_stages=2)  # 4.6/element, 254 registers, no spills
+    # 4.3/element, 219 registers (Triton 3.9); 4.6, 222 (3.6); no spills under either
+    return dict(tile=DEFAULT_TILE, num_warps=1, num_stages=2)
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -140,7 +142,6 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
     head_ok = heads < GROUP_Q
     cols = tl.arange(0, D)
     q_rows = (s * H * GROUP_Q + h * GROUP_Q + heads).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * D + cols[None, :], mask=head_ok[:, None], other=0.0)
     m = tl.full((QH,), float("-inf"), tl.float32)
     l = tl.zeros((QH,), tl.float32)
     acc = tl.zeros((QH, D), tl.float32)
@@ -154,10 +155,14 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
         STEP: tl.constexpr = G if KIVI and G > TILE else TILE
         for g0 in range(tl.maximum(p_begin // STEP * STEP, 0), pool_end, STEP):
             plane = tl.load(table_ptr + s * table_stride + g0 // B) * H + h
-            qs_fields, key_term = folded.fold_key_scales(q_fields, q_sum, ks, kz, plane, g0 % B, B, D, G, BITS, KIVI)
+            qs_fields, key_term = folded.fold_key_scales(q_fields, q_sum, ks, kz, plane, g0 % B, B, D, G, BITS,
+                                                         KIVI, TILE)
             for i in tl.static_range(STEP // TILE):
                 p0 = g0 + i * TILE
-                ok = p0 + tl.arange(0, TILE) >= tl.maximum(lo, p_begin)
+                if SLIDING:
+                    ok = p0 + tl.arange(0, TILE) >= tl.maximum(lo, p_begin)
+                else:  # splits start on block boundaries, so every position of a pool tile is visible
+                    ok = tl.full((TILE,), 1, tl.int1)
                 scores = folded.folded_scores(qs_fields, key_term, kd, ks, kz, plane, p0 % B, B, D, BITS, KIVI,
                                               TILE)
                 m, l, alpha, p = _softmax_step(scores, ok, m, l, qk_scale)
@@ -165,18 +170,24 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
                                                       BITS, KIVI, TILE)
                 zero_sum = zero_sum * alpha + zs
         acc = folded.merge_fields(acc_fields, QH, D, BITS) - zero_sum[:, None]
+        # loaded only now, for the residual: not held through the main loop
+        q = tl.load(q_ptr + q_rows[:, None] * D + cols[None, :], mask=head_ok[:, None], other=0.0)
     else:
+        q = tl.load(q_ptr + q_rows[:, None] * D + cols[None, :], mask=head_ok[:, None], other=0.0)
         for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool
             blk = tl.load(table_ptr + s * table_stride + p0 // B)
             ok = p0 + tl.arange(0, TILE) >= lo
             k = _dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
             v = _dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
             m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
-    for p0 in range(tl.maximum(p_begin, n_full * B), p_end, TILE):  # the partial block, from the residual
-        pos = p0 + tl.arange(0, TILE)
+    # folded INT4 runs one warp: a 16-row residual tile keeps its [tile, D] keys and values from
+    # pushing the kernel past 255 registers (ptxas then spills the loop-invariant addresses)
+    RT: tl.constexpr = 16 if FOLD and BITS == 4 else TILE
+    for p0 in range(tl.maximum(p_begin, n_full * B), p_end, RT):  # the partial block, from the residual
+        pos = p0 + tl.arange(0, RT)
         ok = (pos >= lo) & (pos < length)
-        k = _residual_tile(rk_ptr, s * H + h, p0 % B, ok, B, D, TILE).to(OUT)
-        v = _residual_tile(rv_ptr, s * H + h, p0 % B, ok, B, D, TILE).to(OUT)
+        k = _residual_tile(rk_ptr, s * H + h, p0 % B, ok, B, D, RT).to(OUT)
+        v = _residual_tile(rv_ptr, s * H + h, p0 % B, ok, B, D, RT).to(OUT)
         m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
 
     l_safe = tl.where(l == 0.0, 1.0, l)  # a split with no positions leaves zeros and lse = -inf

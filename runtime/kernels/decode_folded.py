@@ -46,8 +46,11 @@ def _field_codes(words, f: tl.constexpr, BITS: tl.constexpr):
     return m - (1024.0 + (1 << (BITS - 1)) * _field_scale(f, BITS))
 
 
-@triton.jit
-def _field_scale(f: tl.constexpr, BITS: tl.constexpr):
+@triton.constexpr_function
+def _field_scale(f, BITS):
+    """What field ``f``'s code is multiplied by in place: 16 for INT4's odd fields, else 1. A
+    compile-time constant (a ``@triton.jit`` function's Python float comes back as an fp32 tensor
+    under Triton 3.6, which made ``_field_codes`` fp32 and the fp16 dots fail to compile)."""
     return 16.0 if BITS == 4 and f % 2 == 1 else 1.0
 
 
@@ -90,23 +93,29 @@ def zero_fields(QH: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def fold_key_scales(q_fields, q_sum, ks, kz, plane, t0, B: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                    BITS: tl.constexpr, KIVI: tl.constexpr):
-    """The query fields that multiply the key codes, and the per-row term the scores subtract:
-    KIVI: ``q_c s_c`` of the group holding position ``t0`` of the block, and ``sum_c q_c s_c z_c``;
-    INT8: the query itself and its row sums (scale and zero are per token, see folded_scores)."""
+                    BITS: tl.constexpr, KIVI: tl.constexpr, TILE: tl.constexpr):
+    """The query fields that multiply the key codes, and the term the raw scores start from:
+    KIVI: ``q_c s_c`` of the group holding position ``t0`` of the block, and ``-sum_c q_c s_c z_c``
+    as a [QH, TILE] tile (every column equal) that :func:`folded_scores` accumulates its dots on;
+    INT8: the query itself and its row sums (scale and zero are per token, see folded_scores).
+
+    The zero-point term is a dot too (the fp16 query fields against the zero points broadcast over
+    the tile's columns): then the scaled query is only ever a dot operand, never also reduced in
+    another register layout, which made Triton 3.6 keep two copies of it and spill."""
     if KIVI:
         PACK: tl.constexpr = 32 // BITS
         W: tl.constexpr = D // PACK
         base = (plane.to(tl.int64) * (B // G) + t0 // G) * D + tl.arange(0, W) * PACK
-        bias = tl.zeros(q_fields[0].shape, tl.float32)  # reduced once, after the fields
+        start = tl.zeros((q_fields[0].shape[0], TILE), tl.float32)
         qs_fields = ()
         for f in tl.static_range(PACK):
-            s = tl.load(ks + base + f).to(tl.float32)
-            z = tl.load(kz + base + f).to(tl.float32)
-            qs = (q_fields[f].to(tl.float32) * (s / _field_scale(f, BITS))[None, :]).to(tl.float16)
-            bias += qs.to(tl.float32) * (z * _field_scale(f, BITS))[None, :]
+            s = tl.load(ks + base + f)
+            minus_z = -(tl.load(kz + base + f) * _field_scale(f, BITS))  # exact: a power of two
+            # q_c s_c rounded once to fp16 (the product of two fp16 is exact), then / 16: exact
+            qs = (q_fields[f] * s[None, :]) * (1.0 / _field_scale(f, BITS))
+            start = tl.dot(qs, tl.broadcast_to(minus_z[:, None], (W, TILE)), start)
             qs_fields = qs_fields + (qs,)
-        return qs_fields, tl.sum(bias, axis=1)
+        return qs_fields, start
     else:
         return q_fields, q_sum
 
@@ -119,11 +128,14 @@ def folded_scores(qs_fields, key_term, kd, ks, kz, plane, t0, B: tl.constexpr, D
     PACK: tl.constexpr = 32 // BITS
     W: tl.constexpr = D // PACK
     words = _load_words(kd, plane, t0, B, W, TILE)
-    raw = tl.zeros((qs_fields[0].shape[0], TILE), tl.float32)
+    if KIVI:  # the zero points' term is where the dots start
+        raw = key_term
+    else:
+        raw = tl.zeros((qs_fields[0].shape[0], TILE), tl.float32)
     for f in tl.static_range(PACK):
         raw = tl.dot(qs_fields[f], tl.trans(_field_codes(words, f, BITS)), raw)
     if KIVI:
-        scores = raw - key_term[:, None]
+        scores = raw
     else:  # per token: scale and zero apply to whole score columns
         rows = plane.to(tl.int64) * B + t0 + tl.arange(0, TILE)
         s = tl.load(ks + rows).to(tl.float32)
@@ -153,10 +165,8 @@ def folded_values(p, alpha, acc_fields, vd, vs, vz, plane, t0, B: tl.constexpr, 
             pf = ps_odd if _field_scale(f, BITS) != 1.0 else ps
             out = out + (tl.dot(pf, _field_codes(words, f, BITS), acc_fields[f] * alpha[:, None]),)
     else:  # channel w*PACK+f lies in group (w*PACK+f) // G = w // (G // PACK) for every field f
-        idx = rows[:, None] * NG + (tl.arange(0, W) // (G // PACK))[None, :]
-        s = tl.load(vs + idx)
+        s, minus_zs = _group_columns(vs, vz, rows, NG, W, G // PACK)
         s_odd = s * (1.0 / _field_scale(1, BITS))  # for 16x fields (a power of two: exact)
-        minus_zs = (-(tl.load(vz + idx).to(tl.float32) * s.to(tl.float32))).to(tl.float16)
         p16 = p.to(tl.float16)
         zero_sum = tl.zeros((p.shape[0],), tl.float32)
         for f in tl.static_range(PACK):
@@ -164,6 +174,22 @@ def folded_values(p, alpha, acc_fields, vd, vs, vz, plane, t0, B: tl.constexpr, 
             v = (_field_codes(words, f, BITS) * sf + minus_zs).to(tl.float16)
             out = out + (tl.dot(p16, v, acc_fields[f] * alpha[:, None]),)
     return out, zero_sum
+
+
+@triton.jit
+def _group_columns(vs, vz, rows, NG: tl.constexpr, W: tl.constexpr, GROUP_WORDS: tl.constexpr):
+    """The values' scales ``s`` and ``-(z s)`` (fp16) as [TILE, W] tiles: word ``w`` of token ``t``
+    takes group ``w // GROUP_WORDS`` of row ``rows[t]``. Loaded as [TILE, NG] (contiguous) and
+    broadcast: a load of the [TILE, W] addresses themselves (contiguous along neither dim) made
+    Triton 3.6 lay the whole value path out one token per thread, unpacked and stored to shared
+    memory 16 bits at a time (bench/results/sass-*-triton3.6.0.json)."""
+    idx = rows[:, None] * NG + tl.arange(0, NG)[None, :]
+    s_g = tl.load(vs + idx)
+    minus_zs_g = (-(tl.load(vz + idx).to(tl.float32) * s_g.to(tl.float32))).to(tl.float16)
+    shape: tl.constexpr = (rows.shape[0], NG, GROUP_WORDS)
+    s = tl.reshape(tl.broadcast_to(s_g[:, :, None], shape), (rows.shape[0], W))
+    minus_zs = tl.reshape(tl.broadcast_to(minus_zs_g[:, :, None], shape), (rows.shape[0], W))
+    return s, minus_zs
 
 
 @triton.jit
