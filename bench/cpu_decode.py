@@ -143,9 +143,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-context", type=int, default=4096)
     ap.add_argument("--skip-kv", action="store_true")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu-decode.json")
     args = ap.parse_args()
     import os
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "threads": torch.get_num_threads(),
               "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},

@@ -176,10 +176,16 @@ def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
 def to_compute_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
     """Float tensors in the compute dtype (scales keep the stored one: dequantize upcasts them),
     converted in place one at a time, so the stored copy of each is freed before the next is made
-    (peak memory: the model once, plus one tensor). A tied lm_head is the embedding's tensor again."""
+    (peak memory: the model once, plus one tensor). A tied lm_head is the embedding's tensor again.
+    Everything but the packed codes owns its memory (see below)."""
     for name, t in tensors.items():
         if t.is_floating_point() and not name.endswith("weight_scale") and not (tied and name == "lm_head.weight"):
             tensors[name] = t.to(dtype)
+        elif not name.endswith("weight_packed"):
+            # Tensors read from safetensors can be views of one mapping of the whole file, resident
+            # while any view lives: the small ones kept (scales, zero points) get their own memory,
+            # so the file is let go once the CPU kernels' copies replace the packed codes.
+            tensors[name] = t.clone()
     if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return tensors
