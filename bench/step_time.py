@@ -43,18 +43,23 @@ def commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def import_before(rev: str, into: Path):
-    """``runtime`` at ``rev`` as the package ``runtime_before`` (quant, kvquant: this tree's)."""
-    archive = subprocess.run(["git", "archive", rev, "runtime"], cwd=ROOT, capture_output=True, check=True).stdout
+def import_before(rev: str, into: Path, packages: tuple[str, ...] = ("runtime",)):
+    """``runtime`` at ``rev`` as the package ``runtime_before`` (the others: this tree's), or each
+    of ``packages`` at ``rev`` as ``<name>_before``, their imports of each other rewritten."""
+    archive = subprocess.run(["git", "archive", rev, *packages], cwd=ROOT, capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
-    package = into / "runtime_before"
-    (into / "runtime").rename(package)
-    for path in package.rglob("*.py"):
-        text = re.sub(r"\bruntime(?=[. ])", "runtime_before", path.read_text())
-        path.write_text(text.replace("runtime_before_before", "runtime_before"))
+    for name in packages:
+        (into / name).rename(into / f"{name}_before")
+    for name in packages:
+        for path in (into / f"{name}_before").rglob("*.py"):
+            text = path.read_text()
+            for other in packages:
+                text = re.sub(rf"\b{other}(?=[. ])", f"{other}_before", text).replace(f"{other}_before_before",
+                                                                                    f"{other}_before")
+            path.write_text(text)
     sys.path.insert(0, str(into))
-    return importlib.import_module("runtime_before")
+    return importlib.import_module(f"{packages[0]}_before")
 
 
 def decoding_engine(package, model_dir: Path, prompts: list[list[int]], new_tokens: int):

@@ -82,18 +82,25 @@ class QuantizedKVLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, filled:], values[:, :, filled:]
         keys, values = self._read()
         new = key_states.shape[-2]
-        if new == 1:  # decode reads its token from the cache, like the runtime's decode kernel
-            return keys, values
-        # several tokens (prefill, chunk): earlier positions as stored, the new ones fresh
-        return (torch.cat([keys[:, :, :-new], key_states], dim=-2),
-                torch.cat([values[:, :, :-new], value_states], dim=-2))
+        if new > 1 and self.quantized_keys is not None:
+            # several tokens (prefill, chunk): earlier positions as stored, the new ones fresh (a decode
+            # step reads its token from the cache, like the runtime's decode kernel)
+            keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
+        return keys, values
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position as stored; the quantized blocks dequantized into one new buffer each."""
         if self.quantized_keys is None:
             return self.keys, self.values
-        keys = dequantize_blocks(self.quantized_keys, self.scheme, True, self.head_dim, self.dtype)
-        values = dequantize_blocks(self.quantized_values, self.scheme, False, self.head_dim, self.dtype)
-        return torch.cat([keys, self.keys], dim=-2), torch.cat([values, self.values], dim=-2)
+        out = []
+        for blocks, residual, keys in ((self.quantized_keys, self.keys, True),
+                                       (self.quantized_values, self.values, False)):
+            held = blocks.data.shape[1] * self.scheme.block_size
+            x = residual.new_empty(*residual.shape[:2], held + residual.shape[2], self.head_dim)
+            dequantize_blocks(blocks, self.scheme, keys, self.head_dim, self.dtype, out=x[:, :, :held])
+            x[:, :, held:] = residual
+            out.append(x)
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
         return self.cumulative_length

@@ -27,12 +27,13 @@ grid, see ``quant.affine.choose_qparams(float_zero=True)``); FP8: ``x = data * s
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from kvquant.scheme import FP8_MAX, KVScheme
-from quant.affine import QuantScheme, choose_qparams, dequantize, quantize
+from quant.affine import QuantScheme, choose_qparams, from_grid, quantize
 from quant.packing import pack, packed_length, unpack
 
 SCALE_DTYPE = torch.float16  # scales and zero points of the integer schemes
@@ -69,14 +70,17 @@ def _quantize_int(x: torch.Tensor, scheme: KVScheme, keys: bool) -> QuantizedKV:
     return QuantizedKV(data, scale.contiguous(), zero.contiguous())
 
 
-def _dequantize_int(qx: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, dtype) -> torch.Tensor:
+def _dequantize_int(qx: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, out: torch.Tensor) -> torch.Tensor:
     grid, per_channel = _affine_scheme(scheme, keys)
     data, scale, zero = qx
     q = unpack(data.reshape(-1, data.shape[-1]), scheme.bits, head_dim).reshape(*data.shape[:-1], head_dim)
-    if per_channel:
-        q, scale, zero = q.transpose(-1, -2), scale.transpose(-1, -2), zero.transpose(-1, -2)
-    x = dequantize(q, scale, zero, grid, dtype)
-    return x.transpose(-1, -2) if per_channel else x
+    # Each scale and zero broadcast over its group, in the [..., T, D] layout itself: no transposes.
+    if per_channel:  # one per channel and group of G tokens: [..., T/G, D]
+        split, expand = (-2, (-1, scheme.group_size)), -2
+    else:  # one per token and group of channels: [..., T, D/g]
+        split, expand = (-1, (-1, grid.group_len(head_dim))), -1
+    from_grid(q.unflatten(*split), scale.unsqueeze(expand), zero.unsqueeze(expand), out=out.unflatten(*split))
+    return out
 
 
 def _quantize_fp8(x: torch.Tensor) -> QuantizedKV:
@@ -84,6 +88,17 @@ def _quantize_fp8(x: torch.Tensor) -> QuantizedKV:
     amax = x.abs().amax(dim=(-2, -1), keepdim=True).float()
     scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     return QuantizedKV((x.float() / scale).to(FP8_DTYPE), scale)
+
+
+def _fp8_to_float(data: torch.Tensor) -> torch.Tensor:
+    """``data.float()``, as a gather from the 256 values e4m3 can hold: the same numbers, several
+    times faster than PyTorch's elementwise float8 conversion on CPU."""
+    return _fp8_values(data.device).index_select(0, data.view(torch.uint8).flatten().int()).view(data.shape)
+
+
+@functools.cache
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float().to(device)
 
 
 def quantize_kv(x: torch.Tensor, scheme: KVScheme, keys: bool) -> QuantizedKV:
@@ -95,13 +110,18 @@ def quantize_kv(x: torch.Tensor, scheme: KVScheme, keys: bool) -> QuantizedKV:
     return _quantize_int(x, scheme, keys)
 
 
-def dequantize_kv(qx: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Back to ``[..., T, D]`` in ``dtype``."""
+def dequantize_kv(qx: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Back to ``[..., T, D]`` in ``dtype``. ``out`` (that shape, any strides: a view of a larger
+    buffer, as the runtime cache's read fills one) receives the values instead of a new tensor."""
+    qx = QuantizedKV(*qx)  # a plain (data, scale, zero) tuple reads the same
     if not scheme.quantized:
-        return qx.data.to(dtype)
+        return qx.data.to(dtype) if out is None else out.copy_(qx.data)
+    if out is None:
+        out = torch.empty((*qx.data.shape[:-1], head_dim), dtype=dtype, device=qx.data.device)
     if scheme.fp8:
-        return (qx.data.float() * qx.scale).to(dtype)
-    return _dequantize_int(qx, scheme, keys, head_dim, dtype)
+        return torch.mul(_fp8_to_float(qx.data), qx.scale, out=out)
+    return _dequantize_int(qx, scheme, keys, head_dim, out)
 
 
 def quantize_blocks(x: torch.Tensor, scheme: KVScheme, keys: bool, block_size: int | None = None) -> QuantizedKV:
@@ -111,9 +131,15 @@ def quantize_blocks(x: torch.Tensor, scheme: KVScheme, keys: bool, block_size: i
     return quantize_kv(blocks, scheme, keys)
 
 
-def dequantize_blocks(q: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_blocks`: [S, n, H, *layout] back to [S, H, n*B, D]."""
-    return dequantize_kv(q, scheme, keys, head_dim, dtype).transpose(1, 2).flatten(2, 3)
+def dequantize_blocks(q: QuantizedKV, scheme: KVScheme, keys: bool, head_dim: int, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks`: [S, n, H, *layout] back to [S, H, n*B, D] (into ``out``
+    when given: written through a block-major view, so no transposed copy is made)."""
+    S, n, H, B = q.data.shape[:4]
+    if out is None:
+        out = torch.empty(S, H, n * B, head_dim, dtype=dtype, device=q.data.device)
+    dequantize_kv(q, scheme, keys, head_dim, dtype, out=out.unflatten(2, (n, -1)).transpose(1, 2))
+    return out
 
 
 def fake_quantize_kv(x: torch.Tensor, scheme: KVScheme, keys: bool) -> torch.Tensor:

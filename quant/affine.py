@@ -187,12 +187,14 @@ def to_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sch
     return torch.round(q).clamp(scheme.qmin, scheme.qmax)
 
 
-def from_grid(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """Elementwise ``(q - zero) * scale`` in float32; shapes broadcast."""
-    q = q.float()
-    if zero is not None:
-        q = q - zero.float()
-    return q * scale.float()
+def from_grid(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Elementwise ``(q - zero) * scale`` in float32; shapes broadcast. ``out`` (any dtype and
+    strides, e.g. a view of a larger buffer): the result is written there, rounded once from
+    float32 as ``.to(out.dtype)`` rounds (the KV cache dequantizes into its read buffer)."""
+    # integer codes promote to float32 in the subtraction itself: the same values, one pass fewer
+    q = q.float() if zero is None else torch.sub(q, zero.float())
+    return torch.mul(q, scale.float(), out=out)
 
 
 def quantize(

@@ -181,8 +181,7 @@ class PagedCache:
         rows = slice(slots.start, slots.stop)
         if k.shape[2] == 1:
             return self._read(layer, rows, end, end // self.block_size, first)
-        old_k, old_v = self._read(layer, rows, start, end // self.block_size, first)
-        return torch.cat([old_k, k.to(self.dtype)], dim=2), torch.cat([old_v, v.to(self.dtype)], dim=2)
+        return self._read(layer, rows, start, end // self.block_size, first, new=(k, v))
 
     def _store(self, layer: int, slots: range, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences ``slots``; the end position."""
@@ -190,6 +189,10 @@ class PagedCache:
         B, r = self.block_size, start % self.block_size
         rows = slice(slots.start, slots.stop)
         residual_k, residual_v = self.residual_k[layer][rows], self.residual_v[layer][rows]  # views
+        if r + k.shape[2] < B:  # no block fills (a decode step, mostly): straight into the residual
+            residual_k[:, :, r:r + k.shape[2]] = k
+            residual_v[:, :, r:r + k.shape[2]] = v
+            return end
         # The residual's tokens and the new ones, from the start of the current block.
         pending_k = torch.cat([residual_k[:, :, :r], k.to(self.dtype)], dim=2)
         pending_v = torch.cat([residual_v[:, :, :r], v.to(self.dtype)], dim=2)
@@ -216,25 +219,34 @@ class PagedCache:
                 if dst is not None:
                     dst[pages] = src[rows, blocks].to(dst.dtype)
 
-    def _read(self, layer: int, rows: slice, length: int, stored: int, first: int = 0):
+    def _read(self, layer: int, rows: slice, length: int, stored: int, first: int = 0, new=None):
         """Keys and values [rows, H, length, D] of the sequences in ``rows``, whose first ``stored``
-        blocks are in the pool; positions before ``first`` read as 0 (their blocks are not read)."""
+        blocks are in the pool; positions before ``first`` read as 0 (their blocks are not read).
+        ``new``: keys and values [rows, H, T, D] that follow, read fresh: [rows, H, length + T, D].
+
+        Each result is one buffer: the pool's blocks dequantized straight into it (block-major
+        views), then the residual's positions and the new ones copied after them. It lives as long
+        as attention reads it: the cache itself stays quantized."""
         B = self.block_size
         from_pool = min(math.ceil(length / B), stored)
         skip = min(first // B, from_pool)
         ids = self.table(layer, rows)[:, skip:from_pool].long()  # [rows, n]
+        held = from_pool * B  # positions the pool's blocks give (the last may run past length)
         out = []
         for keys, residual, pool in ((True, self.residual_k[layer][rows], self.pool.layer(layer)[0]),
                                      (False, self.residual_v[layer][rows], self.pool.layer(layer)[1])):
-            parts = [residual.new_zeros(*residual.shape[:2], skip * B, self.head_dim)]
+            end = length + (0 if new is None else new[0].shape[2])
+            x = residual.new_empty(*residual.shape[:2], max(end, held), self.head_dim)
             if from_pool > skip:
-                q = pool.map(lambda t: t[ids])  # [rows, n, H, ...]
-                parts.append(dequantize_blocks(q, self.scheme, keys, self.head_dim, self.dtype))  # [rows, H, n*B, D]
-            parts.append(residual[:, :, : max(length - from_pool * B, 0)])
-            x = torch.cat(parts, dim=2)[:, :, :length]
-            if first > skip * B:
-                x[:, :, skip * B:first] = 0
-            out.append(x)
+                q = pool.map(lambda t: t.index_select(0, ids.flatten()).unflatten(0, ids.shape))  # [rows, n, H, ...]
+                dequantize_blocks(q, self.scheme, keys, self.head_dim, self.dtype, out=x[:, :, skip * B:held])
+            if length > held:
+                x[:, :, held:length] = residual[:, :, : length - held]
+            if new is not None:
+                x[:, :, length:end] = new[0 if keys else 1]
+            if first:
+                x[:, :, :first] = 0
+            out.append(x[:, :, :end])
         return out[0], out[1]
 
     def block_bytes(self) -> int:

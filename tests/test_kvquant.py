@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvquant import KVScheme, bytes_per_token, dequantize_kv, fake_quantize_kv, layout, parse_kv, quantize_kv
+from kvquant import (KVScheme, bytes_per_token, dequantize_blocks, dequantize_kv, fake_quantize_kv, layout, parse_kv,
+                     quantize_blocks, quantize_kv)
 from quant.affine import QuantScheme, choose_qparams, dequantize, quantize
 from quant.packing import unpack
 from runtime.cache import KVCache
@@ -145,6 +146,37 @@ def test_int_data_is_the_affine_grid_packed_per_token():
                                dequantize(q, s, z, grid, torch.float32))
 
 
+def affine_values(qx, scheme, keys: bool, dtype) -> torch.Tensor:
+    """``(q - zero) * scale`` in float32, each scale and zero repeated over its group, then ``dtype``:
+    the documented layout written out by hand (FP8: ``data * scale``)."""
+    if scheme.fp8:
+        return (qx.data.float() * qx.scale).to(dtype)
+    data, scale, zero = qx
+    q = unpack(data.reshape(-1, data.shape[-1]), scheme.bits, 64).reshape(*data.shape[:-1], 64)
+    if keys and scheme.kivi:  # one per channel and group of G tokens
+        scale, zero = (t.float().repeat_interleave(scheme.group_size, -2) for t in (scale, zero))
+    else:  # one per token and group of channels (INT8: the whole head)
+        scale, zero = (t.float().repeat_interleave(64 // t.shape[-1], -1) for t in (scale, zero))
+    return ((q.float() - zero) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int2-g16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_into_a_buffer_view_gives_exactly_the_affine_values(name, dtype):
+    # The runtime cache dequantizes straight into its read buffer through strided, block-major views;
+    # the values must be the layout's, bit for bit, there and in a new tensor.
+    scheme = parse_kv(name)
+    x = keys_with_offset_channels(3, 2, tokens=64, seed=4)  # [blocks, heads, tokens, channels]
+    for keys in (True, False):
+        qx = quantize_kv(x, scheme, keys)
+        want = affine_values(qx, scheme, keys, dtype)
+        buffer = torch.full((2, 3 * 64 + 5, 64), float("nan"), dtype=dtype)  # [heads, positions, channels]
+        view = buffer[:, :192].unflatten(1, (3, 64)).transpose(0, 1)
+        dequantize_kv(qx, scheme, keys, 64, dtype, out=view)
+        assert torch.equal(view, want) and torch.equal(dequantize_kv(qx, scheme, keys, 64, dtype), want)
+        assert buffer[:, 192:].isnan().all()  # nothing written past the view
+
+
 def test_per_channel_keys_beat_per_token_keys():
     # Why KIVI groups keys per channel: offset channels ruin a per-token grid.
     x = keys_with_offset_channels(4, 2, seed=5)
@@ -206,6 +238,33 @@ def test_a_chunk_reads_its_own_tokens_fresh_and_a_decode_step_reads_the_cache():
         keys, _ = cache.update(0, pos, k[:, :, pos:pos + 1], v[:, :, pos:pos + 1])
         assert torch.equal(keys, cache.read(0, pos + 1)[0])
     torch.testing.assert_close(keys[:, :, 64:128], fake_quantize_kv(k[:, :, 64:128], scheme, True))
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4-g32", "fp8"])
+def test_both_caches_read_exactly_what_their_blocks_dequantize_to(name):
+    # The rule of runtime/cache.py, bit for bit: a position in a filled block reads as that block
+    # quantized and dequantized; a later one, and a chunk's own tokens, read as written.
+    scheme = parse_kv(f"{name}-r64")
+    k, v = keys_with_offset_channels(2, 3, tokens=150, seed=1), torch.randn(2, 3, 150, 64)
+    stored = [dequantize_blocks(quantize_blocks(x[:, :, :128], scheme, keys), scheme, keys, 64, torch.float32)
+              for x, keys in ((k, True), (v, False))]
+    lockstep = LockstepCache(1, 2, 3, 64, 160, torch.float32, "cpu", scheme=scheme)
+    slots = KVCache(1, 2, 3, 64, 160, torch.float32, "cpu", scheme=scheme)
+    for s in range(2):
+        slots.add_sequence()
+    pos = 0
+    for size in [50, 1, 30, 40, 1, 3, 25]:  # chunks across block boundaries, decode steps
+        end = pos + size
+        read = [lockstep.update(0, pos, k[:, :, pos:end], v[:, :, pos:end])]
+        per_slot = [slots.write_sequence(0, s, pos, k[s, :, pos:end], v[s, :, pos:end]) for s in range(2)]
+        read.append(tuple(torch.stack(t) for t in zip(*per_slot)))
+        for s in range(2):
+            slots.advance(s, size)
+        as_stored = min(end // 64 * 64, end if size == 1 else pos)  # a chunk reads itself fresh
+        for got, x, want in zip((t for pair in read for t in pair), (k, v) * 2, stored * 2):
+            assert torch.equal(got[:, :, :as_stored], want[:, :, :as_stored])
+            assert torch.equal(got[:, :, as_stored:], x[:, :, as_stored:end])
+        pos = end
 
 
 def test_block_table_is_shared_by_layers_and_blocks_are_paged_from_one_pool():

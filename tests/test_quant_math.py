@@ -30,6 +30,21 @@ def test_pack_is_byte_compatible_with_compressed_tensors(bits):
         assert torch.equal(pack(q, bits, dim), helpers.pack_to_int32(q, bits, dim))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_values_sit_at_their_bits_of_the_little_endian_stream(bits):
+    # The layout written out (2, 4 and 8 bits pack byte by byte): element i at bits [i*bits, (i+1)*bits)
+    # of the row's stream, stored as q + 2**(bits-1), the row padded to whole words.
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (3, 45), dtype=torch.int8, generator=g)
+    for row_q, row_words in zip(q.tolist(), pack(q, bits).tolist()):
+        stream = sum((v + (1 << (bits - 1))) << (bits * i) for i, v in enumerate(row_q))
+        assert [w & 0xFFFFFFFF for w in row_words] == [(stream >> (32 * w)) & 0xFFFFFFFF
+                                                        for w in range(packed_length(45, bits))]
+    for strided in (q.t(), q.t().contiguous()):  # along dim 0, from a transposed view or a copy
+        assert torch.equal(pack(strided, bits, 0), pack(q, bits).t())
+        assert torch.equal(unpack(pack(q, bits).t(), bits, 45, 0), strided)
+
+
 def test_three_bit_values_straddle_words_densely():
     # The dense layout of compressed-tensors >= 0.19: element i at bits [3i, 3i+3) of the stream.
     u = [(5 * i + 3) % 8 for i in range(11)]
