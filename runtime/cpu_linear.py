@@ -208,14 +208,23 @@ class Int4Layout:
         return torch.cat(out).view(n, k // 2)
 
     def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        flat, u, offset = packed.flatten(), torch.empty(n, k, dtype=torch.uint8), 0
-        for start in range(0, n, self.block_n):
-            size = min(self.block_n, n - start)
-            block = flat[offset:offset + size * k // 2].view(k, size // 2).t()
-            lo, hi = self.pairs(size)
-            u[start + lo], u[start + hi] = block & 15, block >> 4
-            offset += size * k // 2
-        return u
+        """The nibbles uint8 [N, K] of ``packed`` (whole blocks at once, then the partial one)."""
+        flat, full = packed.flatten(), n // self.block_n * self.block_n
+        parts = []
+        if full:
+            parts.append(self._nibbles(flat[: full * k // 2].view(-1, k, self.block_n // 2), self.block_n))
+        if full < n:
+            parts.append(self._nibbles(flat[full * k // 2:].view(1, k, (n - full) // 2), n - full))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _nibbles(self, blocks: torch.Tensor, size: int) -> torch.Tensor:
+        """Bytes [blocks, K, size / 2] to the nibbles [blocks * size, K] of their outputs."""
+        lo, hi = blocks & 15, blocks >> 4
+        if size == self.block_n and self.halves:
+            u = torch.cat([lo, hi], dim=2)  # outputs j, then j + size / 2
+        else:
+            u = torch.stack([lo, hi], dim=3).flatten(2)  # outputs 2 j, 2 j + 1
+        return u.transpose(1, 2).reshape(-1, blocks.shape[1])
 
 
 @lru_cache(maxsize=1)
