@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -462,10 +463,21 @@ def read_header(file: Path) -> dict:
     return header
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # the smallest and largest values are NaN or infinite when any value is: one pass in the stored
+    # type, where isfinite().all() first writes a bool tensor as large as the weight
+    if tensor.numel() == 0:
+        return True
+    try:
+        return all(math.isfinite(v.item()) for v in torch.aminmax(tensor))
+    except (RuntimeError, NotImplementedError):  # a type aminmax does not take (float8)
+        return bool(torch.isfinite(tensor.float()).all())
+
+
 def check_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
     """A NaN or infinite value in a stored float tensor makes every output NaN (empty text, perplexity nan):
     refused where it is read, with the tensor named."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if tensor.is_floating_point() and not _all_finite(tensor):
         raise CheckpointError(f"{file}: {name} holds NaN or infinite values, so the model's outputs would be "
                               "NaN; re-create the checkpoint (the manifest cannot catch a file rewritten with it)")
 
