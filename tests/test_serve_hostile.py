@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 import runtime  # noqa: E402
 from served import LiveServer, tiny_checkpoint  # noqa: E402
 
-LIMIT = 64 << 10
+LIMIT = 2 << 20
 LOOPING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
 
 
@@ -88,6 +88,23 @@ def test_a_body_within_the_limit_is_served(server):
     prompt = "word " * 4000  # 20 kB: within the limit, past the context
     status, body = server.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
     assert status == 413 and body["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_long_prompt_tokenizes_while_health_answers(server):
+    """A prompt of 1.1 MB (within the limit, past the context) takes seconds to tokenize: beside the event
+    loop, not on it, so every other connection is answered meanwhile."""
+    prompt = "It is a truth universally acknowledged that " * 25000
+    answers = {}
+    thread = threading.Thread(target=lambda: answers.update(big=server.request(
+        "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})))
+    thread.start()
+    waits = []
+    while thread.is_alive():
+        waits.append(health_time(server))
+    thread.join()
+    status, body = answers["big"]
+    assert status == 413 and body["error"]["code"] == "context_length_exceeded"
+    assert len(waits) >= 3 and max(waits) < 1.0, waits
 
 
 def test_a_looping_chat_template_is_a_400_naming_it_and_health_answers_meanwhile(server, model):
@@ -190,7 +207,7 @@ def allowed_nonstandard_json(body) -> str:
     return json.dumps(body, allow_nan=True)  # inf and nan as Python writes them: a client may send them
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_fuzzed_requests_get_a_client_error_or_an_answer_never_a_500(server, body, path):
