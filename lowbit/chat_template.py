@@ -20,9 +20,10 @@ class TemplateTimeout(Exception):
     """A chat template ran past its time limit."""
 
 
-def render_chat(tokenizer, turns: list[dict], time_limit: float = RENDER_TIME_LIMIT_S) -> str:
+def render_chat(tokenizer, turns: list[dict], time_limit: float | None = None) -> str:
     """``tokenizer.apply_chat_template(turns)`` as text with the generation prompt, or TemplateTimeout
-    once it has run ``time_limit`` seconds."""
+    once it has run ``time_limit`` seconds (default ``RENDER_TIME_LIMIT_S``)."""
+    time_limit = RENDER_TIME_LIMIT_S if time_limit is None else time_limit
     deadline = time.monotonic() + time_limit
 
     def trace(frame, event, arg):

@@ -301,3 +301,21 @@ def test_fuzzed_recipe_files_are_read_or_refused_with_a_recipe_error(tmp_path, t
         load_recipe(tmp_path / "r.yaml")
     except RecipeError as e:
         assert str(e)
+
+
+def test_generate_chat_with_a_looping_template_stops_at_the_time_limit(copy, monkeypatch):
+    import time
+
+    import lowbit.chat_template
+
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    for template_file in copy.glob("chat_template.*"):
+        template_file.unlink()
+    checkpoint.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))
+    monkeypatch.setattr(lowbit.chat_template, "RENDER_TIME_LIMIT_S", 0.5)
+    started = time.perf_counter()
+    one_line_error(run("generate", copy, "--prompt", "hi", "--chat", "--max-new-tokens", 2), "chat template",
+                   "time limit of 0.5 s")
+    assert time.perf_counter() - started < 10
