@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py [--stages env,weights,...] [--commit SHA] [--out PATH]
     python bench/gpu_check.py --smoke      # CPU + Triton interpreter, tiny shapes: checks this script
+                                           # (refused on a GPU machine, and where the interpreter is broken)
     make gpu-check                         # the same, with the machine's python3
 
 Stages, in the default order (correctness first):
@@ -11,8 +12,10 @@ Stages, in the default order (correctness first):
   attention        decode attention over fp16/fp8/int8/int4/int2 caches, GQA 4:1 and 1:1, windows vs float64;
                    quantize-on-write bit-identical to kv_reference (kvquant)
   engine           engine greedy tokens: CUDA graphs / eager Triton / reference attention, two random models
-  tests            the CUDA-capable pytest files, compiled on the GPU
-  kernel-speed     bench/kernels.py: Llama-3 8B and 70B shapes, M = 1, 16, 4096
+  tests            the CUDA-capable pytest files, compiled on the GPU (tests needing a package the machine
+                   lacks, e.g. greenlet for calibration, skip and are listed; env lists the absent packages)
+  kernel-speed     bench/kernels.py: Llama-3 8B and 70B shapes, M = 1, 16, 4096, against cuBLAS fp16 and
+                   PyTorch's int4 kernel (tinygemm) in the same process
   attention-speed  bench/attention.py: batch 1 and 32, context 8k and 32k, default launch configuration
   engine-speed     lowbit bench: fp16, W4 g128, W4 + INT4 KV; batch 1 and 32, prompt 512, 128 new tokens;
                    transformers generate fp16 as the baseline
@@ -28,7 +31,10 @@ pass ``--commit``. The whole check fits two calls under 9 minutes each:
     python bench/gpu_check.py --commit SHA --stages kernel-speed,attention-speed,engine-speed
 
 The table printed last gives each stage's pass/fail and the headline ratios against their targets
-(issues 15 and 16; bench/README.md). ``--smoke`` times nothing that means anything and says so.
+(issues 15 and 16; bench/README.md), each speed figure with the torch and Triton versions that made
+it. ``--smoke`` times nothing that means anything and says so. No real stage runs the Triton
+interpreter (TRITON_INTERPRET is dropped from their environment): Triton 3.6's, the lent machine's,
+fails under numpy >= 2.4.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ def run_stage(stage: Stage, args, budget: int) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", stage.name, "--child-out", str(result_file)]
         if args.smoke:
             cmd.append("--smoke")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOWBIT_COMMIT": args.commit}
+        env = child_env(args.smoke, args.commit)
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=ROOT)
@@ -104,6 +110,25 @@ def run_stage(stage: Stage, args, budget: int) -> dict:
         else:
             result = {"passed": False, "error": f"the child process died (exit {proc.returncode})"}
         return {**result, "wall_s": round(wall, 1), "budget_s": budget, "output_tail": list(tail)}
+
+
+def child_env(smoke: bool, commit: str) -> dict:
+    """A stage's environment: only a smoke stage may run the Triton interpreter (it sets
+    TRITON_INTERPRET itself); a real one compiles, whatever this shell has set."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOWBIT_COMMIT": commit}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def smoke_refusal() -> str | None:
+    """Why --smoke must not run here, or None: it is the interpreter on CPU, a check of this script
+    for machines without a GPU; a GPU machine runs the stages compiled."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ("--smoke runs the kernels in the Triton interpreter on CPU, to check this script where no GPU "
+                "is; this machine has one: run the stages themselves")
+    return gpu_stages.interpreter_problem()
 
 
 def _relay(stream, name: str, tail) -> None:
@@ -160,6 +185,8 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+    if args.smoke and smoke_refusal():
+        ap.error(smoke_refusal())
     args.commit = args.commit or gpu_stages.commit()
     device_name = gpu_stages.device_name(args.smoke)
     path = results_path(args, device_name)

@@ -8,9 +8,12 @@ Llama-3-8B and -70B projections) and every row count M, it times
 
 * ``lowbit``: ``runtime.kernels.quant_matmul`` on a random weight quantized with quant's own
   math (4-bit, group 128, asymmetric: scales and zero points included), autotuned first;
-* ``torch-fp16``: ``torch.nn.functional.linear`` with the dense fp16 weight (cuBLAS),
+* ``torch-fp16``: ``torch.nn.functional.linear`` with the dense fp16 weight (cuBLAS);
+* ``torch-int4`` (4-bit only): PyTorch's own int4 kernel, ``aten._weight_int4pack_mm`` on the
+  weight packed by ``aten._convert_weight_to_int4pack`` (tinygemm, the kernel gpt-fast and torchao
+  use; bf16 activations, its only dtype on CUDA) with the same codes, scales and zero points,
 
-in the same run, and reports median time, achieved TFLOP/s (2 M N K / t) and GB/s (weight,
+in the same run, and reports the ratios of ours against both peers (``ratios``), median time, achieved TFLOP/s (2 M N K / t) and GB/s (weight,
 scale, zero-point, activation and output bytes / t), with the device's measured copy bandwidth
 and bf16 matmul rate (``evals.diagnose.measure_ceilings``) as ceilings.
 
@@ -30,6 +33,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,11 +51,14 @@ ROWS = [1, 4, 16, 64, 256, 1024, 4096]
 # at these sizes a plain Triton launch costs more CPU time than the kernel takes on the GPU, so
 # eager timing would measure Python, not the kernel. Larger M runs as plain launches.
 GRAPH_MAX_M = 256
-SMOKE_SHAPES, SMOKE_ROWS = ["256x72"], [1, 16]  # --smoke: the interpreter on CPU, a shape N not a tile multiple
+# --smoke: the interpreter on CPU, N not a multiple of our tiles (but of the int4 peer's 16)
+SMOKE_SHAPES, SMOKE_ROWS = ["256x80"], [1, 16]
+TORCH_INT4_INNER_K_TILES = 8  # tinygemm's widest K tiling (what gpt-fast and torchao pack with)
 
 
 def quantized_weight(K: int, N: int, bits: int, group: int, device):
-    """A random [N, K] weight through quant's math, as a checkpoint stores it, then re-laid."""
+    """A random [N, K] weight through quant's math, as a checkpoint stores it, then re-laid: our
+    kernel's weight, the dense fp16 weight, and the checkpoint tensors (packed, scale, zero_packed)."""
     from quant.affine import QuantScheme, choose_qparams, quantize
     from quant.packing import pack
     from runtime.kernels import reference
@@ -63,7 +70,78 @@ def quantized_weight(K: int, N: int, bits: int, group: int, device):
     packed, zero_packed = pack(quantize(w, scale, zero, scheme), bits, dim=1), pack(zero, bits, dim=0)
     kw = make_kernel_weight(packed, scale, zero_packed, (N, K), scheme)
     dense = reference.dequantize_weight(packed, scale, zero_packed, (N, K), scheme, torch.float16)
-    return kw, dense, scheme
+    return kw, dense, scheme, (packed, scale, zero_packed)
+
+
+def torch_int4_unsupported(K: int, N: int, bits: int, group: int) -> str | None:
+    """Why PyTorch's int4 kernel cannot run this layer (it is then not timed), or None."""
+    from quant.affine import QuantScheme
+    from runtime import cpu_linear
+
+    if bits != 4:
+        return f"{bits}-bit weights (the int4 kernel takes 4-bit codes)"
+    if K % (TORCH_INT4_INNER_K_TILES * 16):
+        return f"inputs not a multiple of {TORCH_INT4_INNER_K_TILES * 16} (the int4 kernel's K tiles)"
+    return cpu_linear.unsupported_reason(QuantScheme(bits, group, symmetric=False), K, N)
+
+
+@dataclass
+class TorchInt4:
+    """A layer through PyTorch's int4 kernel: on CUDA ``_weight_int4pack_mm`` over ``weight`` (from
+    ``_convert_weight_to_int4pack``), on CPU (--smoke) ``runtime.cpu_linear``'s layer over the CPU
+    variants of both ops."""
+
+    weight: torch.Tensor | None
+    scale_zeros: torch.Tensor | None
+    group: int
+    cpu_layer: object = None
+
+    @classmethod
+    def build(cls, packed, scale, zero_packed, K: int, N: int, scheme, device) -> "TorchInt4":
+        """From a checkpoint's tensors. Its affine form ``(u - 8) * scale + zero`` per group holds
+        ours as ``u = q + 8``, ``zero = -z * scale`` (``runtime.cpu_linear.Int4Slots``, whose bf16
+        [K / group, N, 2] scales and zeros both devices take). On CUDA the codes go in as
+        ``_convert_weight_to_int4pack`` wants them (:func:`cuda_nibbles`)."""
+        from runtime import cpu_linear
+
+        slots = cpu_linear.build(packed.cpu(), scale.cpu(), zero_packed.cpu(), (N, K), scheme)
+        if torch.device(device).type == "cpu":
+            return cls(None, None, slots.group, slots)
+        return cls.on_device(cuda_nibbles(packed, K), slots.scale_zeros, slots.group, device)
+
+    @classmethod
+    def on_device(cls, nibbles: torch.Tensor, scale_zeros: torch.Tensor, group: int, device) -> "TorchInt4":
+        weight = torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), TORCH_INT4_INNER_K_TILES)
+        return cls(weight, scale_zeros.to(device), group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_layer is not None:
+            return self.cpu_layer(x, None)
+        return torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), self.weight, self.group, self.scale_zeros)
+
+    def clone(self) -> "TorchInt4":
+        if self.cpu_layer is not None:  # --smoke: copies only matter against a GPU's L2
+            return self
+        return TorchInt4(self.weight.clone(), self.scale_zeros.clone(), self.group)
+
+    @property
+    def nbytes(self) -> int:
+        if self.cpu_layer is not None:
+            return self.cpu_layer.nbytes
+        return self.weight.nbytes + self.scale_zeros.nbytes
+
+
+def cuda_nibbles(packed: torch.Tensor, K: int) -> torch.Tensor:
+    """4-bit codes ``q`` of a checkpoint's ``weight_packed`` as ``_convert_weight_to_int4pack`` takes
+    them: ``u = q + 8``, uint8 [N, K / 2], the even input in the high nibble (as torchao packs)."""
+    from quant.packing import unpack
+
+    u = unpack(packed.cpu(), 4, K, dim=1).to(torch.int32) + 8
+    return ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def copies_of_kernel_weight(kw, n: int):
@@ -84,35 +162,76 @@ def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, devic
     from runtime.kernels import quant_matmul as qm
 
     K, N = (int(v) for v in shape.split("x"))
-    kw, dense, scheme = quantized_weight(K, N, bits, group, device)
+    kw, dense, scheme, checkpoint = quantized_weight(K, N, bits, group, device)
     dense = dense.to(dtype)
-    q_bytes, w16_bytes = kernel_weight_bytes(kw), dense.numel() * dense.element_size()
+    peer_skipped = torch_int4_unsupported(K, N, bits, group)
+    peer = None if peer_skipped else TorchInt4.build(*checkpoint, K, N, scheme, device)
     enough = 3 * l2_bytes(device) if device.type == "cuda" else 0  # --smoke: two copies
-    q_copies = copies_of_kernel_weight(kw, max(2, math.ceil(enough / q_bytes)))
-    w16_copies = [dense] + [dense.clone() for _ in range(max(2, math.ceil(enough / w16_bytes)) - 1)]
+    q_copies = copies_of_kernel_weight(kw, max(2, math.ceil(enough / kernel_weight_bytes(kw))))
+    w16_copies = [dense] + [dense.clone() for _ in range(max(2, math.ceil(enough / dense.nbytes)) - 1)]
+    peer_copies = peer and [peer] + [peer.clone() for _ in range(max(2, math.ceil(enough / peer.nbytes)) - 1)]
     out = []
     for M in rows:
         x = torch.randn(M, K, device=device, dtype=dtype)
         # correctness first: the kernel against the dense dequantized weight
-        got, want = qm.quant_matmul(x, kw), F.linear(x, dense)
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        err = rel_error(qm.quant_matmul(x, kw), F.linear(x, dense))
         if err > 1e-2:
             raise AssertionError(f"{shape} M={M}: kernel output differs from the dense reference (rel. error {err:.2e})")
         config = qm.choose_config(M, kw, dtype, x.device)  # tuned by the call above
         graph = M <= GRAPH_MAX_M
         t_q = median_seconds_per_call([lambda w=w: qm.quant_matmul(x, w) for w in q_copies], samples, device, graph)[0]
         t_16 = median_seconds_per_call([lambda w=w: F.linear(x, w) for w in w16_copies], samples, device, graph)[0]
+        row = {"shape": shape, "in_features": K, "out_features": N, "M": M, "cuda_graph": graph}
         io_bytes = (M * K + M * N) * x.element_size()
-        flops = 2 * M * N * K
-        for impl, t, w_bytes in (("lowbit", t_q, q_bytes), ("torch-fp16", t_16, w16_bytes)):
-            out.append({
-                "shape": shape, "in_features": K, "out_features": N, "M": M, "impl": impl,
-                "median_s": t, "tflops": flops / t / 1e12, "gb_per_s": (w_bytes + io_bytes) / t / 1e9,
-                "weight_bytes": w_bytes, "cuda_graph": graph,
-                **({"config": config.__dict__, "rel_error_vs_dense": err} if impl == "lowbit" else {}),
-            })
+        for impl, t, w_bytes, extra in (("lowbit", t_q, kernel_weight_bytes(kw),
+                                         {"config": config.__dict__, "rel_error_vs_dense": err, "activations": str(dtype)}),
+                                        ("torch-fp16", t_16, dense.nbytes, {"activations": str(dtype)})):
+            out.append({**row, "impl": impl, **timing(t, M, N, K, w_bytes + io_bytes), "weight_bytes": w_bytes, **extra})
+        out.append({**row, "impl": "torch-int4", **time_torch_int4(peer_copies, peer_skipped, x, dense, samples, device,
+                                                                    graph)})
+        t_i4 = out[-1].get("median_s")
         print(f"{shape:>11} M={M:<5} lowbit {t_q * 1e6:9.1f} us   fp16 {t_16 * 1e6:9.1f} us   "
-              f"speedup {t_16 / t_q:5.2f}x   {out[-2]['gb_per_s']:7.0f} GB/s  {out[-2]['tflops']:6.1f} TFLOP/s", flush=True)
+              + (f"torch-int4 {t_i4 * 1e6:9.1f} us   " if t_i4 else f"torch-int4 {out[-1]['status']}   ")
+              + f"vs fp16 {t_16 / t_q:5.2f}x" + (f"  vs int4 {t_i4 / t_q:5.2f}x" if t_i4 else "")
+              + f"   {out[-3]['gb_per_s']:7.0f} GB/s  {out[-3]['tflops']:6.1f} TFLOP/s", flush=True)
+    return out
+
+
+def timing(t: float, M: int, N: int, K: int, nbytes: int) -> dict:
+    return {"median_s": t, "tflops": 2 * M * N * K / t / 1e12, "gb_per_s": nbytes / t / 1e9}
+
+
+def time_torch_int4(copies, skipped: str | None, x, dense, samples: int, device, graph: bool) -> dict:
+    """PyTorch's int4 kernel on ``x`` (in bf16), checked against the dense weight first. A layer it
+    cannot take, an error, or a wrong result is recorded (``status``) and ours is still measured."""
+    if skipped:
+        return {"status": "unsupported", "reason": skipped}
+    M, K = x.shape
+    N = dense.shape[0]
+    xb = x.to(torch.bfloat16)
+    try:
+        err = rel_error(copies[0](xb), F.linear(xb, dense.to(torch.bfloat16)))
+        if not err <= 2e-2:  # bf16 activations and output: a looser bound than ours in fp16
+            return {"status": "wrong", "rel_error_vs_dense": err}
+        t = median_seconds_per_call([lambda w=w: w(xb) for w in copies], samples, device, graph)[0]
+    except Exception as e:  # noqa: BLE001 - the peer failing must not lose our own measurement
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    w_bytes = copies[0].nbytes
+    return {"status": "ok", **timing(t, M, N, K, w_bytes + (M * K + M * N) * 2), "weight_bytes": w_bytes,
+            "rel_error_vs_dense": err, "activations": "torch.bfloat16", "inner_k_tiles": TORCH_INT4_INNER_K_TILES}
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    """Per shape and M: our speed-up over cuBLAS fp16 and over PyTorch's int4 kernel (None where
+    the peer did not run)."""
+    by = {(r["shape"], r["M"], r["impl"]): r for r in results}
+    out = []
+    for (shape, M, impl), r in by.items():
+        if impl != "lowbit":
+            continue
+        peers = {name: by.get((shape, M, name), {}).get("median_s") for name in ("torch-fp16", "torch-int4")}
+        out.append({"shape": shape, "M": M,
+                    **{f"vs_{name.replace('-', '_')}": t and t / r["median_s"] for name, t in peers.items()}})
     return out
 
 
@@ -147,6 +266,13 @@ def targets(results: list[dict], ceilings: dict) -> list[dict]:
     for c in checks:
         c["met"] = None if c["measured"] is None else c["measured"] >= c["goal"]
     return checks
+
+
+def with_triton(block: dict, code_version: str) -> dict:
+    """The provenance block with the Triton version beside torch's (a speed figure is read with both)."""
+    import triton
+
+    return {**block, "commit": code_version, "versions": {**block["versions"], "triton": triton.__version__}}
 
 
 def main(argv=None):
@@ -187,14 +313,18 @@ def main(argv=None):
     name = "cpu-smoke" if args.smoke else torch.cuda.get_device_name(device)
     record = {
         "benchmark": "bench/kernels.py",
-        "provenance": {**provenance(device), "commit": code_version},
+        "provenance": with_triton(provenance(device), code_version),
         "scheme": f"w{args.bits} g{args.group} asymmetric (scales {args.dtype}, int8 zero points)",
         "activations": args.dtype,
+        "peers": ("torch-fp16: F.linear on the dense weight (cuBLAS); torch-int4: aten._weight_int4pack_mm "
+                  f"(tinygemm, inner K tiles {TORCH_INT4_INNER_K_TILES}, bf16 activations) on the same codes, "
+                  "scales and zero points; ratios = peer time / our time"),
         "method": ("median of per-call times; each sample calls once per weight copy, copies together 3x L2; "
                    f"CUDA graphs for M <= {GRAPH_MAX_M}; GB/s counts weight + scales + zeros + activations + "
                    "output bytes; TFLOP/s = 2 M N K / t"),
         "ceilings": ceilings,
         "results": results,
+        "ratios": ratios(results),
         "targets": targets(results, ceilings),
         "wall_s": time.time() - started,
         "smoke": args.smoke,

@@ -66,3 +66,64 @@ def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
     assert "no CUDA device" in record["stages"]["weights"]["error"]
     assert "needs a CUDA device" in record["stages"]["kernel-speed"]["error"]
     assert "FAIL" in proc.stdout
+
+
+def test_smoke_is_refused_where_the_interpreter_is_broken(monkeypatch, capsys):
+    """The lent GPU machine (triton 3.6.0, numpy 2.5.2) cannot run the interpreter: --smoke says so
+    instead of failing every kernel; the real stages never inherit TRITON_INTERPRET."""
+    import pytest
+
+    from bench import gpu_check, gpu_stages
+
+    assert "numpy 2.5.2" in gpu_stages.interpreter_problem("3.6.0", "2.5.2")
+    assert gpu_stages.interpreter_problem("3.6.0", "2.3.5") is None
+    assert gpu_stages.interpreter_problem("3.9.0", "2.5.2") is None
+    monkeypatch.setattr(gpu_stages, "interpreter_problem", lambda: "the Triton 3.6.0 interpreter fails")
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--smoke", "--out", "unused.json"])
+    assert exit_.value.code == 2 and "interpreter fails" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET" not in gpu_check.child_env(smoke=False, commit="abc1234")
+
+
+def test_the_tests_stage_lists_what_it_skipped_for_absent_packages(tmp_path):
+    """Without greenlet (as on the GPU machine) the GPTQ/AWQ checkpoint tests skip, and the stage's
+    result names them as skipped for an absent package, not failed."""
+    from bench import gpu_stages
+
+    shadow = tmp_path / "greenlet"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'greenlet'\", name='greenlet')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = gpu_stages.run_pytest(["tests/test_kernels_linear.py"], env=env,
+                                   args=("-k", "checkpoints_run_through_the_kernels_unchanged and (gptq or awq)"))
+    assert result["passed"] and result["counts"].get("skipped") == 2, result
+    assert sum(s["tests"] for s in result["skipped_for_absent_packages"]) == 2
+    assert all("greenlet" in s["reason"] for s in result["skipped_for_absent_packages"])
+
+
+def test_the_torch_int4_peer_matches_the_dense_weight_and_takes_cudas_layout():
+    """bench/kernels.py's peer, PyTorch's int4 kernel, from the same checkpoint tensors as ours: on
+    CPU (the CPU variants) it gives the dense weight's product; the CUDA operands have the layout
+    and types ``_convert_weight_to_int4pack`` / ``_weight_int4pack_mm`` check (their meta kernels,
+    under fake tensors), so the first lent GPU does not stop on an argument."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.kernels import TORCH_INT4_INNER_K_TILES, TorchInt4, cuda_nibbles, quantized_weight, rel_error
+    from quant.packing import unpack
+
+    K, N = 256, 64
+    _, dense, scheme, checkpoint = quantized_weight(K, N, 4, 128, torch.device("cpu"))
+    peer = TorchInt4.build(*checkpoint, K, N, scheme, "cpu")
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    assert rel_error(peer(x), F.linear(x, dense.to(torch.bfloat16))) < 2e-2
+    nibbles, u = cuda_nibbles(checkpoint[0], K), unpack(checkpoint[0], 4, K, dim=1) + 8
+    assert nibbles.dtype == torch.uint8 and torch.equal(nibbles >> 4, u[:, ::2].to(torch.uint8))
+    assert torch.equal(nibbles & 15, u[:, 1::2].to(torch.uint8))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_gpu = TorchInt4.on_device(nibbles, peer.cpu_layer.scale_zeros, peer.group, "cpu")
+        out = on_gpu(torch.empty(3, K, dtype=torch.float16))
+    assert tuple(on_gpu.weight.shape) == (N // 8, K // (TORCH_INT4_INNER_K_TILES * 16), 32, TORCH_INT4_INNER_K_TILES // 2)
+    assert tuple(out.shape) == (3, N) and out.dtype == torch.bfloat16

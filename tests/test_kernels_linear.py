@@ -289,6 +289,8 @@ def test_quant_linear_keeps_the_reference_where_kernels_cannot_run(kernels_on_cp
 def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu, monkeypatch, method):
     """RTN, GPTQ (act-order with g_idx) and AWQ checkpoints, saved by quant and loaded by runtime,
     give the same logits through the kernels (prefill and a one-token step) as through the reference."""
+    if method != "rtn":  # calibration's lockstep pass; the lent GPU machine lacks greenlet (gpu_check says so)
+        pytest.importorskip("greenlet", reason="GPTQ and AWQ calibrate through greenlet, absent here")
     import runtime
     from quant import checkpoint
     from quant.awq import AWQConfig
