@@ -98,6 +98,9 @@ def safetensors_weight_bytes(directory: Path) -> int | None:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return None
+    from quant.checkpoint import check_contained
+
+    check_contained(directory)  # headers read only from the directory's own files
     total = 0
     for file in files:
         for info in read_header(file).values():

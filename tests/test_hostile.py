@@ -319,3 +319,10 @@ def test_generate_chat_with_a_looping_template_stops_at_the_time_limit(copy, mon
     one_line_error(run("generate", copy, "--prompt", "hi", "--chat", "--max-new-tokens", 2), "chat template",
                    "time limit of 0.5 s")
     assert time.perf_counter() - started < 10
+
+
+def test_plan_reads_no_weights_file_linked_from_elsewhere(tmp_path, source):
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(source / "model.safetensors", elsewhere)
+    (source / "model.safetensors").symlink_to(elsewhere)
+    one_line_error(run("plan", source, "--memory", "24GB"), "is a link to", "outside")
