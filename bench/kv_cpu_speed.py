@@ -140,7 +140,7 @@ def main():
 
         protocol = Protocol(window=WINDOW, stride=STRIDE, tokens=STRIDE * (args.windows + 1))
         text_ids = tokenize_text(models["after"].tokenizer, load_text("default"), protocol)
-        spans = [(a, b) for a, b, _ in windows(len(text_ids), protocol)]
+        spans = [(a, b) for a, b, _ in windows(len(text_ids), protocol)][:args.windows]  # 0: decode only
         eval_s = {p: [] for p in pairs}
         same_logits = {n: True for n in SCHEMES}
         for w, (a, b) in enumerate(spans):
@@ -189,9 +189,9 @@ def main():
         "schemes": {n: s.to_dict() for n, s in schemes["after"].items()},
         "eval": {
             "window_s": {f"{v} {n}": t for (v, n), t in eval_s.items()},
-            "median_window": {f"{v} {n}": medians(t) for (v, n), t in eval_s.items()},
-            "vs_fp16": {v: ratios({n: eval_s[v, n] for n in SCHEMES}) for v in versions},
-            "logits_identical_before_after": same_logits,
+            "median_window": {f"{v} {n}": medians(t) for (v, n), t in eval_s.items()} if spans else None,
+            "vs_fp16": {v: ratios({n: eval_s[v, n] for n in SCHEMES}) for v in versions} if spans else None,
+            "logits_identical_before_after": same_logits if spans else None,
         },
         "decode": decode,
         "before": args.before,
