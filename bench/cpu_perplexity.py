@@ -46,7 +46,7 @@ def main():
             model = runtime.load(path, cpu_kernels=kernels)
             ids = tokenize_text(model.tokenizer, load_text("default"), protocol)
             with torch.inference_mode():
-                row[name] = perplexity(model.logits, ids, protocol, progress=False).perplexity
+                row[name] = perplexity(model.logits, ids, protocol, progress=False).ppl
             del model
         row["relative_difference"] = row["cpu_kernels"] / row["dense_reference"] - 1
         rows.append(row)
