@@ -12,27 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quant import checkpoint
-from test_trust import run, write_recipe
-from tiny import save_model, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_llama(hidden=64)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, model_dir):
-    where = tmp_path_factory.mktemp("q")
-    result = run("quantize", write_recipe(where, model_dir))
-    assert result.exit_code == 0, result.output
-    return where / "ckpt"
-
-
-@pytest.fixture
-def copy(ckpt, tmp_path):
-    return shutil.copytree(ckpt, tmp_path / "copy")
+from test_trust import ckpt, copy, model_dir, run, write_recipe  # noqa: F401 - the same tiny model and checkpoint fixtures
+from tiny import tiny_llama
 
 
 @pytest.fixture
