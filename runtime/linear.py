@@ -72,7 +72,7 @@ class QuantLinear(nn.Module):
         layers sent back by ``fall_back``, multiply with a dense weight dequantized once here
         (``cpu_kernels=False``: every layer, the reference that tests compare at float32 precision).
         """
-        if self.weight_scale.is_cuda and self._kernels_can_run(dtype):
+        if self.weight_scale.is_cuda and self.kernels_can_run(dtype):
             self._kernel, self._dense = self.kernel_weight(), None
         elif self.weight_scale.device.type == "cpu" and cpu_kernels and self._cpu_can_run():
             if self._cpu is None:
@@ -124,7 +124,13 @@ class QuantLinear(nn.Module):
         """Why this layer cannot run the kernels (None: it can, or nothing has asked yet)."""
         return self._kernel_unsupported or self._cpu_unsupported or None
 
-    def _kernels_can_run(self, dtype: torch.dtype) -> bool:
+    @property
+    def on_cpu_kernel(self) -> bool:
+        """Whether this layer runs PyTorch's CPU weight-only kernel (chosen by ``materialize``)."""
+        return self._cpu is not None
+
+    def kernels_can_run(self, dtype: torch.dtype) -> bool:
+        """Whether the Triton kernels take this layer with ``dtype`` activations (warns why not)."""
         if self._kernel_unsupported is None:
             reason = weight_layout.unsupported_reason(self.scheme, self.in_features, getattr(self, "weight_g_idx", None))
             self._kernel_unsupported = reason or ""
@@ -149,7 +155,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The dispatch point: CUDA inputs go to the fused Triton kernels, CPU inputs to the CPU kernels
         # when materialize chose them, everything else to the reference.
-        if runs_kernels(x) and self._kernels_can_run(x.dtype):
+        if runs_kernels(x) and self.kernels_can_run(x.dtype):
             from runtime.kernels import quant_matmul  # imports triton: only where kernels run
 
             if self._kernel is None or self._kernel.qweight.device != x.device:

@@ -87,11 +87,11 @@ def linear_configs(decoder, dtype: torch.dtype, tuned_up_to: int | None = None) 
         first = layers[0]
         device = first.weight_scale.device  # (on CPU the packed codes may live in the CPU kernel's copy)
         on_kernels = runs_kernels(first.weight_scale)
-        fused = on_kernels and first._kernels_can_run(dtype)
+        fused = on_kernels and first.kernels_can_run(dtype)
         description = (f"{shape[0]}, {shape[2]}->{shape[1]}{', bias' if shape[3] else ''}"
                        f"{', act-order' if shape[4] else ''}, {dtype_name(dtype)}: {'/'.join(sorted(names[shape]))}"
                        f" x{len(layers)}")
-        cpu_kernel = getattr(first, "_cpu", None) is not None
+        cpu_kernel = first.on_cpu_kernel
         why = None if fused else (first._kernel_unsupported or (
             f"{dtype_name(dtype)} activations (the kernels take float16 and bfloat16)" if on_kernels else
             CPU_LINEAR if cpu_kernel else CPU_ONLY))
