@@ -12,6 +12,7 @@ import torch
 
 from lowbit.recipe import Recipe, RecipeError
 from quant import checkpoint, distributed, models
+from quant import checkpoint_write
 from quant.calibration import calibration_samples, load_calibration_text
 from quant.affine import QuantScheme
 from quant.plan import plan_layers
@@ -42,7 +43,7 @@ def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, devi
     holds the output for the whole run (a second run to it fails at once, naming this one)."""
     if not distributed.current().main:
         return _quantize(recipe, overwrite, resume, device, progress)
-    with checkpoint.claim_output(Path(recipe.output)):
+    with checkpoint_write.claim_output(Path(recipe.output)):
         return _quantize(recipe, overwrite, resume, device, progress)
 
 
@@ -55,7 +56,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     run_id = json.dumps(recipe.to_dict(), sort_keys=True)
     world.agree("the recipe", json.dumps([run_id, overwrite, resume]))
     if world.main:
-        checkpoint.check_output(output, overwrite)  # fail before the slow work, and again at the final move
+        checkpoint_write.check_output(output, overwrite)  # fail before the slow work, and again at the final move
     with world.rank0_first():  # a download or conversion into the shared cache happens once
         source = models.resolve(recipe.model)
     checkpoint.check_contained(source)  # its index and links name only files inside it (no manifest needed)
@@ -71,7 +72,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
                          "ranks yet): run this recipe without torchrun / --ranks")
     if world.main:  # a calibrated run also keeps its finished layers in a work directory beside the output
         need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
-        checkpoint.check_output(output, overwrite, need_bytes=need)
+        checkpoint_write.check_output(output, overwrite, need_bytes=need)
     cfg = runtime.check_supported(checkpoint.read_config(source))
     try:
         recipe.kv_cache.check_head_dim(cfg.head_dim)
@@ -126,7 +127,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     if budget is not None:
         manifest["budget"] = budget
     if world.main:
-        checkpoint.save(model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest,
+        checkpoint_write.save(model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest,
                         overwrite=overwrite)
     world.barrier()  # the checkpoint is in place before any rank drops its share of the progress
     if work_dir is not None:

@@ -65,7 +65,8 @@ def _gguf_file(alias: str) -> Path:
 
 
 def _converted_alias(alias: str) -> Path:
-    from quant.checkpoint import MANIFEST, staged_output, write_manifest
+    from quant.checkpoint import MANIFEST
+    from quant.checkpoint_write import staged_output, write_manifest
 
     target = cache_dir() / "models" / alias
     if (target / "config.json").exists():

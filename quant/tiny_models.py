@@ -196,7 +196,7 @@ def with_outlier_channels(model, channels=(3, 17, 40, 51), factor=8.0):
 def quantized_checkpoint(kind, tmp_path, methods="rtn", seed=4, outliers=False):
     """A W4 (group 32, asymmetric) checkpoint of a tiny model: (path, model holding the quantized weights,
     the quantization statistics)."""
-    from quant import checkpoint
+    from quant import checkpoint_write
     from quant.affine import QuantScheme
     from quant.awq import AWQConfig
     from quant.plan import plan_layers
@@ -209,5 +209,5 @@ def quantized_checkpoint(kind, tmp_path, methods="rtn", seed=4, outliers=False):
     samples = ids_for(model, n=16, length=32, seed=0) if methods != "rtn" else None
     quantized, stats = quantize_model(model, plan, methods, samples=samples, progress=False,
                                       awq=AWQConfig(search_samples=8))
-    out = checkpoint.save(model, quantized, tmp_path / f"{kind}-{methods}", tokenizer=tok, dtype=torch.float32)
+    out = checkpoint_write.save(model, quantized, tmp_path / f"{kind}-{methods}", tokenizer=tok, dtype=torch.float32)
     return out, model, stats

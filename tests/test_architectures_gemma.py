@@ -11,7 +11,7 @@ import torch
 
 import runtime
 from kvquant import KVScheme, parse_kv
-from quant import architectures, checkpoint
+from quant import architectures, checkpoint_write
 from quant.affine import QuantScheme
 from quant.awq import apply_scale, scale_mappings
 from quant.plan import plan_layers
@@ -197,7 +197,7 @@ def test_a_quantized_gemma3_multimodal_checkpoint_runs_in_lowbit_and_in_transfor
     plan = plan_layers(full, QuantScheme(4, 32, symmetric=False), ["lm_head", "re:.*vision_tower.*"])
     assert all(n.startswith("model.language_model.layers.") for n in plan)
     quantized, _ = quantize_model(full, plan, "gptq", samples=ids_for(text, n=8, length=16, seed=0), progress=False)
-    out = checkpoint.save(full, quantized, tmp_path / "q", tokenizer=tok, dtype=torch.float32)
+    out = checkpoint_write.save(full, quantized, tmp_path / "q", tokenizer=tok, dtype=torch.float32)
     ids = ids_for(text)
     theirs = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -9,6 +9,7 @@ import torch
 
 from lowbit.recipe import RecipeError, parse_recipe
 from quant import checkpoint
+from quant import checkpoint_write
 from quant.affine import QuantScheme
 from quant import budget as budget_module
 from quant.budget import Candidate, assign, measure_sensitivities
@@ -57,7 +58,7 @@ def test_stored_bytes_is_what_lowbit_eval_counts(tmp_path):
         written = qw.to_tensors(name, torch.bfloat16)
         del written[f"{name}.weight_shape"]
         assert stored_bytes(tuple(qw.q.shape), plan[name], torch.bfloat16) == sum(t.nbytes for t in written.values())
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.bfloat16)
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.bfloat16)
     priced = sum(stored_bytes(tuple(model.get_submodule(n).weight.shape), s, torch.bfloat16) for n, s in plan.items())
     assert weight_stats(out).quantized_bytes == priced
 

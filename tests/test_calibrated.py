@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from quant import architectures, checkpoint
+from quant import architectures, checkpoint_write
 from quant.affine import QuantScheme, fake_quantize
 from quant.architectures import UnsupportedModelError, architecture, architecture_of
 from quant.awq import AWQConfig, apply_awq, scale_mappings
@@ -110,7 +110,7 @@ def test_calibrated_methods_lower_output_error_and_load_everywhere(tmp_path, met
     else:  # GPTQ must win outright
         errors = [(s["output_rel_error"], s["output_rel_error_rtn"]) for s in stats.values()]
         assert sum(e for e, _ in errors) < sum(r for _, r in errors)
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
     test_ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(9))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -288,7 +288,7 @@ def test_pipeline_is_generic_over_decoder_families(tmp_path, kind):
                                       progress=False)
     assert set(quantized) == set(plan)
     assert sum(s["output_rel_error"] for s in stats.values()) < sum(s["output_rel_error_rtn"] for s in stats.values())
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
     test_ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():  # the model object holds the quantized weights (AWQ's scales folded in)
         expected = model(test_ids).logits

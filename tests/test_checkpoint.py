@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from quant import checkpoint
+from quant import checkpoint_write
 from quant.affine import QuantScheme
 from quant.format import QuantizedWeight, linear_schemes
 from quant.plan import Override, plan_layers
@@ -17,7 +18,7 @@ def quantized_tiny(tmp_path, scheme=QuantScheme(4, 32, False), ignore=("lm_head"
     model, tokenizer = tiny_llama(tie=tie)
     plan = plan_layers(model, scheme, list(ignore), list(overrides))
     quantized, stats = quantize_model(model, plan, progress=False)
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tokenizer, manifest={"layers": stats}, **save)
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tokenizer, manifest={"layers": stats}, **save)
     return model, quantized, out
 
 
@@ -125,7 +126,7 @@ def test_interrupted_save_leaves_nothing_behind(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=Interrupting())
+        checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=Interrupting())
     assert list(tmp_path.iterdir()) == []
 
 

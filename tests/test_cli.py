@@ -176,15 +176,15 @@ def test_unreachable_hub_id_says_what_to_do_offline(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_during_quantize_leaves_nothing(tmp_path, model_dir, monkeypatch):
-    import quant.checkpoint
+    import quant.checkpoint_write
 
-    real_write = quant.checkpoint.write_safetensors
+    real_write = quant.checkpoint_write.write_safetensors
 
     def interrupted(tensors, directory):
         real_write(tensors, directory)  # half the work is on disk when the user presses Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(quant.checkpoint, "write_safetensors", interrupted)
+    monkeypatch.setattr(quant.checkpoint_write, "write_safetensors", interrupted)
     recipe = write_recipe(tmp_path / "r.yaml", model_dir)
     result = CliRunner().invoke(main, ["quantize", str(recipe)])
     assert result.exit_code == 130 and "interrupted" in result.output

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quant import checkpoint
+from quant import checkpoint_write
 from test_trust import ckpt, copy, model_dir, run, write_recipe  # noqa: F401 - the same tiny model and checkpoint fixtures
 from tiny import tiny_llama
 
@@ -86,7 +87,7 @@ def test_a_header_length_beyond_the_file_is_an_error_not_a_memory_error(copy, le
     weights = copy / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(struct.pack("<Q", length) + data[8:])
-    checkpoint.write_manifest(copy, {"producer": "lowbit"})  # the manifest rewritten to match: still refused
+    checkpoint_write.write_manifest(copy, {"producer": "lowbit"})  # the manifest rewritten to match: still refused
     for command in (["inspect", copy], ["plan", copy, "--memory", "24GB"],
                     ["generate", copy, "--prompt", "a", "--max-new-tokens", 2]):
         one_line_error(run(*command), "model.safetensors", "header")
@@ -99,7 +100,7 @@ def with_nan_scale(copy, value=float("nan")) -> str:
     name = sorted(k for k in tensors if k.endswith(".weight_scale"))[3]
     tensors[name][0, 0] = value
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
-    checkpoint.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))  # "rewritten"
+    checkpoint_write.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))  # "rewritten"
     return name
 
 
@@ -130,7 +131,7 @@ def test_a_config_that_does_not_fit_the_weights_is_one_error_naming_the_key(copy
     config = json.loads((copy / "config.json").read_text())
     config[key] = value
     (copy / "config.json").write_text(json.dumps(config))
-    checkpoint.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))
+    checkpoint_write.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))
     for command in (["inspect", copy], ["generate", copy, "--prompt", "a", "--max-new-tokens", 2]):
         one_line_error(run(*command), f"{key} is {value!r}", says)
 
@@ -178,7 +179,7 @@ def test_a_disk_that_fills_during_the_save_is_one_line_and_leaves_nothing(tmp_pa
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                               'message: "No space left on device" })')
 
-    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(checkpoint_write, "save_file", full_disk)
     one_line_error(run("quantize", write_recipe(tmp_path, model_dir)), "disk filled", str(tmp_path / "ckpt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no partial, no claim left
 
@@ -189,8 +190,8 @@ def test_a_second_quantize_to_the_same_output_fails_naming_the_first(tmp_path, m
 
     output = tmp_path / "ckpt"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from quant import checkpoint\n"
-         f"with checkpoint.claim_output({str(output)!r}):\n    print('held', flush=True); time.sleep(60)"],
+        [sys.executable, "-c", "import sys, time; from quant import checkpoint_write\n"
+         f"with checkpoint_write.claim_output({str(output)!r}):\n    print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -208,16 +209,16 @@ def test_a_second_quantize_to_the_same_output_fails_naming_the_first(tmp_path, m
 def test_an_output_that_appears_during_the_run_is_not_replaced(tmp_path, monkeypatch):
     model, tokenizer = tiny_llama(hidden=64)
     output = tmp_path / "ckpt"
-    real = checkpoint.write_manifest
+    real = checkpoint_write.write_manifest
 
     def another_run_finishes_first(directory, info):
         output.mkdir(exist_ok=True)
         (output / "theirs").write_text("kept")
         real(directory, info)
 
-    monkeypatch.setattr(checkpoint, "write_manifest", another_run_finishes_first)
+    monkeypatch.setattr(checkpoint_write, "write_manifest", another_run_finishes_first)
     with pytest.raises(FileExistsError, match="appeared while this run worked"):
-        checkpoint.save(model, {}, output, tokenizer=tokenizer)
+        checkpoint_write.save(model, {}, output, tokenizer=tokenizer)
     assert [p.name for p in output.iterdir()] == ["theirs"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
@@ -294,7 +295,7 @@ def test_generate_chat_with_a_looping_template_stops_at_the_time_limit(copy, mon
     (copy / "tokenizer_config.json").write_text(json.dumps(config))
     for template_file in copy.glob("chat_template.*"):
         template_file.unlink()
-    checkpoint.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))
+    checkpoint_write.write_manifest(copy, json.loads((copy / checkpoint.MANIFEST).read_text()))
     monkeypatch.setattr(lowbit.chat_template, "RENDER_TIME_LIMIT_S", 0.5)
     started = time.perf_counter()
     one_line_error(run("generate", copy, "--prompt", "hi", "--chat", "--max-new-tokens", 2), "chat template",

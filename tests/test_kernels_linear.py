@@ -293,6 +293,7 @@ def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu,
         pytest.importorskip("greenlet", reason="GPTQ and AWQ calibrate through greenlet, absent here")
     import runtime
     from quant import checkpoint
+    from quant import checkpoint_write
     from quant.awq import AWQConfig
     from quant.plan import plan_layers
     from quant.quantize import quantize_model
@@ -306,7 +307,7 @@ def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu,
         warnings.simplefilter("ignore")
         quantized, _ = quantize_model(model, plan, method, samples=None if method == "rtn" else calib,
                                       awq=AWQConfig(search_samples=4), progress=False)
-    path = checkpoint.save(model, quantized, tmp_path / method, tokenizer=tok, dtype=torch.bfloat16)
+    path = checkpoint_write.save(model, quantized, tmp_path / method, tokenizer=tok, dtype=torch.bfloat16)
     if method == "gptq":
         assert any(k.endswith("weight_g_idx") for k in checkpoint.read_tensors(path))
     ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(2))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quant import architectures, checkpoint
+from quant import checkpoint_write
 from quant import methods as registry
 from quant.affine import QuantScheme
 from quant.awq import AWQConfig
@@ -77,7 +78,7 @@ def test_checkpoints_from_todays_recipes_stay_bit_identical(tmp_path, case):
     ids = torch.randint(0, source.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(3))
     quantized, _ = quantize_model(model, plan, names, samples=ids if calibrated else None, scale_dtype=torch.bfloat16,
                                   progress=False, lazy=lazy, **settings)
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.bfloat16)
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.bfloat16)
     assert checkpoint_digest(out) == REFERENCE[case]
 
 

@@ -10,6 +10,7 @@ import torch
 import runtime
 from evals import planner
 from quant import checkpoint
+from quant import checkpoint_write
 from quant.affine import QuantScheme
 from quant.architectures import MissingConfigKey
 from quant.moe import CalibrationMoE, route, routed_counts, set_statistics, unfuse_experts
@@ -40,7 +41,7 @@ def quantize_and_save(kind, tmp_path, methods="rtn", scheme=W4, samples=None, **
     unfuse_experts(model)
     plan = plan_layers(model, scheme, ["lm_head"])
     quantized, stats = quantize_model(model, plan, methods, samples=samples, progress=False, **settings)
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, manifest={"layers": stats})
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, manifest={"layers": stats})
     return model, quantized, stats, out
 
 

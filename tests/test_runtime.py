@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import runtime
 from quant import checkpoint
+from quant import checkpoint_write
 from quant.affine import QuantScheme, choose_qparams, fake_quantize, quantize
 from quant.format import quantization_config
 from quant.packing import pack
@@ -124,7 +125,7 @@ def test_quant_linear_with_act_order_groups():
 
 
 def write_quantized(model, tok, path, plan: dict[str, QuantScheme]):
-    """Our own minimal pack-quantized writer (independent of quant.checkpoint.save): packs the
+    """Our own minimal pack-quantized writer (independent of quant.checkpoint_write.save): packs the
     planned Linears and leaves ``model`` holding the fake-quantized weights to compare with."""
     path.mkdir()
     tensors = {}
@@ -178,7 +179,7 @@ def test_quantized_checkpoint_matches_transformers_with_compressed_tensors(tmp_p
     model, tok = tiny_llama(seed=4)
     plan = plan_layers(model, QuantScheme(4, 32, symmetric=False), ["lm_head"])
     quantized, _ = quantize_model(model, plan, progress=False)
-    out = checkpoint.save(model, quantized, tmp_path / "q", tokenizer=tok, dtype=torch.float32)
+    out = checkpoint_write.save(model, quantized, tmp_path / "q", tokenizer=tok, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(5))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -29,7 +29,7 @@ GATE_UP = 320  # out_features of the joined gate/up Linear of the tiny model (2 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A W4 g32 asymmetric checkpoint of a one-layer tiny Llama (four distinct Linear shapes)."""
-    from quant import checkpoint as ckpt
+    from quant import checkpoint_write
     from quant.plan import plan_layers
     from quant.quantize import quantize_model
     from tiny import tiny_llama
@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
     model, tok = tiny_llama(hidden=64, layers=1, initializer_range=0.3)
     plan = plan_layers(model, QuantScheme(4, 32, symmetric=False), ["lm_head"])
     quantized, _ = quantize_model(model, plan, "rtn", progress=False)
-    return ckpt.save(model, quantized, tmp_path_factory.mktemp("selfcheck") / "w4", tokenizer=tok, dtype=torch.float16)
+    return checkpoint_write.save(model, quantized, tmp_path_factory.mktemp("selfcheck") / "w4", tokenizer=tok, dtype=torch.float16)
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowbit.recipe import RecipeError, parse_recipe
-from quant import checkpoint, rtn
+from quant import checkpoint_write, rtn
 from quant.affine import QuantScheme, choose_qparams
 from quant.learned_rounding import SignRoundConfig, learn_rounding
 from quant.plan import plan_layers
@@ -92,7 +92,7 @@ def test_signround_checkpoint_loads_in_transformers_and_lowbit(tmp_path):
     assert all(s["signround"]["loss_best"] < s["signround"]["loss_first"] for s in stats.values())
     with torch.no_grad():  # the whole model's output: closer to the float model's than RTN's is
         assert (model(ids).logits - reference).pow(2).mean() < (rtn_model(ids).logits - reference).pow(2).mean()
-    out = checkpoint.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
+    out = checkpoint_write.save(model, quantized, tmp_path / "ckpt", tokenizer=tok, dtype=torch.float32)
     test_ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(9))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -101,7 +101,7 @@ def test_an_unwritable_output_fails_before_the_work(tmp_path, model_dir, monkeyp
 def test_a_full_disk_fails_before_the_work(tmp_path, model_dir, monkeypatch):
     no_quantization(monkeypatch)
     full = shutil._ntuple_diskusage(total=10**9, used=10**9 - 1000, free=1000)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
     result = run("quantize", write_recipe(tmp_path, model_dir))
     assert result.exit_code == 1 and "not enough disk space" in result.output
     assert not (tmp_path / "ckpt").exists()
