@@ -31,7 +31,7 @@ the bytes each path must read (cache data, scales and zero points, residual, que
 bandwidth (``evals.diagnose.measure_ceilings``) measured in the same run. Each fused result is
 checked against SDPA over the same dequantized cache before it is timed.
 
-Results: ``bench/results/attention-<device>-<commit>.json``, with device, versions, commit, the
+Results: ``bench/results/gpu/attention-<device>-<commit>.json``, with device, versions, commit, the
 raw numbers, and issue 15's targets evaluated on them (``TARGETS``, ``TARGET_BW_FRACTION``).
 """
 
@@ -239,7 +239,7 @@ def main(argv=None):
     ap.add_argument("--contexts", nargs="*", type=int, default=CONTEXTS)
     ap.add_argument("--schemes", nargs="*", default=SCHEMES, choices=["fp16", "int8", "int4", "int2", "fp8"])
     ap.add_argument("--samples", type=int, default=30, help="timed samples per case (median reported)")
-    ap.add_argument("--out", type=Path, help="default: bench/results/attention-<device>-<commit>.json")
+    ap.add_argument("--out", type=Path, help="default: bench/results/gpu/attention-<device>-<commit>.json")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default launch configuration")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes: tests this script")
     args = ap.parse_args(argv)
@@ -282,7 +282,7 @@ def main(argv=None):
                   "evals.diagnose.measure_ceilings in the same run",
         "rows": rows, "targets": [] if args.smoke else evaluate_targets(rows, copy_bw),
     }
-    out = args.out or ROOT / "bench" / "results" / f"attention-{device_slug(device_name)}-{code_version}.json"
+    out = args.out or ROOT / "bench" / "results" / "gpu" / f"attention-{device_slug(device_name)}-{code_version}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     if args.smoke:

@@ -1,7 +1,7 @@
 """Which part of a budgeted mix wins or loses? The mix with one kind of its choices undone at a time.
 
-    python bench/budget_ablation.py --pass-file bench/results/budget-fisher16-pass-cpu.json \
-        [--target 4.3125] [--texts persuasion=8192 code=4096] [--out bench/results/budget-ablation-cpu.json]
+    python bench/budget_ablation.py --pass-file bench/results/budget/fisher16-pass.json \
+        [--target 4.3125] [--texts persuasion=8192 code=4096] [--out bench/results/budget/ablation.json]
 
 SmolLM2-135M, RTN with bfloat16 scales, lm_head kept, the assignment
 ``quant.budget.assign`` makes at ``--target`` from the pass file's Fisher sums (as
@@ -54,10 +54,10 @@ def variants(choice: dict) -> dict[str, dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pass-file", type=Path, default=ROOT / "bench" / "results" / "budget-fisher16-pass-cpu.json")
+    ap.add_argument("--pass-file", type=Path, default=ROOT / "bench" / "results" / "budget" / "fisher16-pass.json")
     ap.add_argument("--target", type=float, default=4.3125)
     ap.add_argument("--texts", nargs="*", default=["persuasion=8192", "code=4096"])
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget-ablation-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget" / "ablation.json")
     args = ap.parse_args()
     from evals.perplexity import hf_logits_fn
     from evals.provenance import versions

@@ -1,7 +1,7 @@
 """Perplexity against bits/weight: uniform widths and bits budgets (``weights.target_bits``) side by side.
 
-    python bench/budget_curve.py bench/results/budget-w3-cpu.json bench/results/budget-mix3-cpu.json ... \
-        [--out bench/results/budget-curve-cpu.json]
+    python bench/budget_curve.py bench/results/budget/rtn-w3.json bench/results/budget/rtn-mix3.json ... \
+        [--out bench/results/budget/curve.json]
 
 Reads rows written by ``bench/calibrated.py`` (each with its checkpoint's ``bits_per_weight``; a budget
 row carries its ``budget`` record), keeps one point per row, and writes them as raw JSON plus a text
@@ -125,8 +125,8 @@ def text_plot(pts: list[dict], protocol: str, text: str, width: int = 56, height
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget-curve-cpu.json")
-    ap.add_argument("--plot", type=Path, default=ROOT / "bench" / "results" / "budget-curve-cpu.txt")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget" / "curve.json")
+    ap.add_argument("--plot", type=Path, default=ROOT / "bench" / "results" / "budget" / "curve.txt")
     args = ap.parse_args()
     pts, protocols = points([f.resolve() for f in args.files])
     args.out.write_text(json.dumps({"made_by": "bench/budget_curve.py", "commit": commit(), "protocols": protocols,

@@ -2,7 +2,7 @@
 
     python bench/budget_estimators.py [--samples 8] [--targets 3.296875 4.3125] \
         [--candidates 2:64 3:64 4:64 8:64] [--sets "g64=2:64,3:64,4:64,8:64" ...] \
-        [--texts persuasion=1024 code=512] [--out bench/results/budget-estimators-cpu.json]
+        [--texts persuasion=1024 code=512] [--out bench/results/budget/estimators.json]
 
 SmolLM2-135M, every decoder Linear at each of ``--candidates`` (bits:group; default 2/3/4/8 bits at
 group 64), asymmetric, round-to-nearest with bfloat16 scales (lm_head kept). One float forward and
@@ -151,8 +151,8 @@ def main():
     ap.add_argument("--check-samples", type=int, default=2,
                     help="Calibration samples each row's calibration loss is taken on (0: none).")
     ap.add_argument("--texts", nargs="*", default=["persuasion=1024", "code=512"])
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget-estimators-cpu.json")
-    ap.add_argument("--pass-file", type=Path, default=ROOT / "bench" / "results" / "budget-estimators-pass-cpu.json",
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "budget" / "estimators.json")
+    ap.add_argument("--pass-file", type=Path, default=ROOT / "bench" / "results" / "budget" / "estimators-pass.json",
                     help="The pass's sums: read when the file exists (same samples, every candidate weighed), "
                          "else measured and written.")
     args = ap.parse_args()

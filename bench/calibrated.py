@@ -1,7 +1,7 @@
 """lowbit's calibrated methods against RTN, the float model and llm-compressor, in one run.
 
     python bench/calibrated.py [--methods float rtn gptq awq awq+gptq] \
-        [--peer-python /tmp/lcvenv/bin/python --peer-methods gptq awq] [--out bench/results/calibrated-cpu.json]
+        [--peer-python /tmp/lcvenv/bin/python --peer-methods gptq awq] [--out bench/results/quality/calibrated.json]
 
 Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit (``--bits``), group 64 (``--group``),
 asymmetric, lm_head kept; 128 x 512 calibration tokens from the bundled
@@ -162,7 +162,7 @@ def main():
     ap.add_argument("--group", type=int, default=64, help="Group size of every row, lowbit's and the peers'.")
     ap.add_argument("--texts", nargs="*", default=[f"{t}={n}" for t, n in TEXTS.items()],
                     help="Texts and tokens scored (fewer on a busy machine): persuasion=16384 code=8192")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "calibrated-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality" / "calibrated.json")
     ap.add_argument("--append", action="store_true", help="Add the rows to an existing --out (same protocol).")
     ap.add_argument("--loaded", nargs="*", default=[], metavar="DIR",
                     help="Saved checkpoints to score through lowbit's runtime and (with --peer-python) transformers.")

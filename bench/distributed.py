@@ -106,7 +106,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=16384, help="tokens of each text to score")
-    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/distributed-cpu-COMMIT.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/distributed/calibration-ranks-COMMIT.json")
     args = parser.parse_args()
     from evals.provenance import provenance
 
@@ -127,7 +128,7 @@ def main() -> None:
         "ppl_noise_floor_pct": {t: 100 * (floor["ppl"][t] / one["ppl"][t] - 1) for t in one["ppl"]},
         **provenance(),
     }
-    out = args.out or ROOT / "bench" / "results" / f"distributed-cpu-{commit()}.json"
+    out = args.out or ROOT / "bench" / "results" / "distributed" / f"calibration-ranks-{commit()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
     for run in runs:

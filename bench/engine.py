@@ -7,7 +7,7 @@
     python bench/engine.py --smoke      # the same code on a tiny CPU model: checks the script, times nothing real
 
 The same as ``lowbit bench`` (the code is ``evals/serving.py``). Refuses without a GPU. Writes
-``bench/results/engine-<device>-<commit>.json`` with device, versions and commit.
+``bench/results/engine/<device>-<commit>.json`` with device, versions and commit.
 """
 
 import sys

@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 and Phi-3: what lowbit plans for real-shaped configs, and what quantization costs the
 tiny random models the tests build.
 
-    python bench/families.py [--out bench/results/families-cpu.json]
+    python bench/families.py [--out bench/results/quality/families.json]
 
 * ``lowbit plan`` (``evals.planner``) on google/gemma-3-27b-it's and a Phi-3-mini-128k-shaped
   config.json: bytes per token per KV scheme at 32k context in 80 GB;
@@ -98,7 +98,7 @@ def quality(kind: str, work: Path) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "families-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality" / "families.json")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     code_version = commit()

@@ -22,7 +22,7 @@ they are three times the L2 cache, so weights come from HBM as in a real model; 
 the per-call times is reported. Cases with M <= 256 run as a CUDA graph (as the engine will run
 decode steps; eager launches at these sizes would time the Python launch path), larger M as
 plain launches. Results go to
-``bench/results/<device>-<commit>.json`` with device, versions and commit.
+``bench/results/gpu/kernels-<device>-<commit>.json`` with device, versions and commit.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--samples", type=int, default=30, help="timed samples per case (median reported)")
-    ap.add_argument("--out", type=Path, help="default: bench/results/<device>-<commit>.json")
+    ap.add_argument("--out", type=Path, help="default: bench/results/gpu/kernels-<device>-<commit>.json")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU + Triton interpreter, one tiny shape: checks this script; writes only to --out")
     args = ap.parse_args(argv)
@@ -332,7 +332,7 @@ def main(argv=None):
     if args.smoke and args.out is None:
         print("smoke run: nothing written (its timings mean nothing)")
         return record
-    out = args.out or ROOT / "bench" / "results" / f"{device_slug(name)}-{code_version}.json"
+    out = args.out or ROOT / "bench" / "results" / "gpu" / f"kernels-{device_slug(name)}-{code_version}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {out}")

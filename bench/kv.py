@@ -1,6 +1,6 @@
 """KV-cache quantization on SmolLM2-135M: quality against the fp16 cache, memory, peers.
 
-    python bench/kv.py [--tokens 2048] [--chunk 32] [--out bench/results/kv-cpu.json]
+    python bench/kv.py [--tokens 2048] [--chunk 32] [--out bench/results/kv/perplexity.json]
 
 Every cache runs the same chunked path (``evals.kv``): the bundled Persuasion text
 in windows of 1,024 tokens with stride 512 (each token scored once); each window
@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--skip-peers", action="store_true", help="Only lowbit's caches.")
     ap.add_argument("--peers-from", type=Path, help="Take the transformers rows (fp16 baseline, quanto, HQQ) from an "
                     "earlier result on the same protocol instead of running them again (marked with its commit).")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv" / "perplexity.json")
     args = ap.parse_args()
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it

@@ -1,6 +1,6 @@
 """Choose how much of each group's range the INT2 KV grid spans, on text no result is reported on.
 
-    python bench/kv_range.py [--tokens 4096] [--bits 2] [--out bench/results/kv-range-ratio-cpu.json]
+    python bench/kv_range.py [--tokens 4096] [--bits 2] [--out bench/results/kv/int2-range-ratio.json]
 
 Sweeps ``kvquant.scheme.RANGE_RATIO`` (keys, values) for one bit width and scores each pair
 with KV-perplexity (``evals.kv``: windows of 1,024, stride 512, 512 tokens prefilled, then
@@ -30,7 +30,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--bits", type=int, default=2, choices=[2, 4])
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv-range-ratio-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv" / "int2-range-ratio.json")
     args = ap.parse_args()
 
     code_version = commit()

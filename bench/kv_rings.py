@@ -1,6 +1,6 @@
 """What sliding-window rings save in the KV cache at a long context, measured and planned.
 
-    python bench/kv_rings.py [--context 32768] [--out bench/results/kv-rings-cpu.json]
+    python bench/kv_rings.py [--context 32768] [--out bench/results/kv/rings.json]
 
 Two public shapes (config values as published on the Hugging Face hub):
 
@@ -95,7 +95,7 @@ def shape_report(name: str, config: dict, context: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv-rings-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv" / "rings.json")
     args = ap.parse_args(argv)
     shapes = [shape_report("Gemma-3-27B", GEMMA3_27B, args.context),
               shape_report("Mistral-7B-v0.1", MISTRAL_7B, args.context)]

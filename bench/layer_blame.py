@@ -1,6 +1,6 @@
 """Which decoder layers of a quantized checkpoint break a text, and where its error sits.
 
-    python bench/layer_blame.py CHECKPOINT [--text code=4096] [--out bench/results/layer-blame-cpu.json]
+    python bench/layer_blame.py CHECKPOINT [--text code=4096] [--out bench/results/quality/layer-blame.json]
 
 For a checkpoint of the bundled SmolLM2-135M (or any model whose float weights ``quant.models``
 resolves from the checkpoint's manifest): the text's perplexity (both protocols of

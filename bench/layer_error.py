@@ -1,7 +1,7 @@
 """Each method's error at a real decoder layer's output, on windows it never calibrated on.
 
     python bench/layer_error.py [--layers 15 2] [--bits 2 3 4] [--methods rtn gptq "signround:min_range=0.7"]
-                                [--out bench/results/signround-layer-cpu.json]
+                                [--out bench/results/quality/layer-error.json]
 
 A cheap stand-in for perplexity on a machine too busy for whole-model runs: SmolLM2-135M's
 float model runs the calibration windows (the bundled non-evaluation Austen novels, seed 0)
@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--iters", type=int, default=32, help="SignRound steps per layer")
     ap.add_argument("--batch-size", type=int, default=2, help="SignRound windows per step")
     ap.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq+gptq", "signround", "awq+signround"])
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "signround-layer-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality" / "layer-error.json")
     args = ap.parse_args()
 
     model, tok = load_float_model(resolve("smollm2-135m"))

@@ -1,6 +1,6 @@
 """Does the calibration pipeline's memory grow with one decoder layer, or with the model?
 
-    python bench/memory.py [--samples 128] [--out bench/results/memory-cpu.json]
+    python bench/memory.py [--samples 128] [--out bench/results/quantize/memory.json]
 
 Quantizes SmolLM2-135M with GPTQ (4-bit, group 64, asymmetric) twice, each in a
 fresh child process, the way `lowbit quantize` does (the decoder layers read from
@@ -131,7 +131,7 @@ def one(source: Path, samples: int) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=32, help="calibration samples of 512 tokens")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quantize" / "memory.json")
     ap.add_argument("--one", type=Path, help="Measure only this model directory, in this process.")
     ap.add_argument("--no-heap-trim", action="store_true", help="With --one: never hand freed heap pages back (A/B).")
     args = ap.parse_args()

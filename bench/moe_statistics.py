@@ -7,7 +7,7 @@ logits on held-out random tokens (the same distribution), each expert's output e
 held-out tokens routed to it (float inputs, that expert's weights only), and how many calibration
 tokens the router sent each expert. Deterministic; CPU.
 
-    PYTHONPATH=$PWD python bench/moe_statistics.py   # -> bench/results/moe-statistics-<commit>-cpu.json
+    PYTHONPATH=$PWD python bench/moe_statistics.py   # -> bench/results/moe/expert-statistics-<commit>.json
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     import transformers
 
-    out = Path(__file__).parent / "results" / f"moe-statistics-{commit}-cpu.json"
+    out = Path(__file__).parent / "results" / "moe" / f"expert-statistics-{commit}.json"
     out.write_text(json.dumps({
         "protocol": __doc__.split("\n\n")[1].replace("\n", " "), "scheme": SCHEME.describe(),
         "model": "tiny mixtral: hidden 128, expert width 128, 2 layers, 8 experts top 2, router skewed",

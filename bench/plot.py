@@ -1,7 +1,7 @@
 """Perplexity against bits/weight, one SVG per (protocol, text), from any result files of ``bench/calibrated.py``.
 
-    python bench/plot.py bench/results/w3-cpu.json bench/results/w4-cpu.json bench/results/budget-*-cpu.json \
-        [--out-prefix bench/results/ppl-vs-bits]
+    python bench/plot.py bench/results/quality/w3-peers.json bench/results/budget/rtn-*.json \
+        [--out-prefix bench/results/quality/ppl-vs-bits]
 
 Every quantized row is one point (x: the checkpoint's bits/weight, scales and zero points included; a
 peer's row takes lowbit's bits/weight at its width, ``bench.budget_curve.points``); rows of one tool and
@@ -72,7 +72,7 @@ def svg(pts: list[dict], protocol: str, text: str) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path)
-    ap.add_argument("--out-prefix", default=str(ROOT / "bench" / "results" / "ppl-vs-bits"))
+    ap.add_argument("--out-prefix", default=str(ROOT / "bench" / "results" / "quality" / "ppl-vs-bits"))
     args = ap.parse_args()
     pts, _ = points([f.resolve() for f in args.files])
     texts = sorted({t for p in pts for t in p["ppl"][next(iter(PROTOCOLS))]})

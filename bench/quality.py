@@ -1,6 +1,6 @@
 """Perplexity and size of each shipped recipe against the float model, on both protocols.
 
-    python bench/quality.py [--tokens 16384] [--out bench/results/quality-cpu.json]
+    python bench/quality.py [--tokens 16384] [--out bench/results/quality/recipes.json]
 
 Runs on CPU. Every recipe is quantized into a temporary directory, scored on the
 same tokens of the bundled evaluation text as the float baseline under each
@@ -51,7 +51,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=Protocol().tokens)
     ap.add_argument("--recipes", nargs="*", default=sorted(str(p) for p in (ROOT / "recipes").glob("*.yaml")))
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quality" / "recipes.json")
     args = ap.parse_args()
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it

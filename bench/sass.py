@@ -1,6 +1,6 @@
 """Static report of the runtime's Triton kernels as compiled for NVIDIA GPUs, without a GPU.
 
-    python bench/sass.py [--json bench/results/sass-<commit>.json] [--arch sm_90a sm_80] [--only NAME]
+    python bench/sass.py [--json bench/results/kernels/sass-<commit>.json] [--arch sm_90a sm_80] [--only NAME]
 
 Each kernel is compiled for its target (``sm_90a``: Hopper, ``sm_80``: Ampere) with Triton's
 own compiler and the ptxas it ships, and the cubin is disassembled with the bundled cuobjdump.
@@ -357,7 +357,8 @@ def summary_line(r: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write the raw reports here (e.g. bench/results/sass-<commit>.json)")
+    ap.add_argument("--json", type=Path,
+                    help="write the raw reports here (e.g. bench/results/kernels/sass-<commit>.json)")
     ap.add_argument("--arch", nargs="+", default=list(ARCHS), choices=list(ARCHS))
     ap.add_argument("--only", help="only cases whose name contains this")
     args = ap.parse_args(argv)

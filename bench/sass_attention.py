@@ -16,7 +16,7 @@ SCHEMES = {  # name: (bits, fp8, kivi)
 }
 HEAD_DIM, BLOCK, GROUP, KV_HEADS = 128, 128, 64, 8
 # Issue 15 on sm_90a: INT4 and INT8 at most 5 main-loop instructions per cached element; fp16,
-# fp8 and int2 no more than before the folded kernel (bench/results/sass-attention-20c4e22.json:
+# fp8 and int2 no more than before the folded kernel (bench/results/kernels/sass-attention-20c4e22.json:
 # 3.25/3.281, 7.516, 14.27/14.438, rounded up). No case may spill.
 PER_ELEMENT_BUDGET = {"int4": 5.0, "int8": 5.0, "fp16": 3.29, "fp8": 7.52, "int2": 14.44}
 

@@ -13,7 +13,7 @@ server steps it); the clients run here.
 Per request: TTFT (client: request sent to first text chunk; in-process: submit to first token)
 and mean ITL (first to last token over the tokens between). Per level: requests/s, output
 tokens/s, TTFT and ITL percentiles, and HTTP / in-process ratios. Writes raw JSON with device,
-versions and commit (default ``bench/results/serve-<device>-<commit>.json``).
+versions and commit (default ``bench/results/serve/http-overhead-<device>-<commit>.json``).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def main(argv=None) -> None:
     out = args.json
     if out is None:
         slug = re.sub(r"[^a-z0-9]+", "-", record["device"]["name"].lower()).strip("-")
-        out = ROOT / "bench" / "results" / f"serve-{slug}-{record['commit']}.json"
+        out = ROOT / "bench" / "results" / "serve" / f"http-overhead-{slug}-{record['commit']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
     print(f"wrote {out}", file=sys.stderr)

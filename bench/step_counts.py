@@ -9,7 +9,7 @@ one launch, plus a split-K reduction where its tuning picks one). ``runtime.coun
 each count covers. Rows: the fused small ops on (what ``runtime.load`` picks on CUDA) and off
 (PyTorch ops: what the decoder launched before them), and ``Model.generate``'s decode step
 (one sequence, fused ops on), which runs the engine's step code. Writes
-``bench/results/step-counts-<commit>.json``.
+``bench/results/engine/step-counts-<commit>.json``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
         rows += [count_generate(model_dir, kv) for kv in args.kv.split(",")]
     record = dict(what="one engine decode step on the CUDA path, counted on CPU (runtime/counting.py)",
                   commit=commit(), torch=torch.__version__, layers=args.layers, rows=rows)
-    out = args.json or ROOT / "bench" / "results" / f"step-counts-{record['commit']}.json"
+    out = args.json or ROOT / "bench" / "results" / "engine" / f"step-counts-{record['commit']}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     for r in rows:
         print(f"{r['runner']:>14} {r['kv']:>14} batch {r['batch']:>2} fused={r['fused_small_ops']!s:5}  "

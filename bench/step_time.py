@@ -8,7 +8,7 @@ layers, fp32) on the PyTorch reference path, ``batch`` requests decoding. The ea
 ``runtime`` package is taken from git into a temporary directory and imported as
 ``runtime_before`` (its imports rewritten), so both engines run in this process on the same
 weights, in alternating rounds (the machine is shared: only ratios of medians mean anything).
-Also times one packed prefill of ``batch`` prompts. Writes ``bench/results/step-time-<commit>.json``.
+Also times one packed prefill of ``batch`` prompts. Writes ``bench/results/engine/step-time-<commit>.json``.
 
 Before and after are compared with 1 intra-op thread, and again from a worker thread: on a
 loaded machine PyTorch's OpenMP threads, stepped from the main thread, wait actively for each
@@ -171,7 +171,7 @@ def main() -> None:
         prefill_after_over_before=paired(prefill, "after", "before"),
         main_thread_over_worker_thread=paired(rounds, "after_main_thread", "after_worker_thread"),
         one_intra_op_thread_over_default_worker_thread=paired(rounds, "after", "after_worker_thread"))
-    out = args.json or ROOT / "bench" / "results" / f"step-time-{record['commit']}.json"
+    out = args.json or ROOT / "bench" / "results" / "engine" / f"step-time-{record['commit']}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"decode step, batch {args.batch}: after/before {record['decode_after_over_before']:.3f} (1 intra-op "
           f"thread), {record['decode_after_over_before_worker_thread']:.3f} (worker thread, default threads)")

@@ -30,7 +30,7 @@ FP8_MAX = 448.0  # largest float8 e4m3 value
 # wide rounds the bulk finer and clips only the largest values. Keys keep their whole range:
 # clipping an outlier key channel distorts every attention score it feeds. Chosen on the
 # calibration text (the five non-evaluation Austen novels), not on Persuasion, by bench/kv_range.py
-# (bench/results/kv-range-ratio-cpu.json: +27.4% -> +23.9% there).
+# (bench/results/kv/int2-range-ratio.json: +27.4% -> +23.9% there).
 RANGE_RATIO = {2: (1.0, 0.9)}
 
 

@@ -393,7 +393,7 @@ def report(runs, out_dir):
               help="Prompt tokens the engine prefills per step.")
 @click.option("--no-baseline", is_flag=True, help="Skip transformers generate (fp16).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Default: bench/results/engine-<device>-<commit>.json (smoke: not written unless given).")
+              help="Default: bench/results/engine/<device>-<commit>.json (smoke: not written unless given).")
 @_fail_cleanly
 def bench(smoke, configs, batches, prompt_lens, output_len, arrivals, rate, prefill_chunk, no_baseline, json_out):
     """Serving speed of the engine (fp16, W4 g128, W4 + INT4 KV cache) against transformers generate, on a
@@ -418,7 +418,8 @@ def bench(smoke, configs, batches, prompt_lens, output_len, arrivals, rate, pref
     if json_out is None and not smoke:
         prov = record["provenance"]
         slug = re.sub(r"[^a-z0-9]+", "-", prov["device"]["name"].lower()).strip("-")
-        json_out = Path(__file__).resolve().parent.parent / "bench" / "results" / f"engine-{slug}-{prov['commit']}.json"
+        results = Path(__file__).resolve().parent.parent / "bench" / "results"
+        json_out = results / "engine" / f"{slug}-{prov['commit']}.json"
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(record, indent=2, default=str))

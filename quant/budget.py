@@ -30,7 +30,7 @@ from quant.format import stored_bytes
 from quant.sensitivity import Candidate, candidate_schemes, check_largest, measure_sensitivities, whole_model
 
 # The default candidates: 3 and 4 bits at groups 32, 64 and 128 (and the recipe's), 8 bits at the recipe's
-# group size; no 2 bits. Measured (README, bench/results/budget-candidates-cpu.json): the Fisher estimate,
+# group size; no 2 bits. Measured (README, bench/results/budget/candidates.json): the Fisher estimate,
 # second order about the float model, prices widths against each other wrongly (2-bit damage understated,
 # 4-bit overstated), so trades across widths lose; steps within a width (group sizes) it prices well enough.
 DEFAULT_BITS = (3, 4)
@@ -38,7 +38,7 @@ DEFAULT_GROUPS = (32, 64, 128)
 WIDEST_BITS = 8
 MAX_TARGET_BITS = 8
 # the Linears whose estimates are checked by measurement (check_largest), and the calibration tokens the
-# check reads (each checked Linear costs one forward pass over them): bench/results/budget-check16*-cpu.json
+# check reads (each checked Linear costs one forward pass over them): bench/results/budget/check16*.json
 CHECKED_LINEARS = 8
 CHECK_TOKENS = 8192
 

@@ -81,7 +81,7 @@ def calibration_samples(
     With ``bos`` each window is the tokenizer's BOS and ``seq_len - 1`` tokens of text, formatted as the
     model sees a prompt (the first position carries outsized activations). ``None`` (the default) does
     what the tokenizer does when it encodes a prompt: BOS where it adds one (Llama), none where it does
-    not (SmolLM2; forcing one there changed nothing measurable, bench/results/gptq-factors-w4-b-cpu.json).
+    not (SmolLM2; forcing one there changed nothing measurable, bench/results/quality/gptq-factors-w4-bos.json).
     """
     bos_id = getattr(tokenizer, "bos_token_id", None)
     if bos and bos_id is None:

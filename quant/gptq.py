@@ -27,7 +27,7 @@ class GPTQConfig:
     block_size: int = 128
     # Fraction of the mean Hessian diagonal added to it. 0.03, between llm-compressor's 0.01 and the
     # 0.1 lowbit used before: on SmolLM2 W4 g64 with Austen calibration (BOS protocol, issue 17 §0,
-    # bench/results/gptq-factors-w4*-cpu.json) 0.03 is level with llm-compressor on Persuasion (41.04
+    # bench/results/quality/gptq-factors-w4-*.json) 0.03 is level with llm-compressor on Persuasion (41.04
     # vs 41.01; 0.1: 41.73) and still beats RTN on Python source (10.82 vs 10.85), where 0.01 falls
     # behind it (11.24): a Hessian from one genre should not be trusted fully.
     dampening: float = 0.03

@@ -54,8 +54,8 @@ class SignRoundConfig:
     iters: int = 200  # SignSGD steps per decoder layer
     batch_size: int = 8  # calibration windows per step
     # the first step's size, which decays linearly to 0, in units of 1/iters (AutoRound's default; it
-    # was doubled at 3 bits or fewer until measured: bench/results/signround-layer-variants-cpu.json,
-    # w3-signround-lr05-cpu.json)
+    # was doubled at 3 bits or fewer until measured: bench/results/quality/layer-error-signround-variants.json,
+    # quality/w3-signround-layer-mse.json)
     lr_scale: float = 1.0
     min_range: float = 0.5  # the smallest fraction of a group's min / max the range may shrink to
     tune_range: bool = True  # learn the ranges too (False: offsets only, min/max ranges)
@@ -63,20 +63,20 @@ class SignRoundConfig:
     # error, as GPTQ's mse observer) or "minmax" (each group's min and max, AutoRound's start). At W2 the
     # min/max start left the descent (64 steps) far from a good range: "search" took Persuasion from 65.2 to
     # 59.7 and Python source from 519 to 328; level or better at W3 and W4
-    # (bench/results/w{2,3,4}-signround-search*-cpu.json against w{2,3,4}-signround-model-relative-cpu.json)
+    # (bench/results/quality/w{2,3,4}-signround-search*.json against w{2,3,4}-signround-model-relative.json)
     init_range: str = "search"
     # the reference output: "model" (the float model's, from its own activations: each layer also undoes
     # the error upstream of it) or "layer" (the float layer on the quantized model's inputs). "model" with
     # loss "relative" beats "layer" on Persuasion at W3 (three draws) and W4 and is level or better on
-    # Python source: bench/results/w{3,4}-signround-model-relative*-cpu.json against
-    # w3-signround-lr05-cpu.json, w4-signround-cpu.json
+    # Python source: bench/results/quality/w{3,4}-signround-model-relative*.json against
+    # quality/w3-signround-layer-mse.json, quality/w4-signround-layer-mse.json
     target: str = "model"
     # "relative": each token's squared error divided by its reference's mean square; "mse": the mean over
     # every token and channel. The residual stream is read only through norms, which divide each token by
     # its size, and a window's first token carries activations thousands of times the others' (SmolLM2
     # from layer 11 on: 94% of the float and quantized streams' squared difference). Under "mse",
     # "model" spent layers 11-14 on that one number and one draw sent Python source from 16 to 224
-    # perplexity (bench/results/layer-blame-w3-signround-model-mse-seed2-cpu.json); "relative" gave 12.2
+    # perplexity (bench/results/quality/layer-blame-w3-signround-model-mse-seed2.json); "relative" gave 12.2
     loss: str = "relative"
     seed: int = 1  # which windows each step draws
 

@@ -121,7 +121,7 @@ class LazyLayers:
     def read(self, name: str) -> torch.Tensor:
         # One open per tensor, on purpose: get_tensor maps the file without copying, and a tensor
         # keeps its mapping alive. Opened together, a layer's kept norms would keep the pages of its
-        # dropped Linear weights resident (bench/results/memory-reverted-8f1f82c-cpu.json).
+        # dropped Linear weights resident (bench/results/quantize/memory-reverted-8f1f82c.json).
         from safetensors import SafetensorError, safe_open
 
         from quant.checkpoint import CheckpointError

@@ -5,9 +5,9 @@ Linear, for every candidate scheme, the weight is rounded to nearest and the err
 output weighed by the squared loss gradient there (the diagonal empirical Fisher):
 ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j²`` per token, the loss that rounding is estimated to add
 (:func:`measure_sensitivities`). The plain output energy ``tr(ΔW H ΔWᵀ)`` ranked wrongly
-(bench/results/budget-curve-cpu.txt: it does not compare across layers whose outputs differ in scale
+(bench/results/budget/curve-energy.txt: it does not compare across layers whose outputs differ in scale
 and in how much the loss reads them); measured against it and the relative output error in
-bench/results/budget-estimators-cpu.json. The pass changes no weight, so every Linear is measured on
+bench/results/budget/estimators.json. The pass changes no weight, so every Linear is measured on
 the float model, whatever the others will get. It needs the whole model at once (a backward pass,
 :func:`whole_model`): for an 8B model its float weights plus one pass's activations
 (``PASS_TOKENS`` tokens, or one sample if longer), not one layer as the quantization pass does.

@@ -185,7 +185,7 @@ def test_sensitivities_follow_what_the_loss_reads_not_the_output_scale():
     """Move a factor 64 from every v_proj to its o_proj: the model computes the same function and each
     rounding error does the same damage (round-to-nearest's grid scales with the weights), though
     v_proj's output energy grows 4096-fold (what the first estimator ranked by, and lost with:
-    bench/results/budget-curve-cpu.txt). The sensitivities and the assignment must not move."""
+    bench/results/budget/curve-energy.txt). The sensitivities and the assignment must not move."""
     candidates = [Candidate(b, 32) for b in (2, 3, 4, 8)]
     model, tok = tiny_llama(hidden=64, layers=2)
     plain, _ = _sensitivities(model, tok, candidates)

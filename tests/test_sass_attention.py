@@ -11,7 +11,7 @@ SCHEMES = ("fp16", "fp8", "int8", "int4", "int2")
 # (scheme, budget) pairs missed on sm_90a, per Triton release (none on the newest). Under 3.6.0 (the
 # lent GPU machine's) fp8 and int2 keep the unfolded dequantize-then-dot path, which 3.6 compiles
 # to 2-3% more main-loop instructions than 3.9 (fp8 7.77/7.67 per element against 7.52, int2
-# 14.75/14.81 against 14.44; bench/results/sass-*-triton3.6.0.json), with two more barriers per
+# 14.75/14.81 against 14.44; bench/results/kernels/sass-*-triton3.6.0.json), with two more barriers per
 # iteration. No spills under either: that is not waived.
 KNOWN_MISSED = {
     "3.9": set(),

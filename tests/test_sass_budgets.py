@@ -16,11 +16,11 @@ import pytest
 # Newest (3.9): none. Prefill is held to the issue's own budget (dequantization slice <= 3 per
 # weight, no spills, registers for 2 CTAs per SM; bench/sass_dataflow.py), not to a whole-loop
 # count; W8 M=16 is within 3.5 since the interleaved word layout (16-byte copies) and one
-# scale/zero load per group-sharing iteration (bench/results/sass-8fc688c.json: 222 loop
+# scale/zero load per group-sharing iteration (bench/results/kernels/sass-8fc688c.json: 222 loop
 # instructions, 3.47 per weight; 224 would be 3.5).
 # 3.6.0 (the lent GPU machine's): W8 M=16 takes 227 loop instructions (3.55 per weight): 3.6
 # pipelines the two K tiles of an iteration with 5 barriers instead of 2 and does not merge the
-# scale/zero loads of tiles sharing a group (bench/results/sass-*-triton3.6.0.json).
+# scale/zero loads of tiles sharing a group (bench/results/kernels/sass-*-triton3.6.0.json).
 KNOWN_MISSED = {
     "3.9": set(),
     "3.6": {("w8g128 fp16 small-m", "max_loop_instructions_per_unit")},

@@ -182,7 +182,7 @@ def _group_columns(vs, vz, rows, NG: tl.constexpr, W: tl.constexpr, GROUP_WORDS:
     takes group ``w // GROUP_WORDS`` of row ``rows[t]``. Loaded as [TILE, NG] (contiguous) and
     broadcast: a load of the [TILE, W] addresses themselves (contiguous along neither dim) made
     Triton 3.6 lay the whole value path out one token per thread, unpacked and stored to shared
-    memory 16 bits at a time (bench/results/sass-*-triton3.6.0.json)."""
+    memory 16 bits at a time (bench/results/kernels/sass-*-triton3.6.0.json)."""
     idx = rows[:, None] * NG + tl.arange(0, NG)[None, :]
     s_g = tl.load(vs + idx)
     minus_zs_g = (-(tl.load(vz + idx).to(tl.float32) * s_g.to(tl.float32))).to(tl.float16)
