@@ -1,9 +1,9 @@
 """Decode attention over the quantized KV cache: the fused Triton kernel against fp16 SDPA and
 against dequantize-then-SDPA (transformers' quantized-cache path).
 
-    python bench/attention.py [--batches 1 8 32] [--contexts 1024 2048 4096 8192 16384 32768]
+    python -m bench.attention [--batches 1 8 32] [--contexts 1024 2048 4096 8192 16384 32768]
                               [--schemes fp16 int8 int4] [--samples 30] [--out PATH]
-    python bench/attention.py --smoke     # CPU, Triton interpreter, tiny shapes: checks this script only
+    python -m bench.attention --smoke     # CPU, Triton interpreter, tiny shapes: checks this script only
 
 Needs a CUDA GPU (it refuses to run without one, except ``--smoke``, whose times mean nothing and
 which never writes under bench/results). Shapes: 32 query heads sharing 8 KV heads, head_dim 128,
@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda
 
-from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BATCHES = [1, 8, 32]

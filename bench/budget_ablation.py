@@ -1,6 +1,6 @@
 """Which part of a budgeted mix wins or loses? The mix with one kind of its choices undone at a time.
 
-    python bench/budget_ablation.py --pass-file bench/results/budget/fisher16-pass.json \
+    python -m bench.budget_ablation --pass-file bench/results/budget/fisher16-pass.json \
         [--target 4.3125] [--texts persuasion=8192 code=4096] [--out bench/results/budget/ablation.json]
 
 SmolLM2-135M, RTN with bfloat16 scales, lm_head kept, the assignment
@@ -18,17 +18,16 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.budget_estimators import estimates, parse_candidates, round_to
+from bench.scoring import commit, parse_texts, score_texts
 
-from bench.budget_estimators import estimates, parse_candidates, round_to  # noqa: E402
-from bench.scoring import commit, parse_texts, score_texts  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 CANDIDATES = "3:32 3:64 3:128 4:32 4:64 4:128 8:64".split()
 BASE = "w4 g64"

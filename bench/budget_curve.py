@@ -1,6 +1,6 @@
 """Perplexity against bits/weight: uniform widths and bits budgets (``weights.target_bits``) side by side.
 
-    python bench/budget_curve.py bench/results/budget/rtn-w3.json bench/results/budget/rtn-mix3.json ... \
+    python -m bench.budget_curve bench/results/budget/rtn-w3.json bench/results/budget/rtn-mix3.json ... \
         [--out bench/results/budget/curve.json]
 
 Reads rows written by ``bench/calibrated.py`` (each with its checkpoint's ``bits_per_weight``; a budget
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.scoring import PROTOCOLS, commit
 
-from bench.scoring import PROTOCOLS, commit  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def points(files: list[Path]) -> tuple[list[dict], dict]:

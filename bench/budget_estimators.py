@@ -1,6 +1,6 @@
 """Which sensitivity estimate should a bits budget rank Linears by? Several, measured in one run.
 
-    python bench/budget_estimators.py [--samples 8] [--targets 3.296875 4.3125] \
+    python -m bench.budget_estimators [--samples 8] [--targets 3.296875 4.3125] \
         [--candidates 2:64 3:64 4:64 8:64] [--sets "g64=2:64,3:64,4:64,8:64" ...] \
         [--texts persuasion=1024 code=512] [--out bench/results/budget/estimators.json]
 
@@ -33,17 +33,16 @@ import argparse
 import json
 import os
 import platform
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.scoring import PROTOCOLS, commit, parse_texts, protocols, score_texts
 
-from bench.scoring import PROTOCOLS, commit, parse_texts, protocols, score_texts  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 ESTIMATORS = ("output", "relative", "fisher", "fisher_dot")
 

@@ -1,6 +1,6 @@
 """lowbit's calibrated methods against RTN, the float model and llm-compressor, in one run.
 
-    python bench/calibrated.py [--methods float rtn gptq awq awq+gptq] \
+    python -m bench.calibrated [--methods float rtn gptq awq awq+gptq] \
         [--peer-python /tmp/lcvenv/bin/python --peer-methods gptq awq] [--out bench/results/quality/calibrated.json]
 
 Protocol of the GPTQ/AWQ issue: SmolLM2-135M, 4-bit (``--bits``), group 64 (``--group``),
@@ -42,10 +42,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.scoring import PROTOCOLS, TEXTS, commit, parse_texts, peak_rss_bytes, protocols, score_texts
 
-from bench.scoring import PROTOCOLS, TEXTS, commit, parse_texts, peak_rss_bytes, protocols, score_texts  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 SYMMETRIC = False
 TOP_LEVEL = ("dtype",)
@@ -118,9 +118,9 @@ def loader_jobs(paths: list[str], peer_python: str | None, shared: list[str]) ->
     """Each checkpoint scored by lowbit's runtime and, with a peer Python, by transformers in its dtype and float32."""
     jobs = []
     for path in paths:
-        jobs.append([sys.executable, __file__, "--score-one", path, *shared])
+        jobs.append([sys.executable, "-m", "bench.calibrated", "--score-one", path, *shared])
         if peer_python:
-            jobs += [[peer_python, str(ROOT / "bench" / "peers.py"), "--score-checkpoint", path, "--dtype", d, *shared]
+            jobs += [[peer_python, "-m", "bench.peers", "--score-checkpoint", path, "--dtype", d, *shared]
                      for d in ("auto", "float32")]
     return jobs
 
@@ -177,10 +177,10 @@ def main():
 
     code_version = commit()  # read before the long run, so later commits cannot mislabel it
     shared = ["--bits", str(args.bits), "--group", str(args.group), "--texts", *args.texts]
-    jobs = [[sys.executable, __file__, "--one", m, *shared] for m in args.methods]
+    jobs = [[sys.executable, "-m", "bench.calibrated", "--one", m, *shared] for m in args.methods]
     peer_methods = args.peer_methods if args.peer_methods is not None else [] if args.loaded else ["gptq", "awq"]
     if args.peer_python:
-        jobs += [[args.peer_python, str(ROOT / "bench" / "peers.py"), m, *shared] for m in peer_methods]
+        jobs += [[args.peer_python, "-m", "bench.peers", m, *shared] for m in peer_methods]
     jobs += loader_jobs(args.loaded, args.peer_python, ["--texts", *args.texts])
     from evals.provenance import versions
 

@@ -1,6 +1,6 @@
 """Perplexity of quantized checkpoints through the CPU kernels against the dense reference path.
 
-    python bench/cpu_perplexity.py CHECKPOINT [CHECKPOINT ...] [--tokens 4096]
+    python -m bench.cpu_perplexity CHECKPOINT [CHECKPOINT ...] [--tokens 4096]
 
 Each checkpoint (e.g. ``lowbit quantize default`` and ``w8-rtn`` of SmolLM2-135M) is loaded twice
 on CPU in float32: with the quantized Linears on PyTorch's weight-only kernels (bf16 activations,
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from evals.provenance import _cpu_name, commit, versions
 
-from evals.provenance import _cpu_name, commit, versions  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main():

@@ -1,6 +1,6 @@
 """Calibration on 1 and on 2 ranks: SmolLM2-135M, GPTQ 4-bit g64 asymmetric, on CPU (gloo).
 
-    python bench/distributed.py [--samples 128] [--seq-len 512] [--tokens 16384] [--out PATH]
+    python -m bench.distributed [--samples 128] [--seq-len 512] [--tokens 16384] [--out PATH]
 
 Each world size runs as `torchrun --standalone --nproc-per-node R bench/distributed.py --rank-run`
 would run `lowbit quantize` (the same pipeline, ``quant.distributed`` joining the ranks), one
@@ -37,10 +37,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.scoring import commit
 
-from bench.scoring import commit  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def recipe_for(out_dir: Path, samples: int, seq_len: int) -> dict:
@@ -81,7 +80,7 @@ def run_world(ranks: int, work: Path, samples: int, seq_len: int, batch_size: in
     recipe.write_text(yaml.safe_dump(recipe_for(out_dir, samples, seq_len)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               __file__, "--rank-run", str(recipe), str(out_dir), str(batch_size)]
+               "-m", "bench.distributed", "--rank-run", str(recipe), str(out_dir), str(batch_size)]
     start = time.perf_counter()
     subprocess.run(command, env=env, check=True)
     launched = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 and Phi-3: what lowbit plans for real-shaped configs, and what quantization costs the
 tiny random models the tests build.
 
-    python bench/families.py [--out bench/results/quality/families.json]
+    python -m bench.families [--out bench/results/quality/families.json]
 
 * ``lowbit plan`` (``evals.planner``) on google/gemma-3-27b-it's and a Phi-3-mini-128k-shaped
   config.json: bytes per token per KV scheme at 32k context in 80 GB;
@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from evals.provenance import commit, provenance
 
-from evals.provenance import commit, provenance  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 FAMILIES = ["gemma2", "gemma3", "phi3"]
 METHODS = ["rtn", "awq", "gptq", "awq+gptq"]

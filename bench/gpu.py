@@ -1,7 +1,7 @@
 """What the GPU benchmarks share: refusing to run without a GPU, the device's name and L2
 size, and timing a list of calls with CUDA events (inside one CUDA graph where possible).
 
-Run from the repository root (``PYTHONPATH=.``) or as ``python bench/<script>.py``.
+The benches run as ``python -m bench.<script>`` from the repository root.
 """
 
 from __future__ import annotations

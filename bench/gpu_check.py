@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py [--stages env,weights,...] [--commit SHA] [--out PATH]
     python bench/gpu_check.py --smoke      # CPU + Triton interpreter, tiny shapes: checks this script
+    python -m bench.gpu_check ...          # the same: the other benches run only this way
                                            # (refused on a GPU machine, and where the interpreter is broken)
     make gpu-check                         # the same, with the machine's python3
 
@@ -53,7 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # `python bench/gpu_check.py`, the lent GPU machine's documented command: bench/ is
+    sys.path.insert(0, str(ROOT))  # what Python put on the path, and `bench.*` needs the repository root
 
 from bench import gpu_stages  # noqa: E402
 
@@ -86,7 +88,7 @@ def run_stage(stage: Stage, args, budget: int) -> dict:
     """The stage in a child process: its output streams through, its result comes back as JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", stage.name, "--child-out", str(result_file)]
+        cmd = [sys.executable, "-m", "bench.gpu_check", "--child", stage.name, "--child-out", str(result_file)]
         if args.smoke:
             cmd.append("--smoke")
         env = child_env(args.smoke, args.commit)

@@ -1,6 +1,6 @@
 """Speed of the W4 weight kernels against torch fp16 (cuBLAS) on Llama-3 linear shapes.
 
-    python bench/kernels.py [--ms 1 4 16 64 256 1024 4096] [--shapes 4096x4096 ...]
+    python -m bench.kernels [--ms 1 4 16 64 256 1024 4096] [--shapes 4096x4096 ...]
                             [--bits 4] [--group 128] [--dtype float16] [--out PATH]
 
 Needs a CUDA GPU (it refuses to run without one). For every shape ``KxN`` (inputs x outputs:
@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +38,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda
 
-from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x8192", "8192x28672"]  # in x out
 SEVENTY_B = {"8192x8192", "8192x28672"}

@@ -1,6 +1,6 @@
 """KV-cache quantization on SmolLM2-135M: quality against the fp16 cache, memory, peers.
 
-    python bench/kv.py [--tokens 2048] [--chunk 32] [--out bench/results/kv/perplexity.json]
+    python -m bench.kv [--tokens 2048] [--chunk 32] [--out bench/results/kv/perplexity.json]
 
 Every cache runs the same chunked path (``evals.kv``): the bundled Persuasion text
 in windows of 1,024 tokens with stride 512 (each token scored once); each window

@@ -1,7 +1,7 @@
 """Time of a quantized KV cache against the fp16 cache on CPU: eval windows and engine decode,
 this tree against an earlier commit, side by side in one process.
 
-    python bench/kv_cpu_speed.py [--before 664c777] [--threads 1] [--windows 2] [--context 1024]
+    python -m bench.kv_cpu_speed [--before 664c777] [--threads 1] [--windows 2] [--context 1024]
                                  [--batches 1,8] [--steps 16] [--rounds 2] [--out FILE]
 
 SmolLM2-135M-Instruct (float32 weights, the runtime's CPU dtype), fp16 / int8 / int4 caches
@@ -29,22 +29,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import torch
+
+from bench.step_time import import_before
+from evals.kv import chunked_logits_fn, runtime_session
+from evals.perplexity import Protocol, tokenize_text, windows
+from evals.provenance import commit, provenance
+from evals.texts import load_text
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
-from bench.step_time import import_before  # noqa: E402
-from evals.kv import chunked_logits_fn, runtime_session  # noqa: E402
-from evals.perplexity import Protocol, tokenize_text, windows  # noqa: E402
-from evals.provenance import commit, provenance  # noqa: E402
-from evals.texts import load_text  # noqa: E402
 
 SCHEMES = ("fp16", "int8", "int4")
 WINDOW, STRIDE, CHUNK = 1024, 512, 32  # lowbit eval's protocol and --kv-chunk default

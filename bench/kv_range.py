@@ -1,6 +1,6 @@
 """Choose how much of each group's range the INT2 KV grid spans, on text no result is reported on.
 
-    python bench/kv_range.py [--tokens 4096] [--bits 2] [--out bench/results/kv/int2-range-ratio.json]
+    python -m bench.kv_range [--tokens 4096] [--bits 2] [--out bench/results/kv/int2-range-ratio.json]
 
 Sweeps ``kvquant.scheme.RANGE_RATIO`` (keys, values) for one bit width and scores each pair
 with KV-perplexity (``evals.kv``: windows of 1,024, stride 512, 512 tokens prefilled, then
@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from evals.provenance import commit, provenance
 
-from evals.provenance import commit, provenance  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 KEY_RATIOS = [1.0, 0.9, 0.85]
 VALUE_RATIOS = [1.0, 0.9, 0.85, 0.8]

@@ -1,6 +1,6 @@
 """What sliding-window rings save in the KV cache at a long context, measured and planned.
 
-    python bench/kv_rings.py [--context 32768] [--out bench/results/kv/rings.json]
+    python -m bench.kv_rings [--context 32768] [--out bench/results/kv/rings.json]
 
 Two public shapes (config values as published on the Hugging Face hub):
 
@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from evals import planner
+from evals.provenance import provenance
+from kvquant import parse_kv
+from kvquant.memory import residual_bytes
+from runtime.cache import KVCache
 
-from evals import planner  # noqa: E402
-from evals.provenance import provenance  # noqa: E402
-from kvquant import parse_kv  # noqa: E402
-from kvquant.memory import residual_bytes  # noqa: E402
-from runtime.cache import KVCache  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 GEMMA3_27B = {  # google/gemma-3-27b-it text_config
     "model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,

@@ -1,6 +1,6 @@
 """Which decoder layers of a quantized checkpoint break a text, and where its error sits.
 
-    python bench/layer_blame.py CHECKPOINT [--text code=4096] [--out bench/results/quality/layer-blame.json]
+    python -m bench.layer_blame CHECKPOINT [--text code=4096] [--out bench/results/quality/layer-blame.json]
 
 For a checkpoint of the bundled SmolLM2-135M (or any model whose float weights ``quant.models``
 resolves from the checkpoint's manifest): the text's perplexity (both protocols of
@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.scoring import commit, parse_texts, score_texts
+from evals.provenance import versions
+from evals.texts import load_text
+from quant.calibration import calibration_samples, load_calibration_text
+from quant.checkpoint import read_config, read_manifest, read_tensors
+from quant.format import QuantizedWeight, linear_schemes
+from quant.models import resolve
 
-from bench.scoring import commit, parse_texts, score_texts  # noqa: E402
-from evals.provenance import versions  # noqa: E402
-from evals.texts import load_text  # noqa: E402
-from quant.calibration import calibration_samples, load_calibration_text  # noqa: E402
-from quant.checkpoint import read_config, read_manifest, read_tensors  # noqa: E402
-from quant.format import QuantizedWeight, linear_schemes  # noqa: E402
-from quant.models import resolve  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_pair(checkpoint: Path):

@@ -1,6 +1,6 @@
 """Each method's error at a real decoder layer's output, on windows it never calibrated on.
 
-    python bench/layer_error.py [--layers 15 2] [--bits 2 3 4] [--methods rtn gptq "signround:min_range=0.7"]
+    python -m bench.layer_error [--layers 15 2] [--bits 2 3 4] [--methods rtn gptq "signround:min_range=0.7"]
                                 [--out bench/results/quality/layer-error.json]
 
 A cheap stand-in for perplexity on a machine too busy for whole-model runs: SmolLM2-135M's
@@ -22,28 +22,26 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.calibrated import method_settings
+from bench.scoring import commit
+from evals.provenance import versions
+from evals.texts import load_text
+from quant import methods as registry
+from quant.affine import QuantScheme
+from quant.architectures import architecture_of, decoder_layers
+from quant.calibration import calibration_samples, load_calibration_text
+from quant.gptq import GPTQConfig
+from quant.learned_rounding import SignRoundConfig
+from quant.models import load_float_model, resolve
+from quant.quantize import layer_step
+from quant.sequential import LayerInputs, capture_inputs, run_layer
 
-from bench.calibrated import method_settings  # noqa: E402
-from bench.scoring import commit  # noqa: E402
-from evals.provenance import versions  # noqa: E402
-from evals.texts import load_text  # noqa: E402
-from quant import methods as registry  # noqa: E402
-from quant.affine import QuantScheme  # noqa: E402
-from quant.architectures import architecture_of, decoder_layers  # noqa: E402
-from quant.calibration import calibration_samples, load_calibration_text  # noqa: E402
-from quant.gptq import GPTQConfig  # noqa: E402
-from quant.learned_rounding import SignRoundConfig  # noqa: E402
-from quant.models import load_float_model, resolve  # noqa: E402
-from quant.quantize import layer_step  # noqa: E402
-from quant.sequential import LayerInputs, capture_inputs, run_layer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def layer_inputs(model, layers, ids: torch.Tensor, wanted: list[int]) -> dict[int, LayerInputs]:

@@ -1,7 +1,7 @@
 """Memory of ``runtime.load`` on CPU: a W4 checkpoint against its float model, and a
 Llama-3-8B-shaped W4 checkpoint loaded and decoded on a 24 GB machine.
 
-    python bench/load_memory.py [--shapes smollm2-135m,llama-1b] [--llama-8b]
+    python -m bench.load_memory [--shapes smollm2-135m,llama-1b] [--llama-8b]
 
 Checkpoints with random weights at real shapes (``bench/cpu_decode.SHAPES``; Meta-Llama-3-8B's
 config for ``--llama-8b``) are written to a temporary directory one decoder layer per safetensors
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.cpu_decode import SCHEME, SHAPES
+from bench.memory import PeakSampler, rss
+from evals.provenance import _cpu_name, commit, versions
+from evals.serving import LLAMA3_8B
 
-from bench.cpu_decode import SCHEME, SHAPES  # noqa: E402
-from bench.memory import PeakSampler, rss  # noqa: E402
-from evals.provenance import _cpu_name, commit, versions  # noqa: E402
-from evals.serving import LLAMA3_8B  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 LLAMA_8B = {**LLAMA3_8B, "head_dim": 128}
 
@@ -112,8 +112,8 @@ def one(path: Path, decode_tokens: int) -> dict:
 
 
 def measure(path: Path, decode_tokens: int = 0) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", str(path), "--decode", str(decode_tokens)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "bench.load_memory", "--one", str(path), "--decode", str(decode_tokens)],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -1,6 +1,6 @@
 """Does the calibration pipeline's memory grow with one decoder layer, or with the model?
 
-    python bench/memory.py [--samples 128] [--out bench/results/quantize/memory.json]
+    python -m bench.memory [--samples 128] [--out bench/results/quantize/memory.json]
 
 Quantizes SmolLM2-135M with GPTQ (4-bit, group 64, asymmetric) twice, each in a
 fresh child process, the way `lowbit quantize` does (the decoder layers read from
@@ -33,10 +33,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.scoring import commit
 
-from bench.scoring import commit  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # glibc raises its mmap threshold as large blocks are freed, so later activations come from
@@ -155,8 +155,9 @@ def main():
         for threshold in (None, FIXED_MMAP_THRESHOLD):
             for model_dir in (source, Path(tmp) / "x2"):
                 env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold else {})}
-                out = subprocess.run([sys.executable, __file__, "--one", str(model_dir), "--samples", str(args.samples)],
-                                     capture_output=True, text=True, check=True, env=env).stdout
+                out = subprocess.run([sys.executable, "-m", "bench.memory", "--one", str(model_dir), "--samples",
+                                      str(args.samples)], capture_output=True, text=True, check=True, env=env,
+                                     cwd=ROOT).stdout
                 rows.append({**json.loads(out.strip().splitlines()[-1]), "malloc_mmap_threshold": threshold})
                 print(json.dumps(rows[-1]), flush=True)
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "samples": args.samples,

@@ -7,25 +7,23 @@ logits on held-out random tokens (the same distribution), each expert's output e
 held-out tokens routed to it (float inputs, that expert's weights only), and how many calibration
 tokens the router sent each expert. Deterministic; CPU.
 
-    PYTHONPATH=$PWD python bench/moe_statistics.py   # -> bench/results/moe/expert-statistics-<commit>.json
+    python -m bench.moe_statistics   # -> bench/results/moe/expert-statistics-<commit>.json
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from quant.affine import QuantScheme
+from quant.moe import routed_counts, unfuse_experts
+from quant.plan import plan_layers
+from quant.quantize import quantize_model
+from quant.tiny_models import tiny_model
 
-from quant.affine import QuantScheme  # noqa: E402
-from quant.moe import routed_counts, unfuse_experts  # noqa: E402
-from quant.plan import plan_layers  # noqa: E402
-from quant.quantize import quantize_model  # noqa: E402
-from quant.tiny_models import tiny_model  # noqa: E402
 
 SCHEME = QuantScheme(3, 32, True)
 SKEW = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, -0.5, -1.5, -3.0])  # router logit offsets: experts 6, 7 rare

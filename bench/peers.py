@@ -5,8 +5,8 @@ One row of `bench/calibrated.py`, which runs it in an environment that has
 llm-compressor (never a lowbit dependency), with lowbit importable for the
 shared samples, protocol and scoring:
 
-    PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq [--bits 4]
-    PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py gptq:dampening=0.1,calibration.bos=false
+    /tmp/lcvenv/bin/python -m bench.peers gptq [--bits 4]
+    /tmp/lcvenv/bin/python -m bench.peers gptq:dampening=0.1,calibration.bos=false
 
 It quantizes SmolLM2-135M (4-bit, group 64 (``--group``), asymmetric, lm_head kept; the same
 128 x 512 tokens lowbit calibrates on, seed 0, begun with the BOS where the
@@ -23,7 +23,7 @@ It also scores any saved checkpoint as an outside user would, loaded by
 transformers and compressed-tensors (lowbit's loader not involved), in the
 dtype the checkpoint names or in float32:
 
-    PYTHONPATH=. /tmp/lcvenv/bin/python bench/peers.py --score-checkpoint DIR [--dtype float32]
+    /tmp/lcvenv/bin/python -m bench.peers --score-checkpoint DIR [--dtype float32]
 """
 
 from __future__ import annotations

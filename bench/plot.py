@@ -1,6 +1,6 @@
 """Perplexity against bits/weight, one SVG per (protocol, text), from any result files of ``bench/calibrated.py``.
 
-    python bench/plot.py bench/results/quality/w3-peers.json bench/results/budget/rtn-*.json \
+    python -m bench.plot bench/results/quality/w3-peers.json bench/results/budget/rtn-*.json \
         [--out-prefix bench/results/quality/ppl-vs-bits]
 
 Every quantized row is one point (x: the checkpoint's bits/weight, scales and zero points included; a
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.budget_curve import points
+from bench.scoring import PROTOCOLS
+from evals.svg import COLORS, H, PAD, W, axes, esc, legend, padded, scale
 
-from bench.budget_curve import points  # noqa: E402
-from bench.scoring import PROTOCOLS  # noqa: E402
-from evals.svg import COLORS, H, PAD, W, axes, esc, legend, padded, scale  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def series_name(pt: dict) -> str:

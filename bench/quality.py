@@ -1,6 +1,6 @@
 """Perplexity and size of each shipped recipe against the float model, on both protocols.
 
-    python bench/quality.py [--tokens 16384] [--out bench/results/quality/recipes.json]
+    python -m bench.quality [--tokens 16384] [--out bench/results/quality/recipes.json]
 
 Runs on CPU. Every recipe is quantized into a temporary directory, scored on the
 same tokens of the bundled evaluation text as the float baseline under each

@@ -1,6 +1,6 @@
 """Static report of the runtime's Triton kernels as compiled for NVIDIA GPUs, without a GPU.
 
-    python bench/sass.py [--json bench/results/kernels/sass-<commit>.json] [--arch sm_90a sm_80] [--only NAME]
+    python -m bench.sass [--json bench/results/kernels/sass-<commit>.json] [--arch sm_90a sm_80] [--only NAME]
 
 Each kernel is compiled for its target (``sm_90a``: Hopper, ``sm_80``: Ampere) with Triton's
 own compiler and the ptxas it ships, and the cubin is disassembled with the bundled cuobjdump.
@@ -52,7 +52,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -60,7 +59,6 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -1,7 +1,7 @@
 """What HTTP costs: the same load through ``lowbit serve`` (the ``openai`` client, streaming) and
 driven in-process on a ``runtime.Engine``, at 1, 8 and 32 concurrent clients.
 
-    python bench/serve.py [--model smollm2-135m] [--kv fp16] [--kv-memory 1GB] [--clients 1,8,32]
+    python -m bench.serve [--model smollm2-135m] [--kv fp16] [--kv-memory 1GB] [--clients 1,8,32]
                           [--requests 2] [--prompt-len 128] [--output-len 32] [--json OUT]
 
 Load (both sides): closed loop; each of ``clients`` clients sends ``requests`` requests one after
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def prompts_for(clients: int, requests: int, length: int, vocab: int, seed: int) -> list[list[list[int]]]:

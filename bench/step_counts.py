@@ -1,7 +1,7 @@
 """What one engine decode step asks of the device, counted on CPU: host syncs, input copies,
 kernel launches (per layer and per step). Counts, not timings: no GPU is needed or used.
 
-    python bench/step_counts.py [--layers 4] [--batch 1,8] [--kv fp16-r16,int4-g16-r16] [--json OUT]
+    python -m bench.step_counts [--layers 4] [--batch 1,8] [--kv fp16-r16,int4-g16-r16] [--json OUT]
 
 The engine runs the CUDA path on CPU tensors: the Triton attention kernels and the fused small
 ops in the Triton interpreter, the linear layers as one GEMM each (on a GPU: ``quant_matmul``,
@@ -18,13 +18,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Wall time of an engine step on CPU, as ratios measured side by side in one process: this tree
 against an earlier commit's runtime, and stepping from the main thread against a worker thread.
 
-    python bench/step_time.py [--before e74c6dd] [--batch 8] [--steps 20] [--rounds 5] [--json OUT]
+    python -m bench.step_time [--before e74c6dd] [--batch 8] [--steps 20] [--rounds 5] [--json OUT]
 
 A secondary figure (the GPU numbers are what the engine is for): a tiny Llama (hidden 128, 4
 layers, fp32) on the PyTorch reference path, ``batch`` requests decoding. The earlier commit's
@@ -32,10 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def commit() -> str:

