@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-import json
-import sys
-import warnings
-from pathlib import Path
+import os
 
-import click
+# OpenMP reads its settings once, when torch loads it: set before anything here imports torch (lowbit's
+# __init__ does not), and only where the user has not. PASSIVE: a thread waiting for the next parallel
+# region sleeps rather than spins; on a busy CPU the spinning threads took the cores the work needed
+# (bench/cpu_decode.py --omp-policies: decode steps several times slower with 2 threads than with 1).
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+for _name, _value in OPENMP_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
-from lowbit import pipeline
+import json  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from lowbit import pipeline  # noqa: E402
 from lowbit.recipe import bundled_recipe_names, bundled_recipes_dir
 
 # The demo scores the first 4,096 tokens (7 windows of 1,024 per model, not 31), a quarter of the
 # evaluation's time; how far its perplexity change strays from 16,384 tokens' is not measured yet.
 DEMO_TOKENS = 4096
+DEVICE_HELP = "Where to run it: cpu, cuda or cuda:N (default: cuda if torch sees a GPU, else cpu)."
 KV_HELP = ("KV-cache scheme: fp16, int8, int4, int2 or fp8, optionally with -g<group_size> and -r<residual> "
            "(int4-g64-r128); default: the checkpoint's.")
 
@@ -113,9 +124,10 @@ def quantize(recipe, model, output, overwrite, resume, device, ranks):
 @click.option("--kv", default=None, help=KV_HELP + " A quantized scheme adds KV-perplexity next to an fp16 cache's.")
 @click.option("--kv-chunk", type=int, default=32, show_default=True,
               help="KV-perplexity: tokens per forward after each window's prefill.")
+@click.option("--device", default=None, help=DEVICE_HELP)
 @_fail_cleanly
 def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, bos, json_out, report, tasks, limit,
-          speed_batches, speed_prompt_len, speed_output_len, kv, kv_chunk):
+          speed_batches, speed_prompt_len, speed_output_len, kv, kv_chunk, device):
     """Perplexity of CKPT (and its baseline), bytes on disk, bits per weight; KV-perplexity with a quantized
     cache; optionally tasks and speed."""
     from evals.kv import ChunkProtocol
@@ -123,19 +135,21 @@ def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, bos, json_o
     # checked as if a BOS may come (disjoint windows need one); evaluate decides it on the tokenizer
     protocol = pipeline.make_protocol(window=window, stride=stride, tokens=tokens, bos=bos != "off")
     kv_chunks = ChunkProtocol(chunk=kv_chunk)
+    device = pipeline.default_device(device)
     if tasks:  # a mistyped task or an unreachable dataset fails now, not after the perplexity run
         from evals.lm_eval_tasks import prepare_tasks, run_tasks, tasks_table
 
         prepare_tasks(_names(tasks))
     result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol,
-                               kv=kv, kv_chunks=kv_chunks, bos=bos)
+                               kv=kv, kv_chunks=kv_chunks, bos=bos, device=device)
     md = pipeline.report_markdown(result)
     task_result = speed = None
     if tasks:
-        task_result = run_tasks(ckpt, _names(tasks), kv=kv, limit=int(limit) if limit and limit >= 1 else limit)
+        task_result = run_tasks(ckpt, _names(tasks), kv=kv, limit=int(limit) if limit and limit >= 1 else limit,
+                                device=device)
         md += "\n\n" + tasks_table(task_result)
     if speed_batches:
-        speed = _speed_sweep(ckpt, kv, speed_batches, speed_prompt_len, speed_output_len)
+        speed = _speed_sweep(ckpt, kv, speed_batches, speed_prompt_len, speed_output_len, device)
         md += "\n\n" + speed["table"]
     click.echo(md)
     if json_out:
@@ -150,13 +164,13 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _speed_sweep(ckpt, kv, batches, prompt_lens, output_lens, repeats: int = 1) -> dict:
+def _speed_sweep(ckpt, kv, batches, prompt_lens, output_lens, device: str, repeats: int = 1) -> dict:
     """Time both phases of every (batch, prompt, output) combination; a JSON-ready dict with its protocol."""
     import runtime
     from evals import speed as sp
     from evals.provenance import describe_device, device_info
 
-    model = runtime.load(ckpt, kv=kv)
+    model = runtime.load(ckpt, device=device, kv=kv)
     loads = sp.workloads(sp.parse_lengths(prompt_lens), sp.parse_lengths(output_lens), sp.parse_lengths(batches))
     timings = sp.sweep(model, loads, repeats=repeats)
     device = device_info(model.device)
@@ -173,12 +187,13 @@ def _speed_sweep(ckpt, kv, batches, prompt_lens, output_lens, repeats: int = 1) 
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--kv", default=None, help=KV_HELP)
+@click.option("--device", default=None, help=DEVICE_HELP)
 @_fail_cleanly
-def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
+def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv, device):
     """Stream a continuation of PROMPT, then print TTFT and mean ITL."""
     import runtime
 
-    model = runtime.load(ckpt, kv=kv)
+    model = runtime.load(ckpt, device=pipeline.default_device(device), kv=kv)
     if chat:
         from lowbit.chat_template import TemplateTimeout, render_chat
 
@@ -210,8 +225,9 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_p, seed, chat, kv):
                    "shows in ps to every user of the machine. /health and /metrics stay open.")
 @click.option("--max-body", default="4MiB", show_default=True,
               help="Largest request body (413 beyond it, before it is read).")
+@click.option("--device", default=None, help=DEVICE_HELP)
 @_fail_cleanly
-def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key, max_body):
+def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key, max_body, device):
     """Serve CKPT over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), with /health and
     /metrics. SIGTERM or Ctrl-C finishes the running requests, then exits."""
     try:
@@ -222,7 +238,7 @@ def serve(ckpt, host, port, kv, kv_memory, max_batch, max_queue, api_key, max_bo
     from runtime.units import parse_bytes
 
     run_server(ckpt, host=host, port=port, kv=kv, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
-               api_key=api_key, max_body_bytes=parse_bytes(max_body))
+               api_key=api_key, max_body_bytes=parse_bytes(max_body), device=pipeline.default_device(device))
 
 
 @main.command()
@@ -298,15 +314,17 @@ def plan(model, memory, context, reserve, schemes, json_out):
 @click.option("--kv", help="KV-cache scheme (fp16, int8, int4, int2, fp8); default: the checkpoint's.")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the timings as JSON.")
+@click.option("--device", default=None, help=DEVICE_HELP)
 @_fail_cleanly
-def speed(ckpt, batches, prompt_len, output_len, kv, repeats, json_out):
+def speed(ckpt, batches, prompt_len, output_len, kv, repeats, json_out, device):
     """Prefill (TTFT, prompt tokens/s) and decode (ITL, tokens/s) of CKPT on this device."""
     from evals.provenance import provenance
 
-    result = _speed_sweep(ckpt, kv, batches, prompt_len, output_len, repeats)
+    device = pipeline.default_device(device)
+    result = _speed_sweep(ckpt, kv, batches, prompt_len, output_len, device, repeats)
     click.echo(result.pop("table"))
     if json_out:
-        json_out.write_text(json.dumps({"model": ckpt, **result, **provenance()}, indent=2))
+        json_out.write_text(json.dumps({"model": ckpt, **result, **provenance(device)}, indent=2))
 
 
 @main.command()
@@ -316,15 +334,16 @@ def speed(ckpt, batches, prompt_len, output_len, kv, repeats, json_out):
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--kv", help="KV-cache scheme (fp16, int8, int4, int2, fp8); default: the checkpoint's.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the diagnosis as JSON.")
+@click.option("--device", default=None, help=DEVICE_HELP)
 @_fail_cleanly
-def diagnose(ckpt, prompt_len, output_len, batch, kv, json_out):
+def diagnose(ckpt, prompt_len, output_len, batch, kv, json_out, device):
     """Measure both phases here, compare with this device's measured ceilings, say what dominates and what helps."""
     import runtime
     from evals import diagnose as dg
     from evals.provenance import describe_device, provenance
     from evals.speed import Workload
 
-    model = runtime.load(ckpt, kv=kv)
+    model = runtime.load(ckpt, device=pipeline.default_device(device), kv=kv)
     result = dg.diagnose(model, Workload(prompt_len, output_len, batch))
     prov = provenance(model.device)
     click.echo(dg.diagnose_text(result, describe_device(prov["device"])))
@@ -334,7 +353,7 @@ def diagnose(ckpt, prompt_len, output_len, batch, kv, json_out):
 
 @main.command()
 @click.argument("ckpt")
-@click.option("--device", default=None, help="Where to run it (default: cuda if available, else cpu).")
+@click.option("--device", default=None, help=DEVICE_HELP)
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
               help="Compute dtype (default: the checkpoint's on a GPU, float32 on CPU).")
 @click.option("--kv", help=KV_HELP)
@@ -348,8 +367,7 @@ def doctor(ckpt, device, dtype, kv, json_out):
     from evals.provenance import describe_device, provenance
     from runtime import selfcheck
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = runtime.load(ckpt, device=device, kv=kv, dtype=getattr(torch, dtype) if dtype else None)
+    model = runtime.load(ckpt, device=pipeline.default_device(device), kv=kv, dtype=getattr(torch, dtype) if dtype else None)
     selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)  # done at load on CUDA: kept outcomes
     rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
     prov = provenance(model.device)

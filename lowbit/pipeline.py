@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lowbit.recipe import Recipe, RecipeError
-from quant import checkpoint, distributed, models
+from quant import checkpoint, distributed, engines, models
 from quant import checkpoint_write
 from quant.calibration import calibration_samples, load_calibration_text
 from quant.affine import QuantScheme
@@ -32,8 +32,18 @@ def work_dir_for(output: Path) -> Path:
     return output.parent / f".{output.name}.work"
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def default_device(device: str | None = None) -> str:
+    """Where a command runs: ``device`` when given (checked), else CUDA when torch sees a GPU, else the
+    CPU. The one rule of every subcommand that loads or calibrates a model (their ``--device``)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device torch knows: use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
+    return device
 
 
 def quantize(recipe: Recipe, overwrite: bool = False, resume: bool = False, device: str | None = None,
@@ -90,6 +100,12 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     notes = [str(c.message) for c in caught]
     for note in notes if world.main else ():
         print(f"warning: {note}")
+    shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in plan}  # (out, in); meta tensors too
+    serve = engines.resolve(recipe.serve_with)
+    try:  # before any work: every Linear as planned (a budget's choices are held to them as they are made)
+        engines.check_plan(serve, plan, shapes)
+    except engines.EngineError as e:
+        raise RecipeError(str(e)) from None
 
     samples = None
     if calibrated or budgeted:
@@ -108,7 +124,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     manifest_recipe, budget = recipe.to_dict(), None
     if budgeted:
         plan, budget, manifest_recipe = _spend_budget(recipe, model, plan, samples, scale_dtype, lazy,
-                                                      device or default_device(), progress)
+                                                      device or default_device(), progress, serve)
     quantized, layer_stats = quantize_model(
         model, plan, w.methods, samples=samples, **w.settings,
         scale_dtype=scale_dtype, device=device or default_device(),
@@ -129,13 +145,15 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     if world.main:
         checkpoint_write.save(model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest,
                         overwrite=overwrite)
+        if progress:
+            print("\n".join(engines.serving_lines(plan, shapes)))
     world.barrier()  # the checkpoint is in place before any rank drops its share of the progress
     if work_dir is not None:
         shutil.rmtree(work_dir, ignore_errors=True)
     return output
 
 
-def _spend_budget(recipe: Recipe, model, plan, samples, scale_dtype, lazy, device, progress):
+def _spend_budget(recipe: Recipe, model, plan, samples, scale_dtype, lazy, device, progress, serve=()):
     """``weights.target_bits``: the plan with each Linear's scheme chosen by its sensitivity
     (``quant.budget``), the record for the manifest, and the recipe the manifest keeps: the
     choice as one override per Linear, so re-running it makes the same checkpoint without the pass."""
@@ -148,7 +166,8 @@ def _spend_budget(recipe: Recipe, model, plan, samples, scale_dtype, lazy, devic
               if matches(n, o.match) and (o.bits is not None or o.group_size is not None)}
     try:
         plan, record = budget.choose_schemes(model, plan, pinned, w.target_bits, w.budget_candidates, samples,
-                                             scale_dtype, device, lazy, progress)
+                                             scale_dtype, device, lazy, progress,
+                                             (lambda n, s: engines.linear_refusal(serve, n, s)) if serve else None)
     except budget.BudgetError as e:
         raise RecipeError(str(e)) from None
     if progress:
@@ -208,23 +227,23 @@ def _default_protocol():
 DEFAULT_PROTOCOL = _default_protocol()
 
 
-def _perplexity(model_dir: Path, token_ids, protocol, bos_id, label: str, progress: bool) -> float:
+def _perplexity(model_dir: Path, token_ids, protocol, bos_id, label: str, progress: bool, device: str) -> float:
     import runtime
     from evals.perplexity import perplexity
 
-    model = runtime.load(model_dir)
+    model = runtime.load(model_dir, device=device)
     if progress:
         print(f"perplexity of {label}")
     return perplexity(model.logits, token_ids, protocol, bos_id=bos_id, progress=progress).ppl
 
 
-def _kv_results(ckpt_dir: Path, scheme, token_ids, protocol, bos_id, chunks, progress: bool) -> dict:
+def _kv_results(ckpt_dir: Path, scheme, token_ids, protocol, bos_id, chunks, progress: bool, device: str) -> dict:
     """KV-perplexity of the checkpoint with ``scheme`` and with an fp16 cache, through the same chunked path."""
     import runtime
     from evals.kv import kv_perplexity, runtime_session
     from kvquant import KVScheme, bytes_per_token
 
-    model = runtime.load(ckpt_dir, kv=scheme)
+    model = runtime.load(ckpt_dir, device=device, kv=scheme)
     ppl = {}
     for label, s in (("kv", scheme), ("kv_baseline", KVScheme())):
         if progress:
@@ -258,6 +277,7 @@ def evaluate(
     kv: str | None = None,
     kv_chunks=None,
     bos: str = "auto",
+    device: str | None = None,
 ) -> dict:
     """Perplexity of ``ckpt`` and of its baseline on the same tokens, plus sizes.
 
@@ -266,6 +286,7 @@ def evaluate(
 
     With a quantized KV scheme (``kv``, e.g. ``"int4"``, else the one saved with the checkpoint),
     also the KV-perplexity of ``ckpt`` with that cache and with an fp16 cache, same tokens, same path.
+    ``device``: where the models run (default: :func:`default_device`'s choice).
     """
     import runtime
     from dataclasses import replace
@@ -275,6 +296,7 @@ def evaluate(
     from evals.texts import load_text
 
     protocol = protocol or DEFAULT_PROTOCOL
+    device = default_device(device)
     ckpt_dir = models.resolve(ckpt)
     manifest = checkpoint.verify(ckpt_dir)
     if use_baseline and baseline is None and manifest is not None:
@@ -290,7 +312,7 @@ def evaluate(
         "text": text,
         "protocol": {**protocol.to_dict(), "bos_mode": bos, "bos_token_id": bos_id, "description": protocol.describe()},
         "tokens": int(token_ids.numel()),
-        "ppl": _perplexity(ckpt_dir, token_ids, protocol, bos_id, str(ckpt), progress),
+        "ppl": _perplexity(ckpt_dir, token_ids, protocol, bos_id, str(ckpt), progress, device),
         "bytes_on_disk": size.bytes_on_disk(ckpt_dir),
         "bits_per_weight": stats.bits_per_weight,
         "quantized_params": stats.quantized_params,
@@ -307,10 +329,10 @@ def evaluate(
     result.update(dict.fromkeys(KV_KEYS))
     if kv_scheme.quantized:
         result.update(_kv_results(ckpt_dir, kv_scheme, token_ids, protocol, bos_id, kv_chunks or ChunkProtocol(),
-                                  progress))
+                                  progress, device))
     if use_baseline and baseline:
         base_dir = models.resolve(baseline)
-        base_ppl = _perplexity(base_dir, token_ids, protocol, bos_id, f"baseline {baseline}", progress)
+        base_ppl = _perplexity(base_dir, token_ids, protocol, bos_id, f"baseline {baseline}", progress, device)
         result.update(
             baseline=str(baseline),
             baseline_ppl=base_ppl,

@@ -64,14 +64,15 @@ def banner(worker, model_name: str, model, host: str, port: int, api_key) -> str
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, kv: str | None = None, kv_memory=None,
           max_batch: int = 32, max_queue: int = 256, api_key: str | None = None,
-          max_body_bytes: int | None = None) -> None:
+          max_body_bytes: int | None = None, device: str | None = None) -> None:
     import uvicorn
 
     import runtime
+    from lowbit.pipeline import default_device
 
     _exit_cleanly_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    model = runtime.load(ckpt, device="cuda" if _cuda() else "cpu", kv=kv)
+    model = runtime.load(ckpt, device=default_device(device), kv=kv)
     name = Path(ckpt).name or str(ckpt)
     app, worker = build(model, name, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
                         api_key=api_key, aliases=(str(ckpt),), max_body_bytes=max_body_bytes)
@@ -87,9 +88,3 @@ def _exit_cleanly_on_sigterm() -> None:
     """uvicorn handles SIGTERM while it runs (drain, then stop) and raises it again afterwards: this
     handler makes that, or a SIGTERM during loading, a clean exit 0."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
