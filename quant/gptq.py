@@ -77,64 +77,100 @@ def gptq_quantize(
     no index is needed at inference); ``"group"`` forms groups in visiting order and
     returns ``g_idx``.
     """
-    W = weight.detach().float().clone()
+    W, H, perm = _prepare(weight, H, scheme.actorder is not None)
     out_features, columns = W.shape
-    H = H.detach().float().clone()
     scale_dtype = scale_dtype or weight.dtype
     g = scheme.group_len(columns)
     n_groups = columns // g
 
-    dead = torch.diag(H) == 0  # inputs that never fire: any value works, zero is cheapest
-    H[dead, dead] = 1
-    W[:, dead] = 0
-
     act_order = scheme.actorder is not None
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(columns)
     static = act_order and scheme.actorder == "weight"
     if static:  # groups fixed in stored order before any error feedback: all of them in one call
-        all_scales, all_zeros = _group_qparams(W, scheme, g, config.mse_clip, scale_dtype)
+        all_scales, all_zeros = _group_qparams(W[:, torch.argsort(perm)], scheme, g, config.mse_clip, scale_dtype)
         params = [(all_scales[:, i:i + 1], None if all_zeros is None else all_zeros[:, i:i + 1]) for i in range(n_groups)]
-    W, H = W[:, perm], H[perm][:, perm]
-    U = inverse_hessian_cholesky(H, config.dampening, name)
-
-    Q = torch.zeros_like(W)
     scales = torch.empty(out_features, n_groups, dtype=scale_dtype)
     zeros = None if scheme.symmetric else torch.empty(out_features, n_groups, dtype=torch.int8)
     col_group = (perm // g if static else torch.arange(columns) // g).tolist()  # group of each visited column
-    diag = torch.diagonal(U).tolist()
-    grp = scale = zero = None
-    for start in range(0, columns, config.block_size):
-        end = min(start + config.block_size, columns)
-        Wb, Ub = W[:, start:end].clone(), U[start:end, start:end]
-        errors = torch.zeros_like(Wb)
-        for j in range(end - start):
-            i = start + j
-            if col_group[i] != grp:  # entering another group: fetch (static) or choose its qparams
-                grp = col_group[i]
-                if static:
-                    group_scale, group_zero = params[grp]
-                else:  # its scale sees the columns as updated so far
-                    upcoming = torch.cat([Wb[:, j:], W[:, end:]], 1)[:, :g]
-                    group_scale, group_zero = _group_qparams(upcoming, scheme, -1, config.mse_clip, scale_dtype)
-                scales[:, grp] = group_scale[:, 0]
-                if zeros is not None:
-                    zeros[:, grp] = group_zero[:, 0]
-                scale = group_scale.float()
-                zero = None if group_zero is None else group_zero.float()
-            w = Wb[:, j:j + 1]
-            q = to_grid(w, scale, zero, scheme)
-            Q[:, i:i + 1] = q
-            err = (w - from_grid(q, scale, zero)) * (1.0 / diag[i])
-            Wb[:, j:].addmm_(err, Ub[j:j + 1, j:], alpha=-1.0)
-            errors[:, j:j + 1] = err
-        W[:, end:] -= errors @ U[start:end, end:]
+    current = {"group": None}
 
+    def round_column(i: int, w: torch.Tensor, upcoming) -> tuple[torch.Tensor, torch.Tensor]:
+        if col_group[i] != current["group"]:  # entering another group: fetch (static) or choose its qparams
+            grp = current["group"] = col_group[i]
+            if static:
+                group_scale, group_zero = params[grp]
+            else:  # its scale sees the columns as updated so far
+                group_scale, group_zero = _group_qparams(upcoming()[:, :g], scheme, -1, config.mse_clip, scale_dtype)
+            scales[:, grp] = group_scale[:, 0]
+            if zeros is not None:
+                zeros[:, grp] = group_zero[:, 0]
+            current["scale"] = group_scale.float()
+            current["zero"] = None if group_zero is None else group_zero.float()
+        q = to_grid(w, current["scale"], current["zero"], scheme)
+        return q, from_grid(q, current["scale"], current["zero"])
+
+    Q = _sweep(W, H, config, name, round_column)
     inverse = torch.argsort(perm)
     Q = Q[:, inverse]
     g_idx = None
     if act_order and scheme.actorder == "group":
         g_idx = (torch.arange(columns) // g)[inverse].to(torch.int32)
     return QuantizedWeight(Q.to(torch.int8), scales, zeros, scheme, g_idx)
+
+
+def gptq_on_grid(weight: torch.Tensor, H: torch.Tensor, grid, config: GPTQConfig = GPTQConfig(),
+                 name: str = "layer") -> torch.Tensor:
+    """GPTQ's codes [out, in] (float) of ``weight`` on a grid fixed before any error feedback, such
+    as a GGUF type's super-block grid (``quant.gguf_fit.Grid``): ``grid.round(w, columns)`` gives the
+    nearest codes of columns ``columns`` and ``grid.value(q, columns)`` their values. Columns are
+    visited by decreasing ``diag(H)`` unless ``config.actorder`` is ``"none"`` (the grid is fixed,
+    so the order costs nothing at inference)."""
+    W, H, perm = _prepare(weight, H, config.actorder != "none")
+    order = perm.tolist()
+
+    def round_column(i: int, w: torch.Tensor, upcoming) -> tuple[torch.Tensor, torch.Tensor]:
+        column = slice(order[i], order[i] + 1)
+        q = grid.round(w, column)
+        return q, grid.value(q, column)
+
+    return _sweep(W, H, config, name, round_column)[:, torch.argsort(perm)]
+
+
+def _prepare(weight: torch.Tensor, H: torch.Tensor, act_order: bool):
+    """Float copies of the weight and Hessian with dead inputs zeroed (inputs that never fire: any
+    value works, zero is cheapest), both in visiting order (``perm``: by decreasing ``diag(H)``
+    with act-order, else column order)."""
+    W = weight.detach().float().clone()
+    H = H.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(W.shape[1])
+    return W[:, perm], H[perm][:, perm], perm
+
+
+def _sweep(W: torch.Tensor, H: torch.Tensor, config: GPTQConfig, name: str, round_column) -> torch.Tensor:
+    """The column sweep over ``W`` (in visiting order, ``H`` likewise): ``round_column(i, w,
+    upcoming)`` rounds visited column ``i`` (``w`` [out, 1] as updated so far; ``upcoming()`` the
+    columns from it on) to (codes, values); each error is pushed onto the columns not yet rounded
+    through the upper Cholesky factor of ``H⁻¹``, with lazy block updates. Codes in visiting order."""
+    U = inverse_hessian_cholesky(H, config.dampening, name)
+    columns = W.shape[1]
+    Q = torch.zeros_like(W)
+    diag = torch.diagonal(U).tolist()
+    for start in range(0, columns, config.block_size):
+        end = min(start + config.block_size, columns)
+        Wb, Ub = W[:, start:end].clone(), U[start:end, start:end]
+        errors = torch.zeros_like(Wb)
+        for j in range(end - start):
+            i = start + j
+            w = Wb[:, j:j + 1]
+            q, value = round_column(i, w, lambda: torch.cat([Wb[:, j:], W[:, end:]], 1))
+            Q[:, i:i + 1] = q
+            err = (w - value) * (1.0 / diag[i])
+            Wb[:, j:].addmm_(err, Ub[j:j + 1, j:], alpha=-1.0)
+            errors[:, j:j + 1] = err
+        W[:, end:] -= errors @ U[start:end, end:]
+    return Q
 
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, H: torch.Tensor) -> float:
