@@ -49,6 +49,20 @@ def packed_linears(path) -> list[str]:
             for k in checkpoint.read_header(f) if k.endswith(".weight_packed")]
 
 
+def serving_lines(path, config: dict) -> list[str]:
+    """Which engines serve the checkpoint (``quant.engines``), from its schemes and stored shapes."""
+    from safetensors import safe_open
+
+    from quant import engines
+
+    shapes = {}
+    for file in checkpoint.safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            shapes.update({k.removesuffix(".weight_shape"): tuple(int(v) for v in f.get_tensor(k))
+                           for k in f.keys() if k.endswith(".weight_shape")})
+    return engines.serving_lines(checkpoint.linear_schemes(config, list(shapes)), shapes)
+
+
 def summary_lines(schemes: dict[str, str], layer_stats: dict) -> list[str]:
     """One row per scheme: layers, mean and worst weight error (and output error when calibrated)."""
     calibrated = any("output_rel_error" in st for st in layer_stats.values())
@@ -149,6 +163,7 @@ def inspect_text(ckpt, layers: bool = False) -> str:
     ignored = config["quantization_config"].get("ignore")
     if ignored:
         lines.append(f"left in floating point: {', '.join(ignored)}")
+    lines += ["", *serving_lines(path, config)]
     if manifest.get("budget"):
         lines += ["", *budget_lines(manifest["budget"], layers)]
     if layers:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
 from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
+from quant import engines
 from quant import methods as registry
-from quant.affine import SUPPORTED_BITS
+from quant.affine import SUPPORTED_BITS, QuantScheme
 from quant.budget import DEFAULT_BITS, MAX_TARGET_BITS, Candidate, default_candidates
 # A recipe's overrides and patterns are the plan's: one definition of each, re-exported here.
 from quant.plan import Override, matches  # noqa: F401
@@ -79,6 +80,7 @@ class Recipe:
     calibration: Calibration = field(default_factory=Calibration)
     weights: Weights = field(default_factory=Weights)
     kv_cache: KVScheme = field(default_factory=KVScheme)  # used by the runtime, saved in the manifest
+    serve_with: list[str] = field(default_factory=list)  # engines every choice is held to (quant.engines)
 
     def to_dict(self) -> dict:
         """The recipe as YAML would write it (each method's settings under its own name)."""
@@ -88,6 +90,8 @@ class Recipe:
         # a budget replaces ``bits``; without one the keys stay out, so today's recipes read as before
         for key in ("bits",) if self.weights.target_bits is not None else ("target_bits", "candidates"):
             weights.pop(key)
+        if not self.serve_with:
+            data.pop("serve_with")
         return data
 
 
@@ -215,6 +219,7 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
     weights.methods, weights.settings = _methods(c, w)
 
     recipe.kv_cache = _kv_cache(c, top.get("kv_cache"))
+    recipe.serve_with = _serve_with(c, top.get("serve_with"), weights, "candidates" in w)
     recipe.output = c.string(top["output"], "output") if top.get("output") is not None else default_output(recipe)
     return recipe
 
@@ -285,6 +290,40 @@ def _budget(c: _Checker, w: dict) -> tuple[float | None, list[Candidate]]:
         c.fail("weights.target_bits", f"{target:g} is below the smallest candidate ({smallest} bits, before "
                                       "scales); raise target_bits or add a cheaper candidate")
     return float(target), candidates
+
+
+def _serve_with(c: _Checker, value, weights: Weights, explicit_candidates: bool) -> list[str]:
+    """``serve_with``: the engines (quant.engines) whose kernels every weight choice must fit. Each choice
+    they refuse is an error at its key path; the budget's default candidates shrink to the ones they take."""
+    if not value:
+        return []
+    names = c.patterns(value, "serve_with")
+    try:
+        chosen = engines.resolve(names)
+    except engines.EngineError as e:
+        c.fail("serve_with", str(e))
+    rounding = weights.chain[-1]
+    default = QuantScheme(weights.bits, weights.group_size, weights.symmetric,
+                          rounding.actorder(weights.settings[rounding.name]))
+    overrides = {f"weights.overrides[{i}]": replace(default, **{k: v for k, v in asdict(o).items()
+                                                                if k in ("bits", "group_size", "symmetric") and v is not None})
+                 for i, o in enumerate(weights.overrides) if not o.skip}
+    budgeted = weights.target_bits is not None
+    if budgeted and not explicit_candidates:
+        weights.candidates = engines.served_candidates(chosen, weights.budget_candidates, default)
+    candidates = {f"weights.candidates[{i}]": replace(default, bits=k.bits, group_size=k.group_size)
+                  for i, k in enumerate(weights.candidates)} if budgeted else None
+    for path, why in engines.weights_refusals(chosen, default, overrides, candidates):
+        if path == "weights":  # the key that chose it
+            path += ".group_size" if "group size" in why else f".{rounding.name}.actorder" if "act-order" in why \
+                else ".symmetric" if "experts" in why else ".bits"
+        c.fail(path, f"serve_with {', '.join(names)}: {why}")
+    least = min((k.bits for k in weights.candidates), default=None) if budgeted else None
+    if budgeted and (least is None or weights.target_bits < least):
+        c.fail("weights.target_bits", f"serve_with {', '.join(names)}: the candidates its engines serve ("
+               + (", ".join(k.label for k in weights.candidates) or "none") + f") store at least {least} bits per "
+               f"weight, above the target {weights.target_bits:g}; raise target_bits")
+    return names
 
 
 def _kv_cache(c: _Checker, value, path: str = "kv_cache") -> KVScheme:

@@ -144,6 +144,18 @@ def linear_costs(model, plan: dict[str, QuantScheme], candidates: list[Candidate
     return out
 
 
+def _served_costs(costs: dict, plan: dict[str, QuantScheme], model, candidates: list[Candidate], refuse) -> dict:
+    """``costs`` without the candidates ``refuse`` rules out per Linear; a Linear left with none is an error."""
+    out = {}
+    for name, by_label in costs.items():
+        schemes = candidate_schemes(plan[name], model.get_submodule(name).in_features, candidates)
+        reasons = {k: refuse(name, schemes[k]) for k in by_label}
+        out[name] = {k: v for k, v in by_label.items() if reasons[k] is None}
+        if not out[name]:
+            raise BudgetError(f"{name}: no candidate can be served: " + "; ".join(f"{k}: {r}" for k, r in reasons.items()))
+    return out
+
+
 def check_budget(target_bits: float, costs: dict, pinned_bits: int, params: int) -> None:
     """Refuse, before the calibration pass, a target no assignment of these candidates meets."""
     if target_bits > MAX_TARGET_BITS:
@@ -172,10 +184,11 @@ def check_base(candidates: list[Candidate], plan: dict[str, QuantScheme]) -> Can
 
 def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target_bits: float,
                    candidates: list[Candidate], samples: torch.Tensor, scale_dtype, device="cpu", lazy=None,
-                   progress: bool = True) -> tuple[dict[str, QuantScheme], dict]:
+                   progress: bool = True, refuse=None) -> tuple[dict[str, QuantScheme], dict]:
     """The plan with each unpinned Linear's scheme chosen under ``target_bits``, and the record
     (sensitivities, costs, choice) the manifest keeps. ``pinned`` Linears (an override gave their
-    bits) keep their scheme; their bits count against the budget."""
+    bits) keep their scheme; their bits count against the budget. ``refuse(name, scheme)``: why a
+    Linear may not take a candidate (a recipe's ``serve_with``, ``quant.engines``), None when it may."""
     free = {n: s for n, s in plan.items() if n not in pinned}
     if not free:
         raise BudgetError("weights.target_bits: every quantized Linear has its bits from an override; "
@@ -184,6 +197,8 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
     pinned_bits = sum(8 * stored_bytes(tuple(model.get_submodule(n).weight.shape), plan[n], scale_dtype)
                       for n in plan if n in pinned)
     costs = linear_costs(model, free, candidates, scale_dtype)
+    if refuse is not None:
+        costs = _served_costs(costs, free, model, candidates, refuse)
     check_budget(target_bits, costs, pinned_bits, params)
     start = time.perf_counter()
     base = check_base(candidates, free)

