@@ -237,7 +237,7 @@ ARCHITECTURES = {a.model_type: a for a in (
 )}
 # Mixture-of-experts families. Their MLPs are left out of AWQ's scale pairs: the norm before the
 # experts also feeds the router (which would have to be scaled too, in float) and each expert's
-# up -> down pair sees only the tokens routed to it (README, "Mixture of experts").
+# up -> down pair sees only the tokens routed to it (docs/models.md).
 ATTENTION_SCALE_PAIRS = LLAMA_SCALE_PAIRS[:2]
 ARCHITECTURES.update({a.model_type: a for a in (
     Architecture("mixtral", qkv_bias=lambda config: False, o_bias=lambda config: False,

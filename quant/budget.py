@@ -30,7 +30,7 @@ from quant.format import stored_bytes
 from quant.sensitivity import Candidate, candidate_schemes, check_largest, measure_sensitivities, whole_model
 
 # The default candidates: 3 and 4 bits at groups 32, 64 and 128 (and the recipe's), 8 bits at the recipe's
-# group size; no 2 bits. Measured (README, bench/results/budget/candidates.json): the Fisher estimate,
+# group size; no 2 bits. Measured (bench/results/budget/NOTES.md, candidates.json): the Fisher estimate,
 # second order about the float model, prices widths against each other wrongly (2-bit damage understated,
 # 4-bit overstated), so trades across widths lose; steps within a width (group sizes) it prices well enough.
 DEFAULT_BITS = (3, 4)

@@ -12,7 +12,7 @@ Which tokens reach an expert during calibration (:class:`CalibrationMoE`, ``stat
 ``"all"`` (the default) runs every token through every expert for the Hessians only, while the
 block's output keeps the router's choice; ``"routed"`` feeds each expert its routed tokens, as at
 inference. With routed tokens a rarely chosen expert gets a Hessian of low rank or none at all;
-tests/test_moe.py and bench/results/moe/expert-statistics-*.json measure the two (README, "Mixture of experts").
+tests/test_moe.py and bench/results/moe/expert-statistics-*.json measure the two (docs/models.md).
 """
 
 from __future__ import annotations

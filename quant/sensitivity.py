@@ -15,7 +15,7 @@ the float model, whatever the others will get. It needs the whole model at once 
 Then the check (:func:`check_largest`): the Linears with the largest estimates have the loss
 measured with each alone rounded, and their estimates scaled to it: the second-order estimate can
 miss by far where the loss reads a Linear's output non-linearly, and those few decide much of the
-assignment (README).
+assignment (docs/budget.md).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def check_largest(model, plan: dict[str, QuantScheme], losses: dict, candidates:
 
     Why: the second-order estimate can miss by far on a Linear whose output the loss reads
     non-linearly; on SmolLM2 layer 11's down_proj (it writes the outsized activations) it estimates
-    W4's rounding at +0.064 nats where the model measures -0.014 (README), and the budget bought
+    W4's rounding at +0.064 nats where the model measures -0.014 (docs/budget.md), and the budget bought
     it 8 bits with 3-bit MLPs elsewhere. The few largest estimates decide most of the assignment, and
     a rise that large is measurable on the calibration tokens."""
     rtn = registry.get("rtn")

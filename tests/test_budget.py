@@ -244,7 +244,7 @@ def test_budgeted_checkpoint_is_an_ordinary_mixed_checkpoint(tmp_path, tiny_dir,
     from lowbit import pipeline
     from lowbit.inspection import inspect_text
 
-    # 2/4/8 bits: compressed-tensors 0.17.1 (the test extra's pin) packs 3 bits in its older layout (README)
+    # 2/4/8 bits: compressed-tensors 0.17.1 (the test extra's pin) packs 3 bits in its older layout (docs/budget.md)
     r = recipe(tiny_dir, calibration_file, tmp_path / "mix", target_bits=4.0,
                candidates=[{"bits": 2}, {"bits": 4}, {"bits": 8}])
     out = pipeline.quantize(r, device="cpu", progress=False)
@@ -329,7 +329,7 @@ def test_recipe_round_trips_with_a_budget():
     assert r.weights.budget_candidates == [Candidate(3, 64), Candidate(4, 128)]
     assert parse_recipe(r.to_dict()) == r
     assert parse_recipe({"model": "m"}).to_dict()["weights"].keys().isdisjoint({"target_bits", "candidates"})
-    # the default: 3 and 4 bits at groups 32/64/128 and the recipe's, 8 bits at the recipe's; no 2 bits (README)
+    # the default: 3 and 4 bits at groups 32/64/128 and the recipe's, 8 bits at the recipe's; no 2 bits (docs/budget.md)
     default = parse_recipe({"model": "m", "weights": {"target_bits": 3.5, "group_size": 48}}).weights.budget_candidates
     assert default == [Candidate(b, g) for b in (3, 4) for g in (32, 64, 128, 48)] + [Candidate(8, 48)]
 

@@ -44,8 +44,8 @@ def test_transformers_with_compressed_tensors_loads_our_checkpoint(tmp_path, sch
 
 @pytest.mark.parametrize("scheme", [QuantScheme(4, 32, False), QuantScheme(8, -1, False)], ids=["w4g32", "w8pc"])
 def test_transformers_dequantize_path_loads_one_scheme_asymmetric_checkpoints(tmp_path, scheme):
-    """The path the README gives for compressed-tensors 0.20, whose default path fails on asymmetric
-    checkpoints. (It mis-reads checkpoints that mix bit widths, in 0.17.1 as in 0.20: the README says so.)"""
+    """The path docs/checkpoint-format-and-interop.md gives for compressed-tensors 0.20, whose default path fails on asymmetric
+    checkpoints. (It mis-reads checkpoints that mix bit widths, in 0.17.1 as in 0.20: the docs say so.)"""
     pytest.importorskip("compressed_tensors")
     from transformers import CompressedTensorsConfig
 
