@@ -48,6 +48,29 @@ chromium:
 test: install-test venv-triton36 chromium
 	$(PY) -m pytest -q
 
+# llama.cpp for the GGUF tests and benches (tests/test_gguf_llama.py, bench/results/gguf/): the
+# release vendored by the llama-cpp-python sdist, pinned; only libllama (shared, which the sdist's
+# own ctypes bindings load: LLAMA_CPP_LIB_PATH) and the tools the tests and benches run, not the
+# Python package's own build. Cached in .llama-cpp/ (ignores itself for git).
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPP := .llama-cpp
+LLAMA_CPP_SRC := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)
+$(LLAMA_CPP)/.built: | $(VENV)/.installed
+	mkdir -p $(LLAMA_CPP)
+	echo '*' > $(LLAMA_CPP)/.gitignore
+	test -d $(LLAMA_CPP_SRC) || { \
+		$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_CPP) && \
+		tar -xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP); }
+	$(PIP) install -q --no-deps --target $(LLAMA_CPP)/python diskcache  # the bindings' one missing import
+	cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > $(LLAMA_CPP)/cmake.log 2>&1
+	cmake --build $(LLAMA_CPP)/build -j$$(nproc) \
+		--target llama llama-perplexity llama-quantize llama-imatrix llama-completion > $(LLAMA_CPP)/build.log 2>&1
+	touch $@
+
+llama-cpp: $(LLAMA_CPP)/.built
+
 # On a lent GPU machine, whose python3 holds torch with CUDA: correctness first, then speed
 # (bench/gpu_check.py's docstring gives the two-call split; STAGES=env,weights picks stages).
 gpu-check:
@@ -68,4 +91,4 @@ vllm-bench: install
 	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape smollm2 --lowbit default,bfloat16,default:dense
 	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape 1b --output-len 32 --repeats 2
 
-.PHONY: install install-test venv-triton36 demo test chromium gpu-check gpu-wheels vllm-bench
+.PHONY: install install-test venv-triton36 demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp

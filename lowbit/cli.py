@@ -254,6 +254,25 @@ def inspect(ckpt, layers):
 
 
 @main.command()
+@click.argument("ckpt")
+@click.option("--gguf", "gguf_type", required=True,
+              help="GGUF type for llama.cpp / Ollama: Q4_0, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Linear on "
+                   "that type's grid is copied, any other re-fitted by RTN), exact (each Linear to the type its "
+                   "grid is; anything else an error), or F16/BF16/F32.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The .gguf file.")
+@click.option("--overwrite", is_flag=True, help="Replace the output if it is a GGUF file (never other files).")
+@_fail_cleanly
+def export(ckpt, gguf_type, output, overwrite):
+    """Write CKPT (a lowbit checkpoint, float model or alias) as a GGUF file llama.cpp loads."""
+    from quant.gguf.export import export as export_gguf
+
+    report = export_gguf(ckpt, gguf_type, output, overwrite=overwrite)
+    for line in report.lines():
+        click.echo(line)
+    click.echo(f"saved {output}")
+
+
+@main.command()
 def recipes():
     """List the bundled recipes (each usable by name in `lowbit quantize` and `lowbit demo --recipe`)."""
     from lowbit.recipe import load_recipe
