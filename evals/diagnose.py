@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from evals.speed import PROTOCOL, PhaseTiming, Workload, measure
-from kvquant import KVScheme, bytes_per_token
+from kvquant import KVScheme, bytes_per_token, parse_kv
+from kvquant import schemes as kv_families
 from kvquant.memory import stored_bytes
 from runtime.linear import QuantLinear
 from runtime.units import sync
@@ -150,9 +151,13 @@ def _kv_ratios(model) -> str:
     cfg = model.decoder.cfg
     base = bytes_per_token(KVScheme(), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     parts = []
-    for bits in (8, 4, 2):
-        s = KVScheme(bits=bits)
-        parts.append(f"int{bits} {bytes_per_token(s, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) / base:.2f}x")
+    for name in kv_families.listed_names(quantized=True):  # every family's
+        s = parse_kv(name)
+        try:
+            s.check_head_dim(cfg.head_dim)
+        except ValueError:
+            continue  # its groups do not fit these heads
+        parts.append(f"{name} {bytes_per_token(s, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) / base:.2f}x")
     return ", ".join(parts)
 
 

@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 
 from kvquant import KVScheme, bytes_per_token, parse_kv
+from kvquant import schemes as kv_families
 from kvquant.memory import max_tokens, ring_blocks, sequence_bytes
 from quant import architectures
 from runtime.units import parse_bytes
 
-DEFAULT_SCHEMES = ("fp16", "int8", "int4", "int2", "fp8")
+DEFAULT_SCHEMES = tuple(kv_families.listed_names())  # every family's listed names: fp16, int8, int4, ...
 KV_DTYPE = torch.float16  # the unquantized cache and the residual block: 16-bit on every device that serves
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
@@ -185,7 +186,8 @@ def _layer_types(windows: tuple) -> list[dict]:
 def _scheme_row(name: str, layers: int, kv_heads: int, head_dim: int, context: int, free: int,
                 windows: tuple | None = None) -> dict:
     scheme: KVScheme = parse_kv(name)
-    row = {"scheme": scheme.name, "bits": scheme.bits, "type": scheme.type}
+    row = {"scheme": scheme.name, "family": scheme.family, "bits": scheme.bits, "value_bits": scheme.value_bits,
+           "type": scheme.type}
     try:
         scheme.check_head_dim(head_dim)
     except ValueError as e:

@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
+from kvquant import schemes as kv_families  # noqa: E402
 from lowbit import pipeline  # noqa: E402
 from lowbit.recipe import bundled_recipe_names, bundled_recipes_dir
 
@@ -26,7 +27,8 @@ from lowbit.recipe import bundled_recipe_names, bundled_recipes_dir
 # evaluation's time; how far its perplexity change strays from 16,384 tokens' is not measured yet.
 DEMO_TOKENS = 4096
 DEVICE_HELP = "Where to run it: cpu, cuda or cuda:N (default: cuda if torch sees a GPU, else cpu)."
-KV_HELP = ("KV-cache scheme: fp16, int8, int4, int2 or fp8, optionally with -g<group_size> and -r<residual> "
+# Every --kv option names the schemes the KV-cache families list (kvquant/schemes/, one file each).
+KV_HELP = (f"KV-cache scheme: {kv_families.names_text()}, optionally with -g<group_size> and -r<residual> "
            "(int4-g64-r128); default: the checkpoint's.")
 
 
@@ -310,7 +312,9 @@ def demo(recipe, tokens, overwrite):
 @click.option("--memory", required=True, help="Memory budget: 24GB, 24GiB, 512MB or bytes.")
 @click.option("--context", type=int, default=8192, show_default=True, help="Tokens per sequence.")
 @click.option("--reserve", default="0", show_default=True, help="Memory held back for activations and the framework.")
-@click.option("--kv", "schemes", multiple=True, help="KV schemes to plan (repeatable; default fp16, int8, int4, int2, fp8).")
+@click.option("--kv", "schemes", multiple=True,
+              help=f"KV schemes to plan (repeatable; default {', '.join(kv_families.listed_names())}); any name --kv "
+                   "takes elsewhere, with -g<group_size> and -r<residual> (int4-g64-r128).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan as JSON.")
 @_fail_cleanly
 def plan(model, memory, context, reserve, schemes, json_out):
@@ -330,7 +334,7 @@ def plan(model, memory, context, reserve, schemes, json_out):
 @click.option("--batch", "batches", default="1,2,4", show_default=True, help="Batch sizes (comma-separated).")
 @click.option("--prompt-len", default="128,512", show_default=True, help="Prompt lengths (comma-separated).")
 @click.option("--output-len", default="32", show_default=True, help="Output lengths (comma-separated).")
-@click.option("--kv", help="KV-cache scheme (fp16, int8, int4, int2, fp8); default: the checkpoint's.")
+@click.option("--kv", help=KV_HELP)
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the timings as JSON.")
 @click.option("--device", default=None, help=DEVICE_HELP)
@@ -351,7 +355,7 @@ def speed(ckpt, batches, prompt_len, output_len, kv, repeats, json_out, device):
 @click.option("--prompt-len", type=int, default=512, show_default=True)
 @click.option("--output-len", type=int, default=64, show_default=True)
 @click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--kv", help="KV-cache scheme (fp16, int8, int4, int2, fp8); default: the checkpoint's.")
+@click.option("--kv", help=KV_HELP)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the diagnosis as JSON.")
 @click.option("--device", default=None, help=DEVICE_HELP)
 @_fail_cleanly

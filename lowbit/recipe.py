@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from kvquant import schemes as kv_families
 from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
 from quant import engines
 from quant import methods as registry
@@ -329,8 +330,11 @@ def _serve_with(c: _Checker, value, weights: Weights, explicit_candidates: bool)
 def _kv_cache(c: _Checker, value, path: str = "kv_cache") -> KVScheme:
     data = c.mapping(value or {}, path, _names(KVScheme))
     checked = {}
-    if "bits" in data:
-        checked["bits"] = c.choice(c.integer(data["bits"], f"{path}.bits"), f"{path}.bits", SUPPORTED_KV_BITS)
+    for key in ("bits", "value_bits"):  # keys' width; values' when it differs (family kv-split)
+        if key in data:
+            checked[key] = c.choice(c.integer(data[key], f"{path}.{key}"), f"{path}.{key}", SUPPORTED_KV_BITS)
+    if "family" in data:  # absent: the family that claims bits, type and value_bits (kvquant.schemes)
+        checked["family"] = c.choice(data["family"], f"{path}.family", tuple(kv_families.REGISTRY))
     if "type" in data:
         checked["type"] = c.choice(data["type"], f"{path}.type", ("int", "float"))
     for key in ("group_size", "residual"):

@@ -88,7 +88,8 @@ def test_plan_command_prints_and_writes_json(model_dir, tmp_path):
     assert "int4" in result.output and "longest sequence" in result.output
     data = json.loads(out.read_text())
     assert data["commit"] and data["versions"]["lowbit"]
-    assert [r["scheme"] for r in data["schemes"]] == ["fp16", "int8", "int4-g64-r128", "int2-g64-r128", "fp8"]
+    assert [r["scheme"] for r in data["schemes"]] == ["fp16", "int8", "int4-g64-r128", "int2-g64-r128", "fp8",
+                                                      "k8v4-g64-r128", "k4v2-g64-r128"]  # every family's listed names
     int8 = next(r for r in data["schemes"] if r["scheme"] == "int8")
     assert {"kv_bytes_per_token", "max_sequences", "max_context"} <= int8.keys()
     # 64 MB holds far more than the tiny model's 512 positions: the longest sequence is the model's limit

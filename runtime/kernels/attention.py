@@ -245,8 +245,8 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         raise ValueError(f"seq_lens must have one entry per sequence ({S}), got shape {tuple(seq_lens.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be a positive number of positions, got {window}")
-    sch = paged.scheme
-    config = launch_config(sch.bits, sch.fp8, sch.kivi, group_q, D, paged.dtype)
+    c = scheme_constants(paged)
+    config = launch_config(c["BITS"], c["FP8"], c["KIVI"], group_q, D, paged.dtype)
     num_warps = num_warps or config["num_warps"]
     num_stages = num_stages or config["num_stages"]
     if tile is None:  # fp32 tiles and IEEE dots: 32-token tiles spill registers (ptxas, sm_90)
@@ -274,9 +274,8 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         q, kd, ks, kz, vd, vs, vz, paged.residual_k, paged.residual_v, paged.block_table,
         seq_lens.to(torch.int32), out, part_o, part_lse, scale * _LOG2E, window or 0,
         paged.block_table.stride(0), per_split, splits,
-        H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged.scheme, tile),
-        SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=TL_DTYPES[q.dtype],
-        **scheme_constants(paged),
+        H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged, tile),
+        SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=TL_DTYPES[q.dtype], **c,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(S * q.shape[1],)](part_o, part_lse, out, splits, MAX=MAX_SPLITS, D=D)

@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant import KVScheme
 from runtime.kernels.kv_reference import PagedKV
 from runtime.kernels.paged import TL_DTYPES, placeholder, pow2, require_supported, scheme_constants
 
@@ -19,13 +18,14 @@ DEFAULT_TILE = 32
 
 
 
-def _tile(scheme: KVScheme, tile: int | None = None) -> int:
+def _tile(paged: PagedKV, tile: int | None = None) -> int:
     """Tokens per tile: divides the block and, for KIVI keys, the token group (one scale row per tile)."""
     t = tile or DEFAULT_TILE
     if not (pow2(t) and t >= 16):
         raise ValueError(f"tile must be a power of two >= 16, got {t}")
-    t = min(t, scheme.block_size)
-    return min(t, scheme.group_size) if scheme.kivi else t
+    c = scheme_constants(paged)
+    t = min(t, c["B"])
+    return min(t, c["G"]) if c["KIVI"] else t
 
 
 
@@ -130,7 +130,7 @@ def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None 
     out_v = paged.residual_v.new_empty(S, H, length, D)
     if length == 0 or S == 0:
         return out_k, out_v
-    TILE = _tile(paged.scheme)
+    TILE = _tile(paged)
     kd, ks, kz = (placeholder(t, paged.k.data) for t in paged.k)
     vd, vs, vz = (placeholder(t, paged.v.data) for t in paged.v)
     c = scheme_constants(paged)

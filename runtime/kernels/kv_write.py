@@ -230,7 +230,7 @@ def write_kv(paged: PagedKV, starts: torch.Tensor, k: torch.Tensor, v: torch.Ten
     fills = (B - 1 + T) // B if blocks else 0  # most blocks one sequence can fill
     if fills:
         rows = min(B, WRITE_ROWS)
-        key_rows = paged.scheme.group_size if paged.scheme.kivi else rows
+        key_rows = c["G"] if c["KIVI"] else rows  # KIVI keys: a whole token group per program
         _write_blocks_kernel[(S, H, fills)](
             k, v, paged.residual_k, paged.residual_v, kd, ks, kz, vd, vs, vz, paged.block_table, starts,
             T, paged.block_table.stride(0), *strides, KEY_ROWS=key_rows, ROWS=rows, CACHE=cache_dtype, H=H, **c,

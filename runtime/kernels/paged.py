@@ -18,16 +18,20 @@ def pow2(n: int) -> bool:
 
 def unsupported_reason(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device=None) -> str | None:
     """Why the kernels cannot serve this cache, or None when they can."""
-    B, G = scheme.block_size, scheme.group_size
+    family = scheme.definition
+    if not family.kernels:
+        return f"the {family.name} family (it declares no Triton kernel)"
+    c = family.kernel_constants(scheme)
+    B, G = scheme.block_size, c["G"]
     if dtype not in TL_DTYPES:
         return f"model dtype {dtype} (the kernels take float16, bfloat16 and float32)"
     if not (pow2(head_dim) and 16 <= head_dim <= 256):
         return f"head_dim {head_dim} (the kernels take powers of two from 16 to 256)"
     if not (pow2(B) and B >= 16):
         return f"block size (residual) {B} (the kernels take powers of two >= 16)"
-    if scheme.kivi and not (pow2(G) and G >= 16):
+    if G is not None and not (pow2(G) and G >= 16):
         return f"group_size {G} (the kernels take powers of two >= 16)"
-    if scheme.fp8 and device is not None and torch.device(device).type == "cuda":
+    if c["FP8"] and device is not None and torch.device(device).type == "cuda":
         if torch.cuda.get_device_capability(device) < (8, 9):
             return "FP8 on a GPU older than compute capability 8.9"
     return None
@@ -45,9 +49,11 @@ def require_supported(paged: PagedKV) -> None:
 
 
 def scheme_constants(paged: PagedKV) -> dict:
-    s = paged.scheme
-    return dict(B=s.block_size, D=paged.head_dim, G=s.group_size if s.kivi else paged.head_dim,
-                BITS=s.bits, FP8=s.fp8, KIVI=s.kivi)
+    """The constexprs the scheme's family declares (``KVFamily.kernel_constants``), with the block
+    and head sizes; G is the whole head where the family groups nothing."""
+    c = paged.scheme.definition.kernel_constants(paged.scheme)
+    return dict(B=paged.scheme.block_size, D=paged.head_dim, G=c["G"] or paged.head_dim,
+                BITS=c["BITS"], FP8=c["FP8"], KIVI=c["KIVI"])
 
 
 def placeholder(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

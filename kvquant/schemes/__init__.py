@@ -1,0 +1,95 @@
+"""The KV-cache families, one file each, found by name.
+
+Every module here that defines ``FAMILY`` (a :class:`kvquant.schemes.base.KVFamily`) adds a
+family: its name pattern, storage layout (bytes per token follow from it), reference
+quantize/dequantize, and which Triton kernels serve it with which constants (none: the
+runtime's PyTorch reference path serves it). Parsing names, the help texts, the memory
+planner's default rows and ``lowbit diagnose``'s ratios all read this registry.
+
+| family | names | keys | values | kernels |
+|--------|-------|------|--------|---------|
+| ``fp16`` | ``fp16`` (``bf16``, ``none``) | model dtype | model dtype | yes |
+| ``int8`` | ``int8`` | INT8 per token | INT8 per token | yes |
+| ``kivi`` | ``int4``, ``int2`` | per channel, groups of G tokens | per token, groups of G channels | yes |
+| ``fp8`` | ``fp8`` | e4m3, scale per head and block | the same | yes (sm_89+) |
+| ``kv-split`` | ``k8v4``, ``k4v2``, ... | 8: per token; 4/2: as KIVI's | 8: per token; 4/2: as KIVI's | no |
+
+Adding a family is one file here, e.g. ``kvquant/schemes/mine.py``::
+
+    class Mine(IntegerFamily):  # or KVFamily, declaring layout/quantize/dequantize itself
+        name, summary, pattern, listed = "mine", "what it stores", r"mine(?P<bits>[42])", ("mine4",)
+        def settings(self, match): return {"bits": int(match["bits"])}
+        def base_name(self, scheme): return f"mine{scheme.bits}"
+        def grids(self, scheme): return IntGrid(scheme.bits, 32), IntGrid(scheme.bits, 32)
+
+    FAMILY = Mine()
+
+plus kernel branches (``kernels``, ``kernel_constants``) only when it needs the speed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+import re
+
+from kvquant.schemes.base import KVFamily
+
+SUFFIX = r"(?:-g(?P<g>\d+))?(?:-r(?P<r>\d+))?"  # every name may set group_size and residual
+
+
+def _discover() -> dict[str, KVFamily]:
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        family = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+        if family is None:
+            continue
+        if family.name in found:
+            raise RuntimeError(f"two KV-cache families are named {family.name!r}")
+        found[family.name] = family
+    return found
+
+
+REGISTRY: dict[str, KVFamily] = dict(sorted(_discover().items(), key=lambda kv: (kv[1].order, kv[0])))
+_PATTERNS = {name: re.compile(rf"^(?:{f.pattern}){SUFFIX}$") for name, f in REGISTRY.items()}
+
+
+def get(name: str) -> KVFamily:
+    if name not in REGISTRY:
+        close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown KV cache family {name!r}{hint}; known families: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def claiming(bits: int, type_: str, value_bits: int) -> KVFamily:
+    """The family of a scheme given without one (bits, type and value_bits only, as older
+    checkpoints and recipes store it)."""
+    for family in REGISTRY.values():
+        if family.claims(bits, type_, value_bits):
+            return family
+    raise ValueError(f"no KV cache family stores keys at {bits} bits and values at {value_bits} bits of type "
+                     f"{type_!r}; the families: {', '.join(REGISTRY)}")
+
+
+def match(spec: str) -> tuple[KVFamily, dict] | None:
+    """The family whose pattern a name matches, and the regex's groups (None: no family)."""
+    text = str(spec).strip().lower()
+    for name, pattern in _PATTERNS.items():
+        m = pattern.match(text)
+        if m:
+            return REGISTRY[name], m.groupdict()
+    return None
+
+
+def listed_names(quantized: bool | None = None) -> list[str]:
+    """The names the families list (help texts, the planner's defaults), optionally only the
+    quantized (or unquantized) ones."""
+    return [n for f in REGISTRY.values() if quantized is None or f.quantized == quantized for n in f.listed]
+
+
+def names_text() -> str:
+    """``fp16, int8, int4, int2, fp8, k8v4 or k4v2``: every listed name, for messages."""
+    names = listed_names()
+    return f"{', '.join(names[:-1])} or {names[-1]}"
