@@ -15,6 +15,11 @@ dense float32 matmul (measured, bench/cpu_decode.py), so a layer converts its in
 output back. Layers neither kernel takes keep the dense reference path (``QuantLinear``), with the
 reason from :func:`unsupported_reason`.
 
+A quantized model's float leftovers (the embedding, lm_head, Linears a recipe left unquantized) are
+kept in bf16 on CPU too (``runtime.load.narrow_float_weights``): lm_head runs as :class:`NarrowLinear`
+(bf16 activations, as the kernels'); SmolLM2's tied float32 embedding/lm_head was 113 MB read per
+token, a third of the W4 model's memory.
+
 The checkpoint's ``weight_packed`` is not kept beside the kernel's copy (memory at load stays
 proportional to bits): :meth:`Int4Slots.codes` reads the codes back from the kernel layout, whose
 order is found once per process (:func:`int4_layout`).
@@ -26,12 +31,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from quant.affine import QuantScheme
 from quant.packing import unpack
 from runtime.kernels.weight_layout import act_order_permutation
 
 ACTIVATIONS = torch.bfloat16  # what both kernels are fast with (see the module docstring)
+FLOAT_WEIGHTS = torch.bfloat16  # a quantized model's float leftovers on CPU (NarrowLinear)
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu takes
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu refuses other output counts
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, crashes) otherwise
@@ -150,6 +158,25 @@ class Int8Channels:
 
 
 CpuWeight = Int4Slots | Int8Channels
+
+
+class NarrowLinear(nn.Module):
+    """A float Linear whose weight is stored narrower than the activations (bf16 beside float32):
+    the product runs in the weight's dtype (oneDNN's bf16 GEMM, half the bytes of float32 and
+    faster at every M measured, bench/cpu_decode.py), the output back in the activations'. Same
+    parameter names as ``nn.Linear``, so a tied lm_head still shares the embedding's tensor."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype} weight"
 
 
 def build(packed: torch.Tensor, scale: torch.Tensor, zero_packed: torch.Tensor | None, shape: tuple[int, int],

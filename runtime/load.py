@@ -14,10 +14,10 @@ from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
-from runtime import selfcheck
+from runtime import cpu_linear, selfcheck
 from runtime.linear import QuantLinear
 from quant.architectures import architecture
-from runtime.model import Decoder, DecoderConfig, plain_linear
+from runtime.model import MLP, Attention, Decoder, DecoderConfig, plain_linear
 
 # Any of these makes a directory's tokenizer loadable by AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -173,13 +173,33 @@ def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
             )
 
 
-def to_compute_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
+def narrow_float_weights(decoder: Decoder, device: torch.device, cpu_kernels: bool | None) -> set[str]:
+    """The float weights a quantized model keeps in bf16 (``cpu_linear.FLOAT_WEIGHTS``) rather than
+    its compute dtype: on CPU with the quantized Linears on the CPU kernels, the embedding, lm_head and
+    the decoder's unquantized Linears (not a mixture's router: its top-k picks are precision-sensitive).
+    They would otherwise be float32, SmolLM2's and Llama-3.2-1B's tied embedding a third of the W4
+    model's memory and of the bytes read per token. Empty elsewhere (float models, the reference)."""
+    if device.type != "cpu" or not use_cpu_kernels(cpu_kernels) or not any(
+            isinstance(m, QuantLinear) for m in decoder.modules()):
+        return set()
+    names = {"model.embed_tokens.weight"} | ({"lm_head.weight"} if type(decoder.lm_head) is torch.nn.Linear else set())
+    for owner_name, owner in decoder.named_modules():
+        if isinstance(owner, (Attention, MLP)):
+            names |= {f"{owner_name}.{n}.weight" for n, m in owner.named_children() if type(m) is torch.nn.Linear}
+    return names
+
+
+def to_compute_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool,
+                     narrow: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Float tensors in the compute dtype (scales keep the stored one: dequantize upcasts them),
     converted in place one at a time, so the stored copy of each is freed before the next is made
-    (peak memory: the model once, plus one tensor). A tied lm_head is the embedding's tensor again.
-    Everything but the packed codes owns its memory (see below)."""
+    (peak memory: the model once, plus one tensor); ``narrow`` ones stored in bf16 stay so
+    (``narrow_float_weights``; never rounded: other stored dtypes go to ``dtype``). A tied lm_head
+    is the embedding's tensor again. Everything but the packed codes owns its memory (see below)."""
     for name, t in tensors.items():
-        if t.is_floating_point() and not name.endswith("weight_scale") and not (tied and name == "lm_head.weight"):
+        if name in narrow and t.dtype == cpu_linear.FLOAT_WEIGHTS:
+            tensors[name] = t.clone()
+        elif t.is_floating_point() and not name.endswith("weight_scale") and not (tied and name == "lm_head.weight"):
             tensors[name] = t.to(dtype)
         elif not name.endswith("weight_packed"):
             # Tensors read from safetensors can be views of one mapping of the whole file, resident
@@ -220,6 +240,8 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     ``runtime/cpu_linear.py``) or, False, the dense float reference (default: ``use_cpu_kernels``)."""
     decoder.to(device).eval()
     decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
+    decoder.activation_dtype = dtype
+    run_narrow_linears(decoder, dtype)
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
     # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
     decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
@@ -230,6 +252,15 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     decoder.self_check = self_check  # an Engine's start-up check reads it too
     if device.type == "cuda":  # elsewhere nothing runs on Triton (tests that send it to the interpreter check it)
         selfcheck.check_decoder(decoder, dtype, kv_scheme)
+
+
+def run_narrow_linears(decoder: Decoder, dtype: torch.dtype) -> None:
+    """Plain Linears whose weight is narrower than ``dtype`` (``narrow_float_weights``) become
+    ``cpu_linear.NarrowLinear``s, which multiply in the weight's dtype."""
+    for owner in list(decoder.modules()):
+        for name, child in list(owner.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype != dtype:
+                setattr(owner, name, cpu_linear.NarrowLinear(child))
 
 
 def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -253,7 +284,8 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     # Build on the meta device: no memory is spent on weights that are replaced right away.
     with torch.device("meta"):
         decoder = Decoder(cfg, linear_factory(schemes))
-    tensors = to_compute_dtype(read_checked_tensors(path, decoder, config, tied), dtype, tied)
+    narrow = narrow_float_weights(decoder, device, cpu_kernels)
+    tensors = to_compute_dtype(read_checked_tensors(path, decoder, config, tied), dtype, tied, narrow)
     decoder.load_state_dict(tensors, assign=True)
     del tensors  # the modules hold them now, so prepare frees what a layer's kernel copy replaces
     check_quantized_shapes(decoder, path)

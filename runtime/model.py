@@ -266,6 +266,7 @@ class Body(nn.Module):
 
 class Decoder(nn.Module):
     attention_kernels = False  # the Triton attention kernels over the KV cache (runtime.load.prepare), else PyTorch
+    activation_dtype: torch.dtype | None = None  # set by runtime.load.prepare; None: the embedding's dtype
 
     def __init__(self, cfg: DecoderConfig, make_linear: LinearFactory = plain_linear):
         super().__init__()
@@ -292,6 +293,8 @@ class Decoder(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        if self.activation_dtype is not None:  # an embedding stored narrower (runtime.load.narrow_float_weights)
+            x = x.to(self.activation_dtype)
         if self.cfg.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers does
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x
