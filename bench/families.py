@@ -5,7 +5,7 @@ tiny random models the tests build.
 
 * ``lowbit plan`` (``evals.planner``) on google/gemma-3-27b-it's and a Phi-3-mini-128k-shaped
   config.json: bytes per token per KV scheme at 32k context in 80 GB;
-* per family, a tiny random model (``quant/tiny_models.py``) with a few outlier input channels (as trained
+* per family, a tiny random model (``lowbit_testing/tiny_models.py``) with a few outlier input channels (as trained
   models have, ``with_outlier_channels``): logit mean squared error against the float model, through
   W4 g32 checkpoints of RTN, AWQ (then RTN), GPTQ and AWQ+GPTQ (16 calibration samples of 32 random
   tokens, 2 x 32 held-out tokens);
@@ -71,7 +71,7 @@ def quality(kind: str, work: Path) -> dict:
     import torch
 
     import runtime
-    from quant.tiny_models import ids_for, quantized_checkpoint, tiny_model, with_outlier_channels
+    from lowbit_testing.tiny_models import ids_for, quantized_checkpoint, tiny_model, with_outlier_channels
 
     model = with_outlier_channels(tiny_model(kind, seed=4)[0])
     held_out = ids_for(model, n=2, length=32, seed=11)

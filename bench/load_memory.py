@@ -6,13 +6,13 @@ Llama-3-8B-shaped W4 checkpoint loaded and decoded on a 24 GB machine.
 Checkpoints with random weights at real shapes (``bench/cpu_decode.SHAPES``; Meta-Llama-3-8B's
 config for ``--llama-8b``) are written to a temporary directory one decoder layer per safetensors
 file, so writing never holds a whole model: the float model in bf16 (as Hub checkpoints store it),
-W4 group 64 asymmetric for every decoder Linear (lm_head and embeddings float). Each is loaded in a
+W4 group 64 asymmetric for every decoder Linear (lm_head and embeddings bf16). Each is loaded in a
 fresh child process by ``runtime.load`` (CPU, its default dtype float32; the W4 Linears through the
-CPU kernels) while a sampler thread reads resident memory every 5 ms. Reported per checkpoint:
+CPU kernels, the W4 model's embedding and lm_head kept in bf16, ``runtime.load.narrow_float_weights``) while a sampler thread reads resident memory every 5 ms. Reported per checkpoint:
 ``rss_before`` (torch and lowbit imported), ``peak`` during the load, ``rss_after``, the load's own
 ``peak - rss_before`` and, for the 8B, the peak while decoding a few tokens. Ratios W4/float of the
 load's own peak and of the absolute peak. Raw JSON with device, versions and commit under
-bench/results/; the temporary checkpoints are deleted.
+bench/results/cpu/; the temporary checkpoints are deleted.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def one(path: Path, decode_tokens: int) -> dict:
 
 
 def measure(path: Path, decode_tokens: int = 0) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.load_memory", "--one", str(path), "--decode", str(decode_tokens)],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    command = [sys.executable, "-m", "bench.load_memory", "--one", str(path), "--decode", str(decode_tokens)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -122,7 +122,7 @@ def main():
     ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
     ap.add_argument("--llama-8b", action="store_true", help="also write, load and decode a Llama-3-8B-shaped W4 checkpoint")
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "load-memory-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "load-memory.json")
     ap.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--decode", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()

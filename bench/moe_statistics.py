@@ -1,7 +1,7 @@
 """Which tokens should an expert's Hessian see? ``all`` tokens (statistics only) or the ``routed`` ones.
 
-A tiny random Mixtral (quant/tiny_models.py, 8 experts, top 2) whose router is skewed so that a few
-experts are rarely picked, as in real MoE models, GPTQ W3 g32 symmetric calibrated on N random
+A tiny random Mixtral (lowbit_testing/tiny_models.py, 8 experts, top 2) whose router is skewed so
+that a few experts are rarely picked, as in real MoE models, GPTQ W3 g32 symmetric calibrated on N random
 tokens with each statistics choice (``quant.moe``), against RTN. Output: relative error of the
 logits on held-out random tokens (the same distribution), each expert's output error on the
 held-out tokens routed to it (float inputs, that expert's weights only), and how many calibration
@@ -22,7 +22,7 @@ from quant.affine import QuantScheme
 from quant.moe import routed_counts, unfuse_experts
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
-from quant.tiny_models import tiny_model
+from lowbit_testing.tiny_models import tiny_model
 
 
 SCHEME = QuantScheme(3, 32, True)

@@ -5,7 +5,7 @@ kernel launches (per layer and per step). Counts, not timings: no GPU is needed 
 
 The engine runs the CUDA path on CPU tensors: the Triton attention kernels and the fused small
 ops in the Triton interpreter, the linear layers as one GEMM each (on a GPU: ``quant_matmul``,
-one launch, plus a split-K reduction where its tuning picks one). ``runtime.counting`` says what
+one launch, plus a split-K reduction where its tuning picks one). ``lowbit_testing.counting`` says what
 each count covers. Rows: the fused small ops on (what ``runtime.load`` picks on CUDA) and off
 (PyTorch ops: what the decoder launched before them), and ``Model.generate``'s decode step
 (one sequence, fused ops on), which runs the engine's step code. Writes
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import runtime  # noqa: E402
 from runtime import Engine, SamplingParams  # noqa: E402
-from runtime.counting import decode_step_counts, generate_step_counts  # noqa: E402
+from lowbit_testing.counting import decode_step_counts, generate_step_counts  # noqa: E402
 
 
 def commit() -> str:
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--kv", default="fp16-r16,int4-g16-r16")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    from quant.tiny_models import save_model, tiny_llama
+    from lowbit_testing.tiny_models import save_model, tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = tiny_llama(hidden=128, layers=args.layers)  # head_dim 32: the attention kernels take it
@@ -92,7 +92,7 @@ def main() -> None:
         rows = [count(model_dir, kv, int(b), fused) for kv in args.kv.split(",") for b in args.batch.split(",")
                 for fused in (True, False)]
         rows += [count_generate(model_dir, kv) for kv in args.kv.split(",")]
-    record = dict(what="one engine decode step on the CUDA path, counted on CPU (runtime/counting.py)",
+    record = dict(what="one engine decode step on the CUDA path, counted on CPU (lowbit_testing/counting.py)",
                   commit=commit(), torch=torch.__version__, layers=args.layers, rows=rows)
     out = args.json or ROOT / "bench" / "results" / "engine" / f"step-counts-{record['commit']}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")

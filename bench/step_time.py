@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     import runtime
-    from quant.tiny_models import save_model, tiny_llama
+    from lowbit_testing.tiny_models import save_model, tiny_llama
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 150, (n,), generator=g).tolist() for n in range(5, 5 + 3 * args.batch, 3)]

@@ -19,7 +19,7 @@ Each :meth:`Engine.step`:
    position, then samples one token per sequence. The scheduler decides on host mirrors
    (block table, lengths, free blocks), reserves a block only when a sequence crosses into
    one, and sends the step's inputs in one copy: no host-device sync but the read of the
-   sampled tokens (``tests/test_engine.py`` counts them, ``runtime/counting.py``);
+   sampled tokens (``tests/test_engine.py`` counts them, ``lowbit_testing/counting.py``);
 
 and requests leave as soon as they finish, freeing their blocks for the next ones.
 

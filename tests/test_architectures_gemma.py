@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 and Phi-3: quantized, loaded and served as transformers runs them.
 
-Tiny random models from transformers configs (quant/tiny_models.py: soft-caps, windows, a query scalar and
-local/global RoPE chosen so that each binds). The float runtime against transformers, greedy tokens
+Tiny random models from transformers configs (lowbit_testing/tiny_models.py: soft-caps, windows, a query
+scalar and local/global RoPE chosen so that each binds). The float runtime against transformers, greedy tokens
 included, is in tests/test_runtime.py (its KINDS); here: the family table, Gemma's (1 + w) norms under
 AWQ, quantized checkpoints in both runtimes, every KV scheme, calibration, and the engine.
 """
@@ -18,7 +18,7 @@ from quant.plan import plan_layers
 from quant.quantize import quantize_model
 from runtime.linear import QuantLinear
 from bench.families import GEMMA3_27B, KV_SCHEMES, PHI3_MINI_128K
-from quant.tiny_models import ids_for, quantized_checkpoint, save_model, tiny_model, with_outlier_channels
+from lowbit_testing.tiny_models import ids_for, quantized_checkpoint, save_model, tiny_model, with_outlier_channels
 
 FAMILIES = ["gemma2", "gemma3", "phi3"]
 

@@ -153,7 +153,7 @@ def test_int4_layout_reads_back_every_block_shape():
 
 def test_a_loaded_checkpoint_runs_the_cpu_kernels_close_to_the_reference(tmp_path):
     import runtime
-    from quant.tiny_models import quantized_checkpoint
+    from lowbit_testing.tiny_models import quantized_checkpoint
 
     path, _, _ = quantized_checkpoint("llama", tmp_path)  # W4 g32 asym, hidden 96
     kernels = runtime.load(path, cpu_kernels=True)

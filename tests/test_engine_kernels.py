@@ -1,7 +1,7 @@
 """The engine on the Triton kernels (in the interpreter without a GPU; tests/conftest.py sets
 TRITON_INTERPRET=1) against the plain runtime, the CUDA-graph decode step run eagerly, the
 backend's fallback, and what a decode step costs: host syncs, input copies, launches (counted on
-CPU with runtime.counting), GEMM tuning at start-up.
+CPU with lowbit_testing.counting), GEMM tuning at start-up.
 """
 
 import pytest
@@ -91,11 +91,11 @@ def decoding_engine(model_dir, prompts, attention, steps_left=20):
 
 @pytest.mark.parametrize("attention", ["reference", "triton"])
 def test_a_decode_step_reads_the_device_once_and_copies_inputs_once(model_dir, prompts, attention):
-    """Counted with runtime.counting on CPU: the only host sync of a decode step is the read of
+    """Counted with lowbit_testing.counting on CPU: the only host sync of a decode step is the read of
     the sampled tokens, the inputs go in with one copy, and a step where a sequence crosses into a
     new block adds one copy of its block-table row, never a read of the table. (The reference
     path's quantizer makes small constant tensors when a block fills: copies, not syncs.)"""
-    from runtime.counting import decode_step_counts
+    from lowbit_testing.counting import decode_step_counts
 
     engine = decoding_engine(model_dir, prompts, attention)
     crossings = 0
@@ -116,7 +116,7 @@ def test_a_decode_step_launches_9_kernels_per_layer_plus_the_block_write_when_on
     RoPE writing k and v into the cache's residual blocks, decode attention (and its split combine
     when it splits), o_proj, the gate/up GEMM, SiLU-and-multiply, down_proj; the block write only
     on a step where some sequence fills a block (the host knows which)."""
-    from runtime.counting import decode_step_counts
+    from lowbit_testing.counting import decode_step_counts
 
     engine = decoding_engine(model_dir, prompts, "triton")
     engine.model.decoder.use_kernels(True)
@@ -159,7 +159,7 @@ def test_model_generate_decodes_with_the_engines_launches(model_dir, prompts):
     engine's launches (9 per layer, the block write when a block fills, the split combine when
     attention splits), one host sync (the sampler's read) and one input copy (two when a block
     fills: its block-table row)."""
-    from runtime.counting import generate_step_counts
+    from lowbit_testing.counting import generate_step_counts
 
     model = runtime.load(model_dir, kv=INT4, dtype=torch.bfloat16)
     model.decoder.use_kernels(True)

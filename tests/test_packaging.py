@@ -17,7 +17,9 @@ import pytest
 from tiny import save_model, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["pyproject.toml", "README.md", "quant", "kvquant", "runtime", "evals", "lowbit", "recipes"]
+SOURCES = ["pyproject.toml", "README.md", "quant", "kvquant", "runtime", "evals", "lowbit", "recipes",
+           "bench", "lowbit_testing"]  # the last two are in the checkout, not in the wheel
+PACKAGE_ROOMS = ["evals", "kvquant", "lowbit", "quant", "runtime"]
 
 
 def sh(*args, cwd, env=None) -> str:
@@ -33,7 +35,7 @@ def installed(tmp_path_factory):
     (tmp / "src").mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, tmp / "src" / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(ROOT / name, tmp / "src" / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
         else:
             shutil.copy(ROOT / name, tmp / "src" / name)
     build_log = sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist",
@@ -56,6 +58,13 @@ def test_the_wheel_installs_the_package_not_the_checkout(installed):
     where = sh(python, "-c", "import lowbit, evals, quant; print(lowbit.__file__, evals.__file__, quant.__file__)",
                cwd=tmp, env=env)
     assert str(ROOT) not in where and where.count(str(tmp / "venv")) == 3
+
+
+def test_the_wheel_ships_the_package_not_the_benches_or_the_test_fixtures(installed):
+    _, python, env, tmp = installed
+    shipped = sh(python, "-c", "from importlib.metadata import files; "
+                 "print(sorted({f.parts[0] for f in files('lowbit') if f.suffix == '.py'}))", cwd=tmp, env=env)
+    assert shipped.strip() == str(PACKAGE_ROOMS)
 
 
 def test_bundled_recipes_and_data_come_with_the_wheel(installed):

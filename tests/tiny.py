@@ -1,4 +1,4 @@
-"""The tiny random models the tests build: their home is ``quant/tiny_models.py`` (the benches
-use them too); re-exported here for the test modules' ``from tiny import ...``."""
+"""The tiny random models the tests build: their home is ``lowbit_testing/tiny_models.py`` (the
+benches use them too); re-exported here for the test modules' ``from tiny import ...``."""
 
-from quant.tiny_models import TEXT, save_model, tiny_llama, tiny_model, tiny_tokenizer  # noqa: F401
+from lowbit_testing.tiny_models import TEXT, save_model, tiny_llama, tiny_model, tiny_tokenizer  # noqa: F401
