@@ -26,11 +26,12 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from evals.kv import ChunkProtocol, ModelShape, capacity_table, format_bytes, hf_session, kv_perplexity, \
-    memory_row, runtime_session
+from bench.kv_memory import ModelShape, capacity_table, format_bytes, memory_row
+from evals.kv import ChunkProtocol, NewSession, Step, kv_perplexity, runtime_session
 from evals.perplexity import Protocol, tokenize_text
 from evals.provenance import commit, provenance
 from evals.texts import load_text
@@ -50,6 +51,21 @@ def timed_ppl(new_session, token_ids, protocol, chunks) -> tuple[float, float]:
     start = time.perf_counter()
     ppl = kv_perplexity(new_session, token_ids, protocol, chunks, progress=False).ppl
     return ppl, time.perf_counter() - start
+
+
+def hf_session(model, make_cache: Callable[[], object]) -> NewSession:
+    """Sessions of a transformers causal LM with the cache ``make_cache()`` returns."""
+
+    def new_session(length: int) -> Step:
+        cache = make_cache()
+
+        @torch.inference_mode()
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            return model(ids.to(model.device), past_key_values=cache, use_cache=True).logits
+
+        return step
+
+    return new_session
 
 
 def peer_cache(backend: str, bits: int, config):

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import runtime
-from evals.kv import ChunkProtocol, ModelShape, capacity_table, hf_session, kv_perplexity, memory_row, runtime_session
+from bench.kv import hf_session
+from bench.kv_memory import ModelShape, capacity_table, memory_row
+from evals.kv import ChunkProtocol, kv_perplexity, runtime_session
 from evals.perplexity import Protocol, perplexity
 from kvquant import KVScheme, parse_kv
 from kvquant.hf import QuantizedKVCache
