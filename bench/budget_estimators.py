@@ -7,7 +7,7 @@
 SmolLM2-135M, every decoder Linear at each of ``--candidates`` (bits:group; default 2/3/4/8 bits at
 group 64), asymmetric, round-to-nearest with bfloat16 scales (lm_head kept). One float forward and
 backward pass over the calibration samples
-(``quant.sensitivity.weigh_rounding``, the code the budget runs) weighs each Linear's rounding error at
+(``quant.sensitivity.gradient_passes``, the code the budget runs) weighs each Linear's rounding error at
 its output four ways:
 
 - ``output``: Σ‖ΔW x‖², the output energy (the first estimator, tr(ΔW H ΔWᵀ) up to a constant);
@@ -48,17 +48,50 @@ ESTIMATORS = ("output", "relative", "fisher", "fisher_dot")
 
 
 def measures() -> dict:
+    """Each estimate's sum over a batch, from the Linear's input ``x``, the loss gradient at its
+    output ``g`` and round-to-nearest's error there ``e`` (rows: tokens)."""
     from quant.sensitivity import fisher
 
-    return {"output": lambda x, g, e: float((e ** 2).sum()), "fisher": fisher,
+    return {"output": lambda x, g, e: float((e ** 2).sum()), "fisher": lambda x, g, e: fisher(g, e),
             "fisher_dot": lambda x, g, e: float(((g * e).sum(-1) ** 2).sum())}
 
 
-def weigh(model, plan, candidates, samples, labels: str = "data", float_weights: dict | None = None) -> dict:
-    """The pass: {"sums": {measure: {Linear: {label: Σ}}}, "energy": {Linear: Σ‖W x‖²}, "tokens", "seconds"}."""
-    from quant.sensitivity import weigh_rounding
+def model_draws():
+    """Loss targets drawn (seeded) from the model's own prediction at each position, in place of the
+    text's next tokens: their squared gradients average to the model's Fisher, so on the float model
+    the estimate is of the rise of the KL divergence from its predictions, whatever the text says."""
+    draw = torch.Generator().manual_seed(0)
 
+    def targets(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.detach(), -1).cpu()
+        return torch.multinomial(probs, 1, generator=draw).flatten().to(logits.device)
+
+    return targets
+
+
+def weigh(model, plan, candidates, samples, labels: str = "data", float_weights: dict | None = None) -> dict:
+    """The pass: {"sums": {measure: {Linear: {label: Σ}}}, "energy": {Linear: Σ‖W x‖²}, "tokens", "seconds"}.
+
+    The budget's own pass (``quant.sensitivity.gradient_passes``, ``rounding_errors``) with every
+    estimate of :func:`measures` summed at once. ``labels``: ``data``, the loss of the text's next
+    tokens (what the budget uses); ``model``, of :func:`model_draws`. ``float_weights`` ({Linear:
+    float weight}): the model runs with the weights it holds (say, an assignment already rounded), and
+    each named Linear's candidates are rounded from its float weight: the same error, weighed by the
+    inputs and gradients of the rounded model."""
+    from quant.sensitivity import gradient_passes, next_text_tokens, rounding_errors
+
+    targets = {"data": lambda: next_text_tokens, "model": model_draws}
+    if labels not in targets:
+        raise ValueError(f"labels must be one of {', '.join(targets)}, got {labels!r}")
+    estimators = measures()
+    sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in estimators}
     energy = dict.fromkeys(plan, 0.0)  # of each Linear's own output, for the relative estimate
+
+    def at_output(name, linear, x, grad):
+        weight = (float_weights or {}).get(name, linear.weight)
+        for label, error in rounding_errors(weight, x, plan[name], candidates, torch.bfloat16, name):
+            for measure, fn in estimators.items():
+                sums[measure][name][label] += fn(x, grad, error)
 
     def hook(name):
         def record(module, args, out):
@@ -68,8 +101,7 @@ def weigh(model, plan, candidates, samples, labels: str = "data", float_weights:
     hooks = [model.get_submodule(n).register_forward_hook(hook(n)) for n in plan]
     start, cpu = time.perf_counter(), time.process_time()
     try:
-        sums, tokens = weigh_rounding(model, plan, candidates, samples, torch.bfloat16, progress=False,
-                                      measures=measures(), labels=labels, float_weights=float_weights)
+        tokens = gradient_passes(model, plan, samples, at_output, progress=False, targets=targets[labels]())
     finally:
         for h in hooks:
             h.remove()

@@ -34,8 +34,6 @@ from quant.sequential import move_data
 # calibration tokens per forward and backward pass of the sensitivities: several short samples share one
 # pass (each Linear is rounded once per pass), a long one goes alone; autograd's activations grow with it
 PASS_TOKENS = 2048
-# what the pass's loss is taken against: the text's next tokens, or the float model's own draws
-LABELS = ("data", "model")
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ def candidate_schemes(base: QuantScheme, width: int, candidates: list[Candidate]
     return {c.label: replace(base, bits=c.bits, group_size=fit_group_size(width, c.group_size)) for c in candidates}
 
 
-def fisher(x: torch.Tensor, grad: torch.Tensor, error: torch.Tensor) -> float:
+def fisher(grad: torch.Tensor, error: torch.Tensor) -> float:
     """Σ_t Σ_j g_tj² e_tj²: the diagonal empirical Fisher's weight on an error ``e`` at a Linear's output."""
     return float((grad ** 2 * error ** 2).sum())
 
@@ -66,55 +64,59 @@ def measure_sensitivities(model, plan: dict[str, QuantScheme], candidates: list[
     rounding that Linear alone to nearest at each candidate, from the diagonal empirical Fisher at its
     output: ``½ Σ_t Σ_j g_tj² (ΔW x_t)_j² / tokens`` (:func:`weigh_rounding`)."""
     sums, tokens = weigh_rounding(model, plan, candidates, samples, scale_dtype, device, lazy, progress)
-    return {n: {k: v / (2 * tokens) for k, v in by_label.items()} for n, by_label in sums["fisher"].items()}
+    return {n: {k: v / (2 * tokens) for k, v in by_label.items()} for n, by_label in sums.items()}
 
 
 def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candidate], samples: torch.Tensor,
-                   scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True,
-                   measures: dict | None = None, labels: str = "data",
-                   float_weights: dict | None = None) -> tuple[dict, int]:
-    """({measure: {Linear: {candidate label: Σ over the calibration batches}}}, tokens) where each of
-    ``measures`` (default: :func:`fisher`) maps a batch's Linear input ``x``, loss gradient at its
-    output ``g`` and round-to-nearest's error there ``ΔW x`` (rows: tokens) to a number.
-
-    Float forward and backward passes over the samples, as many per pass as fit in ``PASS_TOKENS``
-    tokens (at least one): the loss is a sum over tokens with no sample reading another, so every
-    token's gradient is what a pass of its sample alone gives. Each Linear's candidates are weighed
-    inside the backward hook on its output, rounded there anew for each pass (rounding reads no data;
-    keeping the rounded grids instead would hold one byte per weight and candidate for the whole
-    model); only one Linear's float rounding error is held at a time besides autograd's own
-    activations. The weights are left as they were; the whole model takes part (a lazily loaded one
-    is filled for the pass and its decoder layers emptied again after).
-
-    ``labels``: ``data``, the loss of the text's own next tokens (the empirical Fisher); ``model``,
-    of next tokens drawn from the model's own prediction at each position (seeded), whose squared
-    gradients average to the model's Fisher: on the float model the estimate is then of the rise of
-    the KL divergence from its predictions, whatever the text's next token is.
-
-    ``float_weights`` ({Linear: float weight}): the model runs with the weights it holds (say, an
-    assignment already rounded), and each named Linear's candidates are rounded from its float weight
-    there: the same error, weighed by the inputs and gradients of the rounded model."""
-    if labels not in LABELS:
-        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
-    measures = measures or {"fisher": fisher}
-    draw = torch.Generator().manual_seed(0)
-    rtn = registry.get("rtn")
-    sums = {m: {n: {c.label: 0.0 for c in candidates} for n in plan} for m in measures}
+                   scale_dtype: torch.dtype, device="cpu", lazy=None, progress: bool = True) -> tuple[dict, int]:
+    """({Linear: {candidate label: Σ_t Σ_j g_tj² (ΔW x_t)_j² over the calibration samples}}, tokens):
+    :func:`fisher` of each candidate's rounding error at each planned Linear's output, in
+    :func:`gradient_passes`."""
+    sums = {n: {c.label: 0.0 for c in candidates} for n in plan}
 
     def weigh(name: str, linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) -> None:
-        weight = (float_weights or {}).get(name, linear.weight).detach()
-        x, grad = x.reshape(-1, x.shape[-1]).float(), grad.reshape(-1, grad.shape[-1]).float()
-        for label, scheme in candidate_schemes(plan[name], linear.in_features, candidates).items():
-            rounded = rtn.round_linear(weight, scheme, None, scale_dtype, None, name).dequantize(torch.float32)
-            delta = weight.float() - rounded
-            error = x @ delta.T
-            for measure, fn in measures.items():
-                sums[measure][name][label] += fn(x, grad, error)
+        for label, error in rounding_errors(linear.weight, x, plan[name], candidates, scale_dtype, name):
+            sums[name][label] += fisher(grad, error)
+
+    return sums, gradient_passes(model, plan, samples, weigh, device, lazy, progress)
+
+
+def rounding_errors(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, candidates: list[Candidate],
+                    scale_dtype: torch.dtype, name: str):
+    """(candidate label, ``ΔW x``) for each candidate: the error at the Linear's output, for inputs ``x``
+    (rows: tokens), of ``weight`` rounded to nearest at that candidate (groups refitted as the plan does)."""
+    rtn = registry.get("rtn")
+    weight = weight.detach()
+    for label, candidate in candidate_schemes(scheme, weight.shape[1], candidates).items():
+        rounded = rtn.round_linear(weight, candidate, None, scale_dtype, None, name).dequantize(torch.float32)
+        yield label, x @ (weight.float() - rounded).T
+
+
+def next_text_tokens(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The targets of the passes' loss: the text's own next tokens (the empirical Fisher)."""
+    return ids[:, 1:].flatten()
+
+
+def gradient_passes(model, plan: dict[str, QuantScheme], samples: torch.Tensor, at_output, device="cpu", lazy=None,
+                    progress: bool = True, targets=next_text_tokens) -> int:
+    """Float forward and backward passes of the next-token loss over ``samples``; at each planned
+    Linear, ``at_output(name, linear, x, grad)`` with the batch's Linear input ``x`` and the loss
+    gradient at its output ``grad`` (float32, rows: tokens). Returns the tokens scored.
+
+    As many samples per pass as fit in ``PASS_TOKENS`` tokens (at least one): the loss is a sum over
+    tokens with no sample reading another, so every token's gradient is what a pass of its sample
+    alone gives. ``at_output`` runs inside the backward hook on the Linear's output, so only one
+    Linear's inputs and gradients are held at a time besides autograd's own activations (a caller
+    that rounds there rounds anew for each pass: keeping the rounded grids would hold one byte per
+    weight and candidate for the whole model). The weights are left as they were; the whole model
+    takes part (a lazily loaded one is filled for the passes and its decoder layers emptied again
+    after). ``targets(logits, ids)``: what the loss is taken against (the text's next tokens)."""
 
     def watch(name: str, linear: torch.nn.Linear):
         def forward_hook(module, args, out):
             x = args[0].detach()
-            out.register_hook(lambda grad: weigh(name, module, x, grad.detach()))
+            out.register_hook(lambda grad: at_output(name, module, x.reshape(-1, x.shape[-1]).float(),
+                                                     grad.detach().reshape(-1, grad.shape[-1]).float()))
         return linear.register_forward_hook(forward_hook)
 
     def track(module, args, out):  # the embeddings' output needs a gradient for any to flow back
@@ -132,8 +134,7 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
             for ids in tqdm(samples.split(per_pass), desc="sensitivities", unit="pass", disable=not progress):
                 ids = ids.to(device)
                 logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float().flatten(0, 1)
-                targets = next_tokens(logits, ids, labels, draw)
-                loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+                loss = torch.nn.functional.cross_entropy(logits, targets(logits, ids), reduction="sum")
                 loss.backward()
                 tokens += ids[:, 1:].numel()
     finally:
@@ -141,7 +142,7 @@ def weigh_rounding(model, plan: dict[str, QuantScheme], candidates: list[Candida
             h.remove()
         for p, flag in wanted.items():
             p.requires_grad_(flag)
-    return sums, tokens
+    return tokens
 
 
 @contextmanager
@@ -163,14 +164,6 @@ def whole_model(model, lazy=None, device="cpu"):
                     if param is not None:
                         module._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=False)
         move_data(model, home)
-
-
-def next_tokens(logits: torch.Tensor, ids: torch.Tensor, labels: str, draw: torch.Generator) -> torch.Tensor:
-    """The targets of the pass's loss: the text's next tokens, or tokens drawn from the model's logits."""
-    if labels == "data":
-        return ids[:, 1:].flatten()
-    probs = torch.softmax(logits.detach(), -1).cpu()
-    return torch.multinomial(probs, 1, generator=draw).flatten().to(logits.device)
 
 
 def mean_loss(model, samples: torch.Tensor, device="cpu") -> float:

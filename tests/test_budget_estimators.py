@@ -1,11 +1,16 @@
-"""bench/budget_estimators.py's bookkeeping: candidate sets and a pass file extended with candidates it lacks."""
+"""bench/budget_estimators.py: its pass (every estimate at once, labels drawn from the model, candidates rounded
+from float weights) and its bookkeeping (candidate sets, a pass file extended with candidates it lacks)."""
 
 import json
 
 import pytest
+import torch
 
-from bench.budget_estimators import add_to_pass, estimates, parse_candidates, parse_sets, read_pass
+from bench.budget_estimators import add_to_pass, estimates, parse_candidates, parse_sets, read_pass, weigh
+from quant.affine import QuantScheme
 from quant.budget import Candidate
+from quant.plan import plan_layers
+from tiny import TEXT, tiny_llama
 
 
 def pass_with(labels, measures=("fisher",), value=1.0, tokens=10):
@@ -50,3 +55,59 @@ def test_the_code_calibration_is_python_source_without_the_code_text_scored():
 
     source = stdlib_source()
     assert "def " in source and load_text("code")[:2000] not in source
+
+
+def _tiny_pass(samples: int):
+    """A tiny Llama, ``samples`` calibration samples of 32 tokens, and its plan (W4 g32, lm_head kept)."""
+    from quant.calibration import calibration_samples
+
+    model, tok = tiny_llama(hidden=64, layers=2)
+    plan = plan_layers(model, QuantScheme(4, 32), ["lm_head"])
+    return model, calibration_samples(tok, TEXT * 20, samples, 32, 0), plan
+
+
+def test_model_labels_weigh_against_the_float_models_own_draws():
+    """``labels="model"``: the pass's loss against next tokens drawn (seeded) from the float model, so
+    the same samples give the same sums; they differ from the text's labels; an unknown choice is named."""
+    model, samples, plan = _tiny_pass(4)
+    candidates = [Candidate(b, 32) for b in (3, 8)]
+    runs = [weigh(model, plan, candidates, samples, labels)["sums"]["fisher"] for labels in ("model", "model", "data")]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert all(by["w3 g32"] > by["w8 g32"] > 0 for by in runs[0].values())
+    with pytest.raises(ValueError, match="labels must be one of data, model"):
+        weigh(model, plan, candidates, samples, "text")
+
+
+def test_the_data_labels_pass_is_the_budgets_own():
+    """With the text's labels the bench's ``fisher`` sums are the budget's (quant.sensitivity.weigh_rounding),
+    and every estimate is summed for every Linear and candidate."""
+    from quant.sensitivity import weigh_rounding
+
+    model, samples, plan = _tiny_pass(2)
+    candidates = [Candidate(b, 32) for b in (2, 4)]
+    weighed = weigh(model, plan, candidates, samples)
+    budgets, tokens = weigh_rounding(model, plan, candidates, samples, torch.bfloat16, progress=False)
+    assert weighed["tokens"] == tokens == 2 * 31
+    assert weighed["sums"]["fisher"] == budgets
+    assert set(weighed["sums"]) == {"output", "fisher", "fisher_dot"}
+    assert all(v > 0 for sums in weighed["sums"].values() for by in sums.values() for v in by.values())
+
+
+def test_float_weights_round_from_the_float_weight_whatever_the_model_holds():
+    """A model already holding a Linear rounded at w3 g32: weighed as it stands, re-rounding that grid
+    costs next to nothing (its bf16 scales, recomputed from the grid, move a few codes); with
+    ``float_weights`` the candidate is rounded from the float weight again."""
+    from quant import rtn
+
+    model, samples, plan = _tiny_pass(2)
+    name = "model.layers.0.mlp.up_proj"
+    linear = model.get_submodule(name)
+    original = linear.weight.detach().clone()
+    held = rtn.quantize_weight(original, QuantScheme(3, 32), torch.bfloat16).dequantize(torch.float32)
+    with torch.no_grad():
+        linear.weight.copy_(held)
+    candidates = [Candidate(3, 32)]
+    as_held = weigh(model, plan, candidates, samples)["sums"]["fisher"][name]["w3 g32"]
+    from_float = weigh(model, plan, candidates, samples, float_weights={name: original})["sums"]["fisher"][name]
+    assert as_held < 1e-2 * from_float["w3 g32"] and from_float["w3 g32"] > 0
+    assert torch.equal(linear.weight, held)  # the model keeps what it held
