@@ -167,7 +167,8 @@ def _spend_budget(recipe: Recipe, model, plan, samples, scale_dtype, lazy, devic
     try:
         plan, record = budget.choose_schemes(model, plan, pinned, w.target_bits, w.budget_candidates, samples,
                                              scale_dtype, device, lazy, progress,
-                                             (lambda n, s: engines.linear_refusal(serve, n, s)) if serve else None)
+                                             (lambda n, s: engines.linear_refusal(serve, n, s)) if serve else None,
+                                             engines.fused_groups(serve, plan))
     except budget.BudgetError as e:
         raise RecipeError(str(e)) from None
     if progress:

