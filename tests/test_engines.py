@@ -64,6 +64,11 @@ def test_vllm_cpu_needs_input_and_joined_output_sizes_in_multiples_of_32():
     assert "88 output features (q_proj+k_proj+v_proj" in engines.layer_refusals(
         engines.ENGINES["vllm-cpu"], plan, shapes)["l.self_attn.q_proj"]
     assert engines.serving(plan, shapes)["vllm-gpu"] is None
+    plan["l.self_attn.k_proj"] = QuantScheme(4, 32, False)  # vLLM joins q/k/v into one matmul of one scheme
+    assert engines.serving(plan, shapes)["vllm-gpu"] == ("l.self_attn.k_proj: q_proj+k_proj+v_proj with different "
+                                                         "schemes: it runs them as one matmul under one scheme "
+                                                         "(and 2 more Linears)")
+    assert engines.serving(plan, shapes)["transformers"] is None
 
 
 # ------------------------------------------------------------------ recipes held to engines
@@ -141,7 +146,12 @@ def test_a_budget_held_to_vllm_chooses_only_what_vllm_serves(tmp_path, tiny_dirs
                                     symmetric=True, methods=["gptq"], gptq={"actorder": "weight"}),
                             device="cpu", progress=True)
     manifest = json.loads((out / checkpoint.MANIFEST).read_text())
-    assert {e["choice"] for e in manifest["budget"]["layers"].values()} <= {"w4 g32", "w4 g64", "w4 g128"}
+    layers = manifest["budget"]["layers"]
+    assert {e["choice"] for e in layers.values()} <= {"w4 g32", "w4 g64", "w4 g128"}
+    for i in range(2):  # vLLM runs q/k/v and gate/up as one matmul each: one choice per group
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            assert len({layers[n]["choice"] for n in layers if n.startswith(f"model.layers.{i}.")
+                        and n.rsplit(".", 1)[1] in group}) == 1
     groups = checkpoint.read_config(out)["quantization_config"]["config_groups"].values()
     assert len(groups) > 1 and {g["weights"]["num_bits"] for g in groups} == {4}  # a mix of group sizes
     assert "served by: lowbit-cpu, lowbit-gpu, transformers, vllm-gpu, vllm-cpu\n" in capsys.readouterr().out
