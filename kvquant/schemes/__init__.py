@@ -39,20 +39,30 @@ from kvquant.schemes.base import KVFamily
 SUFFIX = r"(?:-g(?P<g>\d+))?(?:-r(?P<r>\d+))?"  # every name may set group_size and residual
 
 
-def _discover() -> dict[str, KVFamily]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+REGISTRY: dict[str, KVFamily] = {}
+_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def register(family: KVFamily) -> KVFamily:
+    """Add ``family`` (what discovery does for every module here that defines ``FAMILY``)."""
+    if family.name in REGISTRY:
+        raise ValueError(f"two KV-cache families are named {family.name!r}")
+    REGISTRY[family.name] = family
+    ordered = sorted(REGISTRY.values(), key=lambda f: (f.order, f.name))  # the order lists are shown in
+    REGISTRY.clear()
+    REGISTRY.update((f.name, f) for f in ordered)
+    _PATTERNS[family.name] = re.compile(rf"^(?:{family.pattern}){SUFFIX}$")
+    return family
+
+
+def _discover() -> None:
+    for info in pkgutil.iter_modules(__path__):
         family = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
-        if family is None:
-            continue
-        if family.name in found:
-            raise RuntimeError(f"two KV-cache families are named {family.name!r}")
-        found[family.name] = family
-    return found
+        if family is not None:
+            register(family)
 
 
-REGISTRY: dict[str, KVFamily] = dict(sorted(_discover().items(), key=lambda kv: (kv[1].order, kv[0])))
-_PATTERNS = {name: re.compile(rf"^(?:{f.pattern}){SUFFIX}$") for name, f in REGISTRY.items()}
+_discover()
 
 
 def get(name: str) -> KVFamily:
@@ -76,8 +86,8 @@ def claiming(bits: int, type_: str, value_bits: int) -> KVFamily:
 def match(spec: str) -> tuple[KVFamily, dict] | None:
     """The family whose pattern a name matches, and the regex's groups (None: no family)."""
     text = str(spec).strip().lower()
-    for name, pattern in _PATTERNS.items():
-        m = pattern.match(text)
+    for name in REGISTRY:
+        m = _PATTERNS[name].match(text)
         if m:
             return REGISTRY[name], m.groupdict()
     return None
