@@ -32,6 +32,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from kvquant import KVScheme
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
+from runtime.cpu_attention import decode_attention
 from runtime.kernels import kv_reference as ref
 
 
@@ -159,6 +160,12 @@ class WholeCache(Batch):
             no_softcap_kernels(softcap)
 
             return ref.cache_attention(self.cache, layer, self.start, q, k, v, mask, window, ops=KERNEL_OPS)
+        if self.length == 1 and self.cache.folded_decode:  # a decode step: attend over the stored codes
+            cache = self.cache
+            end = cache.prepare_write(layer, self.start, k, v)
+            cache.store(layer, range(cache.batch), self.start, k, v)
+            cache.finish_write(layer, end)
+            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, [end] * cache.batch, window, softcap)
         keys, values = self.cache.update(layer, self.start, k, v)
         return sdpa(q, keys, values, mask, softcap)
 
@@ -206,6 +213,11 @@ class SequenceBatch(Batch):
             write = dict(blocks=self.fills is not False, residual=layer not in self._stored)
             return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
                                     self.max_seq_len, start, self.lengths, write)
+        if k.shape[2] == 1 and self.cache.folded_decode:  # a decode step: every row over its stored codes
+            for i, start in enumerate(self.starts):
+                self.cache.store_sequence(layer, self.first + i, start, k[i], v[i])
+            paged = ref.PagedKV.from_cache(self.cache, layer, self._rows())
+            return decode_attention(paged, q, [start + 1 for start in self.starts], window, softcap)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window, softcap) for i in range(self.count)])
 

@@ -92,6 +92,7 @@ import torch
 from kvquant import KVScheme, dequantize_blocks, quantize_blocks
 from kvquant.memory import layer_groups, ring_blocks
 from runtime.cache_parts import BlockPool, SequenceSlots
+from runtime.cpu_attention import folds
 
 
 class PagedCache:
@@ -120,6 +121,10 @@ class PagedCache:
         self.num_blocks = batch * per_sequence if num_blocks is None else num_blocks
         self.pool = BlockPool(self.groups, self.num_blocks, kv_heads, head_dim, self.scheme, dtype, self.device)
         self.slots = SequenceSlots(self.groups, batch, max_blocks, kv_heads, head_dim, B, dtype, self.device)
+        # Decode steps on the CPU reference path attend over the stored codes, scales folded
+        # (runtime.cpu_attention), where the scheme allows; False: dequantize and SDPA, as a prefill
+        # does (and as the GPU reference does, which the Triton kernels are checked against).
+        self.folded_decode = self.device.type == "cpu" and folds(self.scheme, head_dim)
 
     # ----------------------------------------------------------- the layout's public names
 
@@ -175,7 +180,7 @@ class PagedCache:
         """Store ``k, v`` [rows, H, T, D] at ``start`` (pages placed); return what attention reads
         (the module docstring's rule): one new token reads itself back from the cache, several
         new tokens read themselves fresh after the earlier positions as stored."""
-        end = self._store(layer, slots, start, k, v)
+        end = self.store(layer, slots, start, k, v)
         w = self.window(layer)
         first = 0 if w is None else max(start - w + 1, 0)  # nothing before it is seen (or kept)
         rows = slice(slots.start, slots.stop)
@@ -183,8 +188,9 @@ class PagedCache:
             return self._read(layer, rows, end, end // self.block_size, first)
         return self._read(layer, rows, start, end // self.block_size, first, new=(k, v))
 
-    def _store(self, layer: int, slots: range, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences ``slots``; the end position."""
+    def store(self, layer: int, slots: range, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write ``k, v`` [rows, H, T, D] at ``start`` of the sequences ``slots`` (their pages placed:
+        ``reserve`` / ``prepare_write``), quantizing any block that fills; the end position."""
         end = start + k.shape[2]
         B, r = self.block_size, start % self.block_size
         rows = slice(slots.start, slots.stop)
@@ -327,6 +333,18 @@ class KVCache(PagedCache):
         """Store ``k, v`` [H, T, D] of sequence ``slot`` at ``start`` (= its length: every layer
         writes at the same start until ``advance`` moves it); return the keys and values
         [H, start+T, D] attention reads (the module docstring's rule)."""
+        self._place_sequence(layer, slot, start, k, v)
+        keys, values = self._store_and_read(layer, range(slot, slot + 1), start, k[None], v[None])
+        return keys[0], values[0]
+
+    def store_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write_sequence` without the read: for attention that reads the cache itself
+        (``runtime.cpu_attention``)."""
+        self._place_sequence(layer, slot, start, k, v)
+        self.store(layer, range(slot, slot + 1), start, k[None], v[None])
+
+    def _place_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A sequence write's checks, and its pages placed."""
         self._check_slot(slot)
         if start != self.seq_lengths[slot]:
             raise ValueError(f"sequence {slot} of the KV cache holds {self.seq_lengths[slot]} positions; new ones "
@@ -340,8 +358,6 @@ class KVCache(PagedCache):
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
         self._apply(*self.slots.place([slot], [self.slots.group_of(layer)], self.slots.lengths, end))
-        keys, values = self._store_and_read(layer, range(slot, slot + 1), start, k[None], v[None])
-        return keys[0], values[0]
 
     def read_sequence(self, layer: int, slot: int, length: int):
         """Keys and values [H, length, D] of sequence ``slot``, dequantized; ``length`` is all it holds

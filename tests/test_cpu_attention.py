@@ -1,0 +1,89 @@
+"""Decode attention over the stored codes (runtime.cpu_attention) equals the reference path
+(dequantize the cache, SDPA) for every scheme it serves: lockstep rows, engine rows at different
+lengths, sliding windows, GQA, soft-capping, block boundaries."""
+
+import pytest
+import torch
+
+from kvquant import parse_kv
+from runtime.attention import SequenceBatch, WholeCache
+from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
+from runtime.cpu_attention import folds
+
+H, HQ, D = 2, 6, 64
+FOLDED = ["int8-r32", "int4-g16-r32", "int4-g32-r64", "int2-g16-r32", "int4-g64-r64", "int2-g64-r64",
+          "k8v4-g16-r32", "k4v2-g32-r32", "k2v8-g16-r32"]
+TOL = dict(rtol=1e-4, atol=1e-5)  # float32, summation order differs
+
+
+def twin_caches(cls, spec: str, batch: int, max_len: int, windows=None, dtype=torch.float32):
+    """A cache on the folded path and one on the reference, to be fed the same keys and values."""
+    folded, reference = (cls(1, batch, H, D, max_len, dtype, "cpu", parse_kv(spec), windows=windows) for _ in "ab")
+    assert folded.folded_decode
+    reference.folded_decode = False
+    return folded, reference
+
+
+@pytest.mark.parametrize("spec", FOLDED)
+@pytest.mark.parametrize("window, softcap", [(None, None), (40, None), (None, 30.0)])
+def test_lockstep_decode_matches_reference(spec, window, softcap):
+    g = torch.Generator().manual_seed(0)
+    caches = twin_caches(LockstepCache, spec, 2, 200, None if window is None else [window])
+    prompt = 62
+    k, v = (torch.randn(2, H, prompt, D, generator=g) * 2 + 0.5 for _ in range(2))
+    for cache in caches:
+        WholeCache(cache, 0, prompt, False).attend(0, torch.randn(2, HQ, prompt, D), k, v, window, softcap)
+    for position in range(prompt, prompt + 5):  # a block fills at 64: the residual holds 30, 31, 0, 1, 2
+        q = torch.randn(2, HQ, 1, D, generator=g)
+        k, v = (torch.randn(2, H, 1, D, generator=g) * 2 for _ in range(2))
+        out = [WholeCache(c, position, 1, False).attend(0, q, k, v, window, softcap) for c in caches]
+        torch.testing.assert_close(out[0], out[1], **TOL)
+
+
+@pytest.mark.parametrize("spec", ["int8-r32", "int4-g16-r32", "int2-g32-r32"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_engine_rows_at_different_lengths_match_reference(spec, window):
+    """The engine's decode: each row at its own length (some shorter than a block, one with none
+    stored), one call for all of them, against each row read back alone."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 62, 31, 95]
+    caches = twin_caches(KVCache, spec, len(lengths), 160, None if window is None else [window])
+    for cache in caches:
+        for slot, n in enumerate(lengths):
+            cache.add_sequence(slot)
+            k, v = (torch.randn(H, n, D, generator=torch.Generator().manual_seed(slot)) for _ in range(2))
+            cache.write_sequence(0, slot, 0, k, v)
+            cache.advance(slot, n)
+    for step in range(5):  # blocks fill at 32, 64, 96
+        starts = [n + step for n in lengths]
+        q = torch.randn(len(lengths), HQ, 1, D, generator=g)
+        k, v = (torch.randn(len(lengths), H, 1, D, generator=g) for _ in range(2))
+        out = []
+        for cache in caches:
+            for slot, start in enumerate(starts):
+                cache.reserve(slot, start + 1)
+            out.append(SequenceBatch(cache, 0, starts, False).attend(0, q, k, v, window))
+            for slot in range(len(lengths)):
+                cache.advance(slot, 1)
+        torch.testing.assert_close(out[0], out[1], **TOL)
+
+
+def test_bfloat16_model():
+    """A bf16 cache: the folded path computes in float32 and returns bf16, within bf16 rounding."""
+    g = torch.Generator().manual_seed(2)
+    caches = twin_caches(LockstepCache, "int4-g16-r32", 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, H, 90, D, generator=g).bfloat16() for _ in range(2))
+    for cache in caches:
+        WholeCache(cache, 0, 90, False).attend(0, torch.randn(1, HQ, 90, D).bfloat16(), k, v, None)
+    q, k, v = (torch.randn(1, n, 1, D, generator=g).bfloat16() for n in (HQ, H, H))
+    out = [WholeCache(c, 90, 1, False).attend(0, q, k, v, None) for c in caches]
+    assert out[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out[0], out[1], rtol=2e-2, atol=2e-2)
+
+
+def test_which_schemes_fold():
+    assert all(folds(parse_kv(s), D) for s in FOLDED)
+    assert not folds(parse_kv("fp16"), D)
+    assert not folds(parse_kv("fp8"), D)
+    assert not LockstepCache(1, 1, H, D, 64, torch.float32, "cpu", parse_kv("fp8")).folded_decode
