@@ -54,17 +54,20 @@ chromium:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 		echo "chromium not installed: the report rendering test will be skipped"
 
-test: install-test venv-triton36 venv-vllm chromium
+test: install-test venv-triton36 venv-vllm chromium llama-cpp-lib
 	$(PY) -m pytest -q
 
 # llama.cpp for the GGUF tests and benches (tests/test_gguf_llama.py, bench/results/gguf/): the
-# release vendored by the llama-cpp-python sdist, pinned; only libllama (shared, which the sdist's
-# own ctypes bindings load: LLAMA_CPP_LIB_PATH) and the tools the tests and benches run, not the
-# Python package's own build. Cached in .llama-cpp/ (ignores itself for git).
+# release vendored by the llama-cpp-python sdist, pinned, built with cmake; not the Python package's
+# own build. The tests need only libllama (the sdist's own ctypes bindings load it through
+# LLAMA_CPP_LIB_PATH: tests/conftest.py): `make llama-cpp-lib`, ~2-5 min on 2 cores. The benches also
+# run llama.cpp's tools (perplexity, quantize, imatrix, completion): `make llama-cpp`, ~30 min more.
+# Cached in .llama-cpp/ (ignores itself for git).
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP := .llama-cpp
 LLAMA_CPP_SRC := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)
-$(LLAMA_CPP)/.built: | $(VENV)/.installed
+LLAMA_CPP_TOOLS := llama-perplexity llama-quantize llama-imatrix llama-completion
+$(LLAMA_CPP)/.configured: | $(VENV)/.installed
 	mkdir -p $(LLAMA_CPP)
 	echo '*' > $(LLAMA_CPP)/.gitignore
 	test -d $(LLAMA_CPP_SRC) || { \
@@ -74,9 +77,17 @@ $(LLAMA_CPP)/.built: | $(VENV)/.installed
 	cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release \
 		-DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
 		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > $(LLAMA_CPP)/cmake.log 2>&1
-	cmake --build $(LLAMA_CPP)/build -j$$(nproc) \
-		--target llama llama-perplexity llama-quantize llama-imatrix llama-completion > $(LLAMA_CPP)/build.log 2>&1
 	touch $@
+
+$(LLAMA_CPP)/.lib: $(LLAMA_CPP)/.configured
+	cmake --build $(LLAMA_CPP)/build -j$$(nproc) --target llama > $(LLAMA_CPP)/build-lib.log 2>&1
+	touch $@
+
+$(LLAMA_CPP)/.built: $(LLAMA_CPP)/.lib
+	cmake --build $(LLAMA_CPP)/build -j$$(nproc) --target $(LLAMA_CPP_TOOLS) > $(LLAMA_CPP)/build.log 2>&1
+	touch $@
+
+llama-cpp-lib: $(LLAMA_CPP)/.lib
 
 llama-cpp: $(LLAMA_CPP)/.built
 
@@ -99,4 +110,4 @@ vllm-bench: install venv-vllm
 	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape smollm2 --lowbit default,bfloat16,default:dense
 	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape 1b --output-len 32 --repeats 2
 
-.PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp
+.PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp llama-cpp-lib

@@ -101,3 +101,23 @@ def vllm_python() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return python
+
+
+LLAMA_CPP = ROOT / ".llama-cpp"  # llama.cpp's libllama and its Python bindings (`make llama-cpp-lib`)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama.cpp's Python bindings (the llama-cpp-python sdist's ctypes package) on the libllama that
+    `make llama-cpp-lib` builds: skipped where it was not built, except in CI, where `make test` builds it."""
+    lib, bindings = LLAMA_CPP / "build" / "bin", sorted(LLAMA_CPP.glob("llama_cpp_python-*/llama_cpp"))
+    if not (lib / "libllama.so").exists() or not bindings:
+        message = f"no llama.cpp build in {LLAMA_CPP}: `make llama-cpp-lib` builds it (~5 min on 2 cores)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    sys.path[:0] = [str(bindings[-1].parent), str(LLAMA_CPP / "python")]  # python/: diskcache, their one dependency
+    import llama_cpp
+
+    return llama_cpp
