@@ -27,13 +27,13 @@ From the SASS it reads what decides whether a kernel can keep up with memory:
   dataflow chop explained in ``bench/sass_dataflow.py``, and ``per_unit``: that count over the
   weights one thread dequantizes per iteration (``units_per_iteration / (32 * num_warps)``).
   This is what the prefill budget "dequantization <= 3 instructions per element" is about; the
-  whole loop's count stays reported beside it. ``max_registers`` gives the register count that
+  whole loop's count stays reported beside it. ``sass_cases.max_registers`` gives the register count that
   still lets a number of CTAs share an SM (for a ``max_registers`` budget).
 
 Instruction counts are deterministic for a given Triton/ptxas version; they are not timings.
 
 Registering a kernel case (e.g. from another kernel's room): write a function returning a list
-of :class:`KernelCase` (one per configuration the runtime really launches) and add it to
+of ``bench.sass_cases.KernelCase`` (one per configuration the runtime really launches) and add it to
 ``CASE_SOURCES`` at the bottom of this file. A case names the ``@triton.jit`` function, the
 types of its non-constexpr arguments (``"*fp16"``, ``"*i32"``, ``"i32"``, ``"fp32"``...), its
 constexprs, ``num_warps``/``num_stages``, ``units_per_iteration`` (None when a per-unit count
@@ -64,34 +64,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from bench.sass_cases import KernelCase, ctas_per_sm  # noqa: E402
 from bench.sass_dataflow import Instruction, dequant_report, parse_sass  # noqa: E402
 
 ARCHS = {"sm_90a": 90, "sm_80": 80}  # Triton compiles capability 90 as sm_90a
-# Per-SM limits of the GPUs these targets stand for (H100, A100): registers, shared memory a
-# CTA may use, shared memory per SM (each CTA also reserves 1 KiB), warps.
-SM_LIMITS = {90: dict(registers=65536, smem_per_cta=227 * 1024, smem_per_sm=228 * 1024, warps=64),
-             80: dict(registers=65536, smem_per_cta=163 * 1024, smem_per_sm=164 * 1024, warps=64)}
 MIN_LOOP = 8  # shorter backward-branch ranges are spin/wait loops, not a kernel's main loop
 ASYNC_COPY_OPCODES = ("LDGSTS", "UTMALDG", "UBLKCP")
 BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-
-
-@dataclass
-class KernelCase:
-    """One kernel at one launch configuration, as the runtime launches it."""
-
-    name: str
-    kernel_fn: object  # a @triton.jit function
-    signature: dict  # non-constexpr argument -> Triton type string
-    constexprs: dict
-    num_warps: int
-    num_stages: int
-    units_per_iteration: int | None = None  # what the whole CTA covers per main-loop iteration
-    unit: str = "weight"
-    archs: tuple = ("sm_90a", "sm_80")
-    notes: str = ""  # how the runtime picks this configuration
-    budgets: dict = field(default_factory=dict)  # see BUDGET_CHECKS; met or not, the JSON says which
-    divisible_by_16: tuple | None = None  # arguments Triton would specialize; None: every pointer
 
 
 @dataclass
@@ -219,26 +198,6 @@ def prefetched_loads(body: list) -> int:
                 break
         count += not used
     return count
-
-
-def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int, capability: int) -> int:
-    """CTAs one SM holds: registers are allocated per warp in units of 256, shared memory per
-    CTA plus 1 KiB reserved."""
-    limit = SM_LIMITS[capability]
-    per_warp = -(-registers * 32 // 256) * 256
-    by_regs = (limit["registers"] // per_warp) // num_warps if per_warp else limit["warps"] // num_warps
-    by_warps = limit["warps"] // num_warps
-    by_smem = limit["smem_per_sm"] // (shared_bytes + 1024) if shared_bytes else by_warps
-    if shared_bytes > limit["smem_per_cta"]:
-        return 0
-    return min(by_regs, by_warps, by_smem)
-
-
-def max_registers(ctas: int, num_warps: int, capability: int) -> int:
-    """The most registers per thread that still let ``ctas`` CTAs of ``num_warps`` warps share
-    one SM's register file (allocated per warp in units of 256; 255 is the hardware's cap)."""
-    warp_units = SM_LIMITS[capability]["registers"] // (ctas * num_warps * 256)
-    return min(255, warp_units * 256 // 32)
 
 
 def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: str,

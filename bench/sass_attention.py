@@ -22,7 +22,7 @@ PER_ELEMENT_BUDGET = {"int4": 5.0, "int8": 5.0, "fp16": 3.29, "fp8": 7.52, "int2
 
 
 def decode_case(name: str, group_q: int, dtype: str = "fp16"):
-    from bench.sass import KernelCase
+    from bench.sass_cases import KernelCase
     from runtime.kernels import attention as A
 
     bits, fp8, kivi = SCHEMES[name]

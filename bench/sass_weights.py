@@ -4,7 +4,7 @@ budgets."""
 
 from __future__ import annotations
 
-from bench.sass import KernelCase
+from bench.sass_cases import KernelCase, max_registers
 
 
 # Issue 15's static budgets on sm_90a (thread-instructions of the main loop per weight, etc.);
@@ -25,8 +25,6 @@ SASS_BUDGETS = {
 
 def prefill_budgets(num_warps: int) -> dict:
     """The prefill budgets with the register count that lets 2 CTAs of ``num_warps`` share an SM."""
-    from bench.sass import max_registers
-
     return {**SASS_BUDGETS["prefill"], "max_registers": max_registers(2, num_warps, 90)}
 
 

@@ -3,7 +3,8 @@
 Importing this module registers the ``lowbit`` model with lm-eval. lm-eval 0.4
 has no plugin discovery, so its own ``lm_eval`` command does not import it:
 ``lowbit-lm-eval`` is that command with the model registered (same arguments),
-and ``lowbit eval CKPT --tasks ...`` runs tasks from lowbit's CLI.
+and ``lowbit eval CKPT --tasks ...`` runs tasks from lowbit's CLI (:func:`run_tasks`; the tasks
+themselves, offline ones included: ``evals.lm_eval_tasks``).
 
 Scoring runs on :func:`runtime.load`'s model:
 
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 
 import runtime
 from evals.kv import chunked_logits_fn, runtime_session
+from evals.lm_eval_tasks import build_offline_tasks, prepare_tasks
 from kvquant import KVScheme
 
 DEFAULT_MAX_LENGTH = 2048  # CPU-friendly default window for rolling log-likelihoods
@@ -186,11 +188,36 @@ def _score(logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
     return total, bool((logits.argmax(-1) == target).all())
 
 
+def run_tasks(ckpt: str, tasks: list[str], kv: str | None = None, limit: int | float | None = None,
+              num_fewshot: int | None = None, batch_size: int = 8, device: str = "cpu", model=None) -> dict:
+    """Evaluate ``tasks`` on ``ckpt`` through lm-eval; per task its metrics, plus the settings that produced them."""
+    import lm_eval
+
+    manager = prepare_tasks(tasks)
+    lm = LowbitLM(pretrained=ckpt, kv=kv, device=device, batch_size=batch_size, model=model)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot,
+                                  limit=limit, task_manager=manager, bootstrap_iters=0, log_samples=False)
+    results = {name: {k: v for k, v in metrics.items() if k != "alias" and not isinstance(v, str)}
+               for name, metrics in out["results"].items()}
+    return {
+        "tasks": results,
+        "settings": {"tasks": tasks, "kv": lm.kv.name, "limit": limit, "num_fewshot": num_fewshot,
+                     "max_length": lm.max_length, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
+                     else _lm_eval_version()},
+        "n_samples": {k: v.get("effective", v.get("original")) if isinstance(v, dict) else v
+                      for k, v in (out.get("n-samples") or {}).items()},
+    }
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
 def main() -> None:
     """``lowbit-lm-eval``: lm-eval's own command line, with the ``lowbit`` model registered."""
     from lm_eval.__main__ import cli_evaluate
-
-    from evals.lm_eval_tasks import build_offline_tasks
 
     if "--include_path" not in sys.argv:  # the offline tasks are always there to be named
         sys.argv += ["--include_path", str(build_offline_tasks())]

@@ -1,4 +1,5 @@
-"""Running lm-eval tasks on a checkpoint, and the offline tasks built from the bundled text.
+"""lm-eval tasks: names checked and datasets fetched before a run, the offline tasks built from the
+bundled text, and the table of a run's results (the run itself: ``evals.lm_eval_adapter.run_tasks``).
 
 Standard tasks (hellaswag, arc_easy, ...) fetch their datasets from the Hugging
 Face hub. Offline, ``lowbit_offline`` works: three small tasks built from the
@@ -172,35 +173,6 @@ def prepare_tasks(tasks: list[str]):
     check_task_names(tasks, manager)
     load_tasks(tasks, manager)
     return manager
-
-
-def run_tasks(ckpt: str, tasks: list[str], kv: str | None = None, limit: int | float | None = None,
-              num_fewshot: int | None = None, batch_size: int = 8, device: str = "cpu", model=None) -> dict:
-    """Evaluate ``tasks`` on ``ckpt`` through lm-eval; per task its metrics, plus the settings that produced them."""
-    import lm_eval
-
-    import evals.lm_eval_adapter as adapter
-
-    manager = prepare_tasks(tasks)
-    lm = adapter.LowbitLM(pretrained=ckpt, kv=kv, device=device, batch_size=batch_size, model=model)
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot,
-                                  limit=limit, task_manager=manager, bootstrap_iters=0, log_samples=False)
-    results = {name: {k: v for k, v in metrics.items() if k != "alias" and not isinstance(v, str)}
-               for name, metrics in out["results"].items()}
-    return {
-        "tasks": results,
-        "settings": {"tasks": tasks, "kv": lm.kv.name, "limit": limit, "num_fewshot": num_fewshot,
-                     "max_length": lm.max_length, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
-                     else _lm_eval_version()},
-        "n_samples": {k: v.get("effective", v.get("original")) if isinstance(v, dict) else v
-                      for k, v in (out.get("n-samples") or {}).items()},
-    }
-
-
-def _lm_eval_version() -> str:
-    from importlib.metadata import version
-
-    return version("lm_eval")
 
 
 def tasks_table(result: dict) -> str:

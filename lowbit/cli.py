@@ -139,7 +139,8 @@ def eval_(ckpt, baseline, no_baseline, text, tokens, window, stride, bos, json_o
     kv_chunks = ChunkProtocol(chunk=kv_chunk)
     device = pipeline.default_device(device)
     if tasks:  # a mistyped task or an unreachable dataset fails now, not after the perplexity run
-        from evals.lm_eval_tasks import prepare_tasks, run_tasks, tasks_table
+        from evals.lm_eval_adapter import run_tasks
+        from evals.lm_eval_tasks import prepare_tasks, tasks_table
 
         prepare_tasks(_names(tasks))
     result = pipeline.evaluate(ckpt, baseline=baseline, use_baseline=not no_baseline, text=text, protocol=protocol,

@@ -228,7 +228,7 @@ class Block(nn.Module):
             from runtime.moe import SparseMoE
 
             self.feed_forward = cfg.moe.block
-            self.add_module(cfg.moe.block, SparseMoE(cfg, f"{prefix}.{cfg.moe.block}", make_linear))
+            self.add_module(cfg.moe.block, SparseMoE(cfg, f"{prefix}.{cfg.moe.block}", make_linear, MLP))
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", make_linear)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)

@@ -1,8 +1,9 @@
 """The mixture-of-experts block of the runtime's decoder (Mixtral, Qwen3-MoE, Qwen2-MoE).
 
 Checkpoints store one Linear per expert and projection (``quant/moe.py`` says why); each expert
-is a ``runtime.model.MLP`` built through the decoder's ``make_linear``, so a quantized expert is
-a ``QuantLinear`` and runs the W4/W8 kernels on CUDA, its gate and up joined into one GEMM at
+is the decoder's dense MLP (``runtime.model.MLP``, passed in by ``runtime.model``, which imports
+this module: not the reverse) built through the decoder's ``make_linear``, so a quantized expert
+is a ``QuantLinear`` and runs the W4/W8 kernels on CUDA, its gate and up joined into one GEMM at
 load like a dense MLP's. The router (``gate``) and Qwen2-MoE's ``shared_expert_gate`` are plain
 float Linears whatever the checkpoint says: lowbit never quantizes them.
 
@@ -18,23 +19,29 @@ Two ways to run the experts, with the same routing and the same result:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from quant.moe import route
-from runtime.model import MLP, DecoderConfig, LinearFactory
+
+if TYPE_CHECKING:  # names for the annotations only
+    from runtime.model import DecoderConfig, LinearFactory
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
+    def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory, expert: type[nn.Module]):
+        """``expert(cfg, prefix, make_linear, width, projection names)`` builds one expert (the MLP)."""
         super().__init__()
         moe = cfg.moe
         self.top_k, self.normalize = moe.top_k, moe.normalize
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router: always float
         self.experts = nn.ModuleList(
-            MLP(cfg, f"{prefix}.experts.{e}", make_linear, moe.width, moe.projections) for e in range(moe.num_experts))
+            expert(cfg, f"{prefix}.experts.{e}", make_linear, moe.width, moe.projections)
+            for e in range(moe.num_experts))
         if moe.shared_width:  # Qwen2-MoE: an expert every token goes through, weighed by a sigmoid gate
-            self.shared_expert = MLP(cfg, f"{prefix}.shared_expert", make_linear, moe.shared_width)
+            self.shared_expert = expert(cfg, f"{prefix}.shared_expert", make_linear, moe.shared_width)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

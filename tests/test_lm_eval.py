@@ -13,7 +13,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from evals import lm_eval_tasks  # noqa: E402
-from evals.lm_eval_adapter import LowbitLM  # noqa: E402
+from evals.lm_eval_adapter import LowbitLM, run_tasks  # noqa: E402
 from lowbit.cli import main  # noqa: E402
 from tiny import TEXT, save_model, tiny_llama  # noqa: E402
 
@@ -117,7 +117,7 @@ def test_offline_tasks_are_built_from_the_bundled_text():
 
 
 def test_offline_group_runs_all_three_request_types(model_dir):
-    out = lm_eval_tasks.run_tasks(str(model_dir), [lm_eval_tasks.OFFLINE_GROUP], limit=2)
+    out = run_tasks(str(model_dir), [lm_eval_tasks.OFFLINE_GROUP], limit=2)
     tasks = out["tasks"]
     assert 0 <= tasks["lowbit_persuasion_cloze"]["acc,none"] <= 1
     assert tasks["lowbit_persuasion_ppl"]["bits_per_byte,none"] > 0
@@ -127,7 +127,7 @@ def test_offline_group_runs_all_three_request_types(model_dir):
 
 def test_unknown_task_lists_close_matches(model_dir):
     with pytest.raises(lm_eval_tasks.TaskError, match="close matches: lowbit_persuasion_cloze"):
-        lm_eval_tasks.run_tasks(str(model_dir), ["lowbit_persuasion_cloz"])
+        run_tasks(str(model_dir), ["lowbit_persuasion_cloz"])
     result = CliRunner().invoke(main, ["eval", str(model_dir), "--no-baseline", "--tasks", "helaswag"])
     assert result.exit_code != 0 and "hellaswag" in result.output
 
