@@ -107,9 +107,9 @@ def test_other_grids_are_refitted_and_said_so(tmp_path):
     text = "\n".join(report.lines())
     assert "re-fitted by RTN (w4 g128 sym is no GGUF grid" in text
     # down_proj's 544 inputs are no multiple of 256: llama.cpp's way, a 32-block type instead
-    assert "544 columns are no multiple of 256, so Q4_1" in text
+    assert "544 columns are no multiple of 256, so Q5_0 as llama.cpp does" in text
     _, tensors, _ = read_gguf(tmp_path / "k.gguf")
-    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q4_1"
+    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q5_0"
     assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "Q4_K"
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from quant.gguf import TYPES, GGUFFields, dequantize, fit_rtn, gguf_type, pack, unpack
+from quant.gguf import TYPES, GGUFFields, dequantize, fallback, fit_rtn, gguf_type, pack, unpack
 
 ROWS, COLS = 6, 512
 
@@ -57,7 +57,7 @@ def test_any_stored_bytes_round_trip(name):
     assert np.array_equal(pack(unpack(name, data.tobytes(), (ROWS, COLS))), data)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_reads_what_gguf_quantizes(name):
     w = np.random.default_rng(2).standard_normal((ROWS, COLS)).astype(np.float32)
     data = gguf.quants.quantize(w, TYPES[name].ggml_type)
@@ -66,7 +66,7 @@ def test_reads_what_gguf_quantizes(name):
 
 
 # plain RTN's relative RMS error on Gaussian weights: each type's grid, as coarse as its bits
-RTN_ERROR = {"Q2_K": 0.40, "Q3_K": 0.20, "Q4_0": 0.12, "Q4_1": 0.10, "Q4_K": 0.10, "Q5_K": 0.05,
+RTN_ERROR = {"Q2_K": 0.40, "Q3_K": 0.20, "Q4_0": 0.12, "Q4_1": 0.10, "Q5_0": 0.06, "Q5_1": 0.05, "Q4_K": 0.10, "Q5_K": 0.05,
              "Q6_K": 0.025, "Q8_0": 0.008}
 
 
@@ -95,7 +95,7 @@ def test_type_table():
     assert gguf_type("q4_k") is TYPES["Q4_K"]
     # bits per weight as llama.cpp documents them
     assert {n: t.bits_per_weight for n, t in TYPES.items()} == {
-        "Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5,
+        "Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5,
         "Q6_K": 6.5625}
     with pytest.raises(ValueError, match="unknown GGUF type 'Q7_K'.*Q4_0"):
         gguf_type("Q7_K")
@@ -113,3 +113,11 @@ def test_bad_fields_are_named():
     with pytest.raises(ValueError, match="Q4_0 stores no dmin"):
         GGUFFields(TYPES["Q4_0"], torch.zeros(1, 32, dtype=torch.int8), torch.zeros(1, 1, dtype=torch.float16),
                    torch.zeros(1, 1, dtype=torch.float16)).check()
+
+
+def test_small_rows_fall_back_as_llama_cpp():
+    assert fallback("Q4_K", 512) is TYPES["Q4_K"]
+    assert [fallback(t, 576).name for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")] == [
+        "Q4_0", "Q4_0", "Q5_0", "Q5_1", "Q8_0"]
+    with pytest.raises(ValueError, match="a row of 48 columns fits neither Q4_0"):
+        fallback("Q4_0", 48)

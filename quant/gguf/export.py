@@ -20,7 +20,7 @@ import torch
 
 from quant.affine import QuantScheme
 from quant.format import QuantizedWeight
-from quant.gguf.types import TYPES, GGUFFields, GGUFType, fit_rtn, gguf_type
+from quant.gguf.types import TYPES, GGUFFields, GGUFType, fallback, fit_rtn, gguf_type
 from quant.gguf.write import Weight, write_gguf
 
 FLOAT_EXPORTS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -28,10 +28,6 @@ EXACT = "EXACT"
 
 # lowbit grid (bits, group, symmetric) -> the GGUF type that stores it exactly
 EXACT_TYPES = {(4, 32, True): "Q4_0", (4, 32, False): "Q4_1", (8, 32, True): "Q8_0"}
-
-# a k-quant whose 256-blocks do not tile a row: the 32-block type llama-quantize would pick no worse than
-SMALL_BLOCK_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q4_1", "Q5_K": "Q8_0", "Q6_K": "Q8_0"}
-
 
 @dataclass
 class ExportReport:
@@ -91,10 +87,6 @@ def _why_not_exact(scheme: QuantScheme | None, qw: QuantizedWeight | None, t: GG
     return f"{scheme.describe()} is {grid}'s grid, not {t.name}'s"
 
 
-def _fitted_type(t: GGUFType, cols: int) -> GGUFType:
-    return t if cols % t.block == 0 else TYPES[SMALL_BLOCK_FALLBACK[t.name]]
-
-
 def linear_weights(tensors: dict, schemes: dict[str, QuantScheme], linears: list[str], target: str,
                    report: ExportReport) -> dict[str, Weight]:
     """``{name.weight: fields}`` for each Linear in ``linears`` (quantized per ``schemes`` or float)."""
@@ -119,10 +111,10 @@ def linear_weights(tensors: dict, schemes: dict[str, QuantScheme], linears: list
             continue
         if target == EXACT:
             raise ValueError(f"{name}: {_why_not_exact(scheme, qw, want)}; --gguf exact cannot copy it")
-        fitted = _fitted_type(want, weight.shape[1])
+        fitted = fallback(want, weight.shape[1])
         why = _why_not_exact(scheme, qw, want)
         if fitted is not want:
-            why += f"; {weight.shape[1]} columns are no multiple of {want.block}, so {fitted.name}"
+            why += f"; {weight.shape[1]} columns are no multiple of {want.block}, so {fitted.name} as llama.cpp does"
         report.refit[name] = why
         out[f"{name}.weight"] = fit_rtn(weight, fitted)
     return out

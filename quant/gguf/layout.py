@@ -66,6 +66,15 @@ def _unpack_scales_q3(data: np.ndarray) -> np.ndarray:
     return low | (high << 4)
 
 
+def _pack_high_bits(high: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: each block's 32 fifth bits as one little-endian uint32 (bit j: element j)."""
+    return _pack_planes(high.reshape(-1, 4, 8).transpose(0, 2, 1), 1)
+
+
+def _unpack_high_bits(data: np.ndarray) -> np.ndarray:
+    return _unpack_planes(data, 1).transpose(0, 2, 1).reshape(-1, 32)
+
+
 def _blocks(fields: GGUFFields) -> tuple[int, np.ndarray]:
     """(number of blocks, the unsigned codes ``[blocks, block]``)."""
     t = fields.type
@@ -80,8 +89,10 @@ def pack(fields: GGUFFields) -> np.ndarray:
     nb, u = _blocks(fields)
     d = _f16_bytes(fields.d, nb)
     name = t.name
-    if name in ("Q4_0", "Q4_1"):
-        parts = [d] + ([_f16_bytes(fields.dmin, nb)] if name == "Q4_1" else []) + [_pack_planes(u.reshape(nb, 2, 16), 4)]
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        offset = [_f16_bytes(fields.dmin, nb)] if not t.symmetric else []
+        high = [_pack_high_bits(u >> 4)] if name.startswith("Q5") else []
+        parts = [d, *offset, *high, _pack_planes((u & 15).reshape(nb, 2, 16), 4)]
     elif name == "Q8_0":
         parts = [d, _ints(fields.codes, (nb, 32)).astype(np.int8).view(np.uint8)]
     elif name == "Q2_K":
@@ -122,10 +133,13 @@ def unpack(type_name: str | GGUFType, data: np.ndarray | bytes, shape: tuple[int
     blocks = raw.reshape(-1, t.block_bytes)
     nb, name = blocks.shape[0], t.name
     dmin = scales = mins = None
-    if name in ("Q4_0", "Q4_1"):
-        d, *m, qs = _split(blocks, [2, 2, 16] if name == "Q4_1" else [2, 16])
-        dmin = _f16(m[0], rows) if m else None
-        u = _unpack_planes(qs, 4)
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        sizes = [2] + ([2] if not t.symmetric else []) + ([4] if name.startswith("Q5") else []) + [16]
+        d, *rest, qs = _split(blocks, sizes)
+        dmin = _f16(rest.pop(0), rows) if not t.symmetric else None
+        u = _unpack_planes(qs, 4).reshape(nb, 32)
+        if rest:
+            u = u | (_unpack_high_bits(rest[0]) << 4)
     elif name == "Q8_0":
         d, qs = _split(blocks, [2, 32])
         u = qs.view(np.int8).astype(np.int16) + 128

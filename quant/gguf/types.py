@@ -4,8 +4,8 @@ A tensor of a GGUF type is described by its **fields**, exactly the numbers the 
 (``GGUFFields``): integer codes ``[rows, cols]``, per-sub-block integer scales and mins
 (k-quants), and per-block float16 ``d`` / ``dmin``. Each type dequantizes as
 
-* ``Q4_0``, ``Q8_0`` (symmetric, one ``d`` per 32):  ``w = d * q``
-* ``Q4_1`` (one ``d`` and one added offset ``m`` per 32; ``m`` is held in ``dmin``): ``w = d * q + m``
+* ``Q4_0``, ``Q5_0``, ``Q8_0`` (symmetric, one ``d`` per 32):  ``w = d * q``
+* ``Q4_1``, ``Q5_1`` (one ``d`` and one added offset ``m`` per 32; ``m`` is held in ``dmin``): ``w = d * q + m``
 * ``Q3_K``, ``Q6_K`` (symmetric k-quants):            ``w = (d * sc) * q``
 * ``Q2_K``, ``Q4_K``, ``Q5_K`` (k-quants with mins):  ``w = (d * sc) * q - (dmin * mn)``
 
@@ -65,6 +65,8 @@ class GGUFType:
 TYPES = {t.name: t for t in (
     GGUFType("Q4_0", 32, None, (-8, 7), None, None, True),
     GGUFType("Q4_1", 32, None, (0, 15), None, None, False),
+    GGUFType("Q5_0", 32, None, (-16, 15), None, None, True),
+    GGUFType("Q5_1", 32, None, (0, 31), None, None, False),
     GGUFType("Q8_0", 32, None, (-128, 127), None, None, True),
     GGUFType("Q2_K", QK_K, 16, (0, 3), (0, 15), (0, 15), False),
     GGUFType("Q3_K", QK_K, 16, (-4, 3), (-32, 31), None, True),
@@ -72,6 +74,24 @@ TYPES = {t.name: t for t in (
     GGUFType("Q5_K", QK_K, 32, (0, 31), (0, 63), (0, 63), False),
     GGUFType("Q6_K", QK_K, 16, (-32, 31), (-128, 127), None, True),
 )}
+
+
+# llama.cpp's tensor_type_fallback: a 256-block type on a row that does not split into 256s is
+# written as this 32-block type instead (llama-quant.cpp)
+SMALL_ROW_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def fallback(type_name: str | GGUFType, cols: int) -> GGUFType:
+    """The type llama.cpp writes for a row of ``cols`` under ``type_name``: itself where its blocks tile
+    the row, else its 32-block fallback; a ValueError where none fits."""
+    t = gguf_type(type_name)
+    if cols % t.block == 0:
+        return t
+    small = TYPES.get(SMALL_ROW_FALLBACK.get(t.name, ""))
+    if small is None or cols % small.block:
+        raise ValueError(f"a row of {cols} columns fits neither {t.name}'s blocks of {t.block} nor a 32-block "
+                         "fallback; write it as F16")
+    return small
 
 
 def gguf_type(name: str | GGUFType) -> GGUFType:
