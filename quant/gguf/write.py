@@ -55,8 +55,9 @@ PRE_TOKENIZERS = {
 
 # what the file type says, for a file whose quantized tensors all have one type
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_0": "MOSTLY_Q4_0",
-              "Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_S",
-              "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K"}
+              "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1", "Q8_0": "MOSTLY_Q8_0",
+              "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S",
+              "Q6_K": "MOSTLY_Q6_K"}
 
 
 def gguf_arch(config: dict) -> tuple[gguf.MODEL_ARCH, bool]:
