@@ -96,12 +96,16 @@ ENGINES = {e.name: e for e in (
            experts="quantized MoE experts: its only CPU int4 MoE kernel (CPUExpertsInt4) needs an x86 CPU with "
                    "AMX; keep the experts in floating point (weights.ignore) to serve the rest",
            kernel="CPUWNA16 kernel"),
-    # GGUF export (`lowbit export --gguf`): lowbit's 4/8-bit group-32 grids are GGUF's Q4_0 (symmetric),
-    # Q4_1 (zero point as an added offset) and Q8_0 exactly; other schemes are re-fitted to a k-quant by
-    # the GGUF target, not carried over.
+    # GGUF export (quant/gguf/export.py, `lowbit export --gguf exact`): lowbit's 4/8-bit group-32 grids are
+    # GGUF's Q4_0 (symmetric), Q4_1 (zero point as an added offset) and Q8_0: codes copied (bf16/fp16 scales
+    # exact; Q4_1's offset rounded once to fp16, < 0.01 of a grid step), run in llama.cpp by
+    # tests/test_gguf_llama.py. Asymmetric 8-bit (no GGUF type stores it), other groups, act-order 'group'
+    # and 2/3-bit grids are re-fitted by RTN onto a requested type, not carried over. The writer covers
+    # the llama, mistral, qwen2 and qwen3 families with byte-level BPE tokenizers; no MoE experts yet.
     Engine("llama.cpp", "llama.cpp / Ollama (GGUF)", frozenset({4, 8}), frozenset({4}),
            group_sizes=frozenset({32}), actorders=frozenset({None, "weight"}),
-           kernel="Q4_0/Q4_1/Q8_0", via="lowbit export --gguf"),
+           experts="quantized MoE experts: lowbit's GGUF export does not write expert tensors yet",
+           kernel="Q4_0/Q4_1/Q8_0", via="lowbit export --gguf exact"),
 )}
 
 # Names a recipe may use for several rows: `vllm` is vLLM wherever it runs (its CPU build takes less).
