@@ -154,7 +154,8 @@ def test_the_recipes_kv_scheme_is_saved_and_used_by_default(kv_ckpt):
     import json
 
     manifest = json.loads((kv_ckpt / "lowbit_manifest.json").read_text())
-    assert manifest["kv_cache"] == {"bits": 4, "type": "int", "group_size": 16, "residual": 32}
+    assert manifest["kv_cache"] == {"bits": 4, "type": "int", "group_size": 16, "residual": 32, "value_bits": 4,
+                                    "family": "kivi"}
     assert runtime.load(kv_ckpt).kv_scheme == INT4
     assert runtime.load(kv_ckpt, kv="int2").kv_scheme == INT2  # a name keeps the saved group and residual
     assert runtime.load(kv_ckpt, kv="fp16").kv_scheme == KVScheme(group_size=16, residual=32)
