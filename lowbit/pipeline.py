@@ -63,6 +63,15 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     world = distributed.current()
     w = recipe.weights
     output = Path(recipe.output)
+    if recipe.gguf:  # one GGUF file for llama.cpp, each Linear rounded on its type's grid (quant.gguf_quantize)
+        from quant.gguf_quantize import quantize_to_file
+
+        if world.size > 1:
+            raise ValueError("a GGUF target runs in one process only: run this recipe without torchrun / --ranks")
+        if not (overwrite and output.is_file()):  # replacing a file: the writer replaces only a GGUF file
+            checkpoint_write.check_output(output, overwrite)
+        return quantize_to_file(recipe.model, recipe.gguf, w.methods, w.settings, recipe.calibration, output,
+                                overwrite, device or default_device(), progress)
     run_id = json.dumps(recipe.to_dict(), sort_keys=True)
     world.agree("the recipe", json.dumps([run_id, overwrite, resume]))
     if world.main:

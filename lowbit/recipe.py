@@ -82,6 +82,7 @@ class Recipe:
     weights: Weights = field(default_factory=Weights)
     kv_cache: KVScheme = field(default_factory=KVScheme)  # used by the runtime, saved in the manifest
     serve_with: list[str] = field(default_factory=list)  # engines every choice is held to (quant.engines)
+    gguf: str | None = None  # a llama.cpp type/mix (Q4_K_M, ...): write one GGUF file instead (quant.gguf_quantize)
 
     def to_dict(self) -> dict:
         """The recipe as YAML would write it (each method's settings under its own name)."""
@@ -93,6 +94,11 @@ class Recipe:
             weights.pop(key)
         if not self.serve_with:
             data.pop("serve_with")
+        if self.gguf is None:
+            data.pop("gguf")
+        else:  # the mix sets every tensor's type: the keys it replaces stay out (parse_recipe refuses them)
+            for key in ("bits", "group_size", "symmetric", "overrides", "target_bits", "candidates"):
+                weights.pop(key, None)
         return data
 
 
@@ -101,6 +107,8 @@ def default_output(recipe: Recipe) -> str:
     base = Path(str(recipe.model).rstrip("/")).name
     group = "pc" if w.group_size == -1 else f"g{w.group_size}"
     width = f"w{w.bits}" if w.target_bits is None else f"b{w.target_bits:g}"
+    if recipe.gguf:
+        return f"out/{base}-{w.method.replace('+', '-')}-{recipe.gguf}.gguf"
     return f"out/{base}-{w.method.replace('+', '-')}-{width}{group}"
 
 
@@ -221,6 +229,8 @@ def parse_recipe(data, source: str = "<recipe>") -> Recipe:
 
     recipe.kv_cache = _kv_cache(c, top.get("kv_cache"))
     recipe.serve_with = _serve_with(c, top.get("serve_with"), weights, "candidates" in w)
+    if top.get("gguf") is not None:
+        recipe.gguf = _gguf(c, top["gguf"], weights, w)
     recipe.output = c.string(top["output"], "output") if top.get("output") is not None else default_output(recipe)
     return recipe
 
@@ -325,6 +335,16 @@ def _serve_with(c: _Checker, value, weights: Weights, explicit_candidates: bool)
                + (", ".join(k.label for k in weights.candidates) or "none") + f") store at least {least} bits per "
                f"weight, above the target {weights.target_bits:g}; raise target_bits")
     return names
+
+
+def _gguf(c: _Checker, value, weights: Weights, given: dict) -> str:
+    """``gguf: Q4_K_M``: the llama.cpp type (or mix) of the GGUF file the recipe writes (quant.gguf_quantize)."""
+    from quant.gguf_quantize import check_target
+
+    try:
+        return check_target(c.string(value, "gguf"), weights.methods, given)
+    except ValueError as e:
+        c.fail("gguf", str(e))
 
 
 def _kv_cache(c: _Checker, value, path: str = "kv_cache") -> KVScheme:

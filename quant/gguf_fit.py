@@ -39,6 +39,15 @@ def _group(t: GGUFType) -> int:
     return t.sub_block or t.block
 
 
+def round_linear(weight: torch.Tensor, scheme: "GridScheme", H: torch.Tensor | None, gptq_config=None,
+                 name: str = "layer") -> "FittedWeight":
+    """The methods' seam: GPTQ on the fitted grid when given ``gptq_config`` (and H), else nearest
+    rounding on a grid searched with ``diag(H)`` (without H: llama.cpp's data-free weights)."""
+    if gptq_config is not None and H is not None:
+        return round_gptq(weight, scheme.type_name, H, gptq_config, name)
+    return round_to_nearest(weight, scheme.type_name, None if H is None else torch.diagonal(H))
+
+
 @dataclass
 class FittedWeight:
     """A weight as GGUF ``fields``; what the calibration pass carries on to the next layer is
@@ -115,12 +124,14 @@ def _fit_min(x: torch.Tensor, w: torch.Tensor, nmax: int, clamp_min: bool, steps
     lo = x.amin(1, keepdim=True)
     lo = lo.clamp(max=0) if clamp_min else lo
     span = (x.amax(1, keepdim=True) - lo).clamp_min(1e-30)
-    sw, swx = w.sum(1, keepdim=True), (w * x).sum(1, keepdim=True)
+    shifted, wx = x - lo, w * x
+    sw, swx, swx2 = w.sum(1, keepdim=True), wx.sum(1, keepdim=True), (wx * x).sum(1, keepdim=True)
     best_s, best_o = span / nmax, lo
-    best_err = _err(x, w, best_s, best_o, torch.round((x - lo) / best_s).clamp(0, nmax))
+    best_err = _err(x, w, best_s, best_o, torch.round(shifted / best_s).clamp(0, nmax))
     for k in range(steps + 1):
-        q = torch.round((x - lo) * ((nmax + rmin + rdelta * k) / span)).clamp(0, nmax)
-        swl, swl2, swlx = (w * q).sum(1, keepdim=True), (w * q * q).sum(1, keepdim=True), (w * q * x).sum(1, keepdim=True)
+        q = torch.round(shifted * ((nmax + rmin + rdelta * k) / span)).clamp_(0, nmax)
+        wq = w * q
+        swl, swl2, swlx = wq.sum(1, keepdim=True), (wq * q).sum(1, keepdim=True), (q * wx).sum(1, keepdim=True)
         D = sw * swl2 - swl * swl
         ok = D > 0
         Ds = torch.where(ok, D, torch.ones_like(D))
@@ -130,7 +141,8 @@ def _fit_min(x: torch.Tensor, w: torch.Tensor, nmax: int, clamp_min: bool, steps
             pos = o > 0
             s = torch.where(pos, swlx / swl2.clamp_min(1e-30), s)
             o = torch.where(pos, torch.zeros_like(o), o)
-        err = _err(x, w, s, o, q)
+        # at a least-squares fit the residual is orthogonal to q and (unless o was clamped) to 1
+        err = swx2 - s * swlx - o * swx
         better = ok & (err < best_err)
         best_err, best_s, best_o = torch.where(better, err, best_err), torch.where(better, s, best_s), torch.where(better, o, best_o)
     return best_s.squeeze(1), best_o.squeeze(1)
@@ -239,7 +251,7 @@ def fit_grid(weight: torch.Tensor, type_name: str | GGUFType, h_diag: torch.Tens
     out, columns = weight.shape
     if columns % t.block:
         raise ValueError(f"{t.name} stores rows in blocks of {t.block}; a row of {columns} does not split "
-                         f"into them (llama.cpp falls back to a 32-block type: quant.gguf_mix)")
+                         f"into them (llama.cpp falls back to a 32-block type: quant.gguf.fallback)")
     x = weight.detach().float()
     w = importance(x, t, h_diag)
     g = _group(t)

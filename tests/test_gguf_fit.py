@@ -11,6 +11,8 @@ import torch
 
 from quant.gguf import TYPES, dequantize, fit_rtn, pack, unpack
 from quant.gguf_fit import fit_grid, round_gptq, round_to_nearest, weighted_loss
+from lowbit.recipe import RecipeError, parse_recipe
+from quant.gguf_mix import tensor_types
 from quant.gptq import GPTQConfig
 
 
@@ -90,3 +92,46 @@ def test_gptq_on_grid_without_act_order_also_beats_nearest(problem):
     nearest = weighted_loss(W, round_to_nearest(W, "Q3_K", torch.diagonal(H)).dequantize(), H)
     plain_order = weighted_loss(W, round_gptq(W, "Q3_K", H, GPTQConfig(actorder="none")).dequantize(), H)
     assert plain_order < nearest
+
+
+# ---- llama.cpp's per-tensor mix (quant/gguf_mix.py) and the recipe target ----
+
+def smollm2_shapes(layers=30):
+    """SmolLM2-135M's 2-D weights: hidden 576 (not a multiple of 256), MLP 1536, 9 heads / 3 KV heads."""
+    shapes = {"model.embed_tokens": (49152, 576)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj": (576, 576), p + "self_attn.k_proj": (192, 576),
+                       p + "self_attn.v_proj": (192, 576), p + "self_attn.o_proj": (576, 576),
+                       p + "mlp.gate_proj": (1536, 576), p + "mlp.up_proj": (1536, 576), p + "mlp.down_proj": (576, 1536)})
+    return shapes
+
+
+def test_mix_follows_llama_quantize_on_smollm2_shapes():
+    # expected as llama-quantize prints them for SmolLM2-135M (llama.cpp of llama-cpp-python 0.3.36):
+    # rows of 576 fall back from 256-blocks (Q4_K -> Q5_0, Q2_K/Q3_K -> Q4_0, Q6_K/the tied head -> Q8_0)
+    types = tensor_types(smollm2_shapes(), "Q4_K_M", 30, 3, tied_embeddings=True)
+    assert types["model.embed_tokens"] == "Q8_0"
+    assert types["model.layers.5.self_attn.q_proj"] == "Q5_0"
+    assert types["model.layers.0.self_attn.v_proj"] == "Q8_0"  # use_more_bits: Q6_K, falls back
+    assert types["model.layers.4.self_attn.v_proj"] == "Q5_0"
+    assert [types[f"model.layers.{i}.mlp.down_proj"] for i in (0, 3, 4, 5, 6, 27)] == ["Q6_K", "Q4_K", "Q4_K", "Q6_K",
+                                                                                     "Q4_K", "Q6_K"]
+    q2 = tensor_types(smollm2_shapes(), "Q2_K", 30, 3, tied_embeddings=True)
+    assert q2["model.layers.7.mlp.down_proj"] == "Q3_K" and q2["model.layers.7.mlp.up_proj"] == "Q4_0"
+    q3 = tensor_types(smollm2_shapes(), "Q3_K_M", 30, 3, tied_embeddings=True)
+    assert q3["model.layers.0.mlp.down_proj"] == "Q5_K" and q3["model.layers.9.mlp.down_proj"] == "Q4_K"
+    assert q3["model.layers.1.self_attn.v_proj"] == "Q5_1"  # Q5_K on the first two layers, falls back
+
+
+def test_recipe_gguf_target_validates_its_inputs():
+    recipe = parse_recipe({"model": "smollm2-135m", "gguf": "q4_k_m", "weights": {"methods": ["gptq"]}})
+    assert recipe.gguf == "Q4_K_M" and recipe.output.endswith("-gptq-Q4_K_M.gguf")
+    assert parse_recipe(recipe.to_dict()).gguf == "Q4_K_M"  # round trip
+    assert "gguf" not in parse_recipe({"model": "m"}).to_dict()
+    with pytest.raises(RecipeError, match="gguf: unknown GGUF type 'Q9_K'.*Q4_K_M"):
+        parse_recipe({"model": "m", "gguf": "Q9_K"})
+    with pytest.raises(RecipeError, match="gguf: awq cannot round onto a GGUF type's grid yet"):
+        parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"methods": ["awq", "gptq"]}})
+    with pytest.raises(RecipeError, match="gguf: weights.bits do not apply to a GGUF target"):
+        parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"bits": 3}})

@@ -3,11 +3,16 @@ inverse Hessian of the Linear's calibration inputs (the algorithm: ``quant.gptq`
 
 from __future__ import annotations
 
+from quant.gguf_mix import GridScheme
 from quant.gptq import GPTQConfig, gptq_quantize
 from quant.methods import Method
 
 
 def round_linear(weight, scheme, settings: GPTQConfig, scale_dtype, H, name: str):
+    if isinstance(scheme, GridScheme):  # a GGUF type: GPTQ on its fitted grid
+        from quant import gguf_fit  # imports the gguf package: only when a GGUF type is planned
+
+        return gguf_fit.round_linear(weight, scheme, H, settings, name)
     return gptq_quantize(weight, H, scheme, settings, scale_dtype, name)
 
 

@@ -1,0 +1,197 @@
+"""lowbit's GGUF files against llama.cpp's own quantization with an importance matrix, judged by
+llama.cpp's own perplexity tool, in one run.
+
+    python -m bench.gguf_vs_llamacpp [--mixes Q2_K Q3_K_M Q4_K_M] [--samples 128] [--seq-len 512]
+        [--eval-tokens 8192] [--out bench/results/gguf/gguf-vs-llamacpp.json]
+
+On SmolLM2-135M (lowbit's bundled model, its float weights as lowbit resolves them):
+
+1. the float model as an F32 GGUF (lowbit's writer), the source of every file;
+2. lowbit's calibration windows (the recipe default: 128 x 512 tokens of the bundled Austen text,
+   seed 0), decoded and joined into one text file; ``llama-imatrix`` on it (``-c`` the window
+   length, one chunk per window);
+3. per mix: ``llama-quantize --imatrix`` and ``llama-quantize`` without one, and lowbit's file
+   (``quant.gguf_quantize``: the same per-tensor types, GPTQ on each type's fitted grid, from
+   the same windows);
+4. ``llama-perplexity`` on the first ``--eval-tokens`` tokens of each evaluation text (Persuasion,
+   never calibrated on; CPython's argparse.py, another genre), ``-c 512``: every file, the same
+   tool, the same text. Bits per weight as llama.cpp prints them for the file.
+
+Needs llama.cpp's tools built by ``make llama-cpp`` (``.llama-cpp/build/bin``; ``--llama-bin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import re
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_BIN = ROOT / ".llama-cpp" / "build" / "bin"
+SDIST = ROOT / ".llama-cpp" / "llama_cpp_python-0.3.36"
+TEXTS = ("persuasion", "code")
+
+
+def run_tool(bin_dir: Path, tool: str, *args, log: Path) -> str:
+    """Run one llama.cpp tool; its whole output is kept in ``log`` and returned."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+    proc = subprocess.run([str(bin_dir / tool), *map(str, args)], capture_output=True, text=True, env=env)
+    out = proc.stdout + proc.stderr
+    log.write_text(out)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool} failed ({proc.returncode}); its output: {log}\n{out[-2000:]}")
+    return out
+
+
+def perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int, log: Path) -> dict:
+    out = run_tool(bin_dir, "llama-perplexity", "-m", model, "-f", text, "-c", ctx, "-b", ctx, "-t", threads, log=log)
+    ppl = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
+    size = re.search(r"file size\s*=\s*([\d.]+) (\w+) \(([\d.]+) BPW\)", out)
+    if ppl is None:
+        raise RuntimeError(f"no perplexity in {log}")
+    return {"ppl": float(ppl.group(1)), "ppl_err": float(ppl.group(2)),
+            "bpw": float(size.group(3)) if size else None, "file_bytes": model.stat().st_size}
+
+
+def llama_version(bin_dir: Path, work: Path) -> str:
+    try:
+        out = run_tool(bin_dir, "llama-perplexity", "--version", log=work / "version.log")
+    except RuntimeError as e:
+        out = str(e)
+    found = re.search(r"version: (\d+) \((\w+)\)", out)
+    return f"b{found.group(1)} ({found.group(2)})" if found else out.strip().splitlines()[-1]
+
+
+def eval_texts(tokenizer, tokens: int, work: Path) -> dict[str, Path]:
+    """The first ``tokens`` tokens of each evaluation text, decoded back to a file for llama.cpp."""
+    from evals.texts import load_text
+
+    paths = {}
+    for name in TEXTS:
+        ids = tokenizer(load_text(name), add_special_tokens=False).input_ids[:tokens]
+        paths[name] = work / f"eval-{name}.txt"
+        paths[name].write_text(tokenizer.decode(ids))
+    return paths
+
+
+def lowbit_file(source: Path, mix: str, samples, out: Path, methods: list[str]) -> dict:
+    import torch
+
+    from quant import models
+
+    torch.set_num_threads(1)
+    from quant.gguf_quantize import quantize_gguf, write
+
+    model, _, lazy = models.load_lazily(source)
+    start = time.process_time()
+    fields, _ = quantize_gguf(model, mix, methods, samples=samples, lazy=lazy, progress=False)
+    seconds = time.process_time() - start
+    types = write(out, source, fields, overwrite=True)
+    counts = {}
+    for t in types.values():
+        counts[t] = counts.get(t, 0) + 1
+    return {"quantize_cpu_s": round(seconds, 1), "tensor_types": counts}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mixes", nargs="+", default=["Q2_K", "Q3_K_M", "Q4_K_M"])
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=["gptq"])
+    ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (one thread each)")
+    ap.add_argument("--no-plain", action="store_true", help="skip llama-quantize without an imatrix")
+    ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
+    ap.add_argument("--work", type=Path, default=None, help="keep the files here (default: a temporary directory)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf" / "gguf-vs-llamacpp.json")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    from evals.provenance import commit, versions
+    from quant import models
+    from quant.calibration import calibration_samples, load_calibration_text
+    from quant.gguf_quantize import write
+
+    code_version = commit()
+    tmp = None if args.work else tempfile.TemporaryDirectory(prefix="gguf-bench-")
+    work = args.work or Path(tmp.name)
+    work.mkdir(parents=True, exist_ok=True)
+    source = models.resolve("smollm2-135m")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    samples = calibration_samples(tokenizer, load_calibration_text("default"), args.samples, args.seq_len, 0, None)
+    calib = work / "calibration.txt"
+    calib.write_text("".join(tokenizer.decode(s) for s in samples))
+    texts = eval_texts(tokenizer, args.eval_tokens, work)
+    f32 = work / "f32.gguf"
+    write(f32, source, {}, overwrite=True)
+    imatrix = work / "imatrix.gguf"
+    # lowbit's files are made in worker processes (one thread each) while llama.cpp's tools run
+    pool = ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=multiprocessing.get_context("spawn"))
+    made = {mix: pool.submit(lowbit_file, source, mix, samples, work / f"lowbit-{mix}.gguf", args.methods)
+            for mix in args.mixes}
+    files = {"float (F32)": (f32, {})}
+    start = time.perf_counter()
+    run_tool(args.llama_bin, "llama-imatrix", "-m", f32, "-f", calib, "-o", imatrix, "-c", args.seq_len,
+             "-b", args.seq_len, "--chunks", args.samples, "-t", args.threads, log=work / "imatrix.log")
+    imatrix_s = time.perf_counter() - start
+    for mix in args.mixes:
+        variants = [("llama.cpp imatrix", ["--imatrix", imatrix])] + ([] if args.no_plain else [("llama.cpp", [])])
+        for label, extra in variants:
+            out = work / f"llama-{'imat-' if extra else ''}{mix}.gguf"
+            start = time.perf_counter()
+            run_tool(args.llama_bin, "llama-quantize", *extra, f32, out, mix, args.threads,
+                     log=work / f"{out.stem}.log")
+            files[f"{label} {mix}"] = (out, {"mix": mix, "quantize_s": round(time.perf_counter() - start, 1)})
+    result = {
+        "bench": "gguf_vs_llamacpp",
+        "command": "python -m bench.gguf_vs_llamacpp " + " ".join(os.sys.argv[1:]),
+        "commit": code_version,
+        "machine": {"cpu": platform.processor() or platform.machine(), "note": "shared 2-core machine"},
+        "versions": {**versions(), "llama.cpp": llama_version(args.llama_bin, work),
+                     "llama.cpp source": "vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist"},
+        "protocol": {
+            "model": "smollm2-135m (lowbit's bundled default, float weights as lowbit resolves them), F32 GGUF source",
+            "calibration": f"{args.samples} x {args.seq_len} tokens of lowbit's bundled Austen text (seed 0), decoded "
+                           f"and joined for llama-imatrix (-c {args.seq_len}, {args.samples} chunks); lowbit "
+                           f"{'+'.join(args.methods)} on the same token windows",
+            "evaluation": f"llama-perplexity -c {args.ctx} on the first {args.eval_tokens} tokens of each text "
+                          f"({', '.join(TEXTS)}: Persuasion, CPython argparse.py), decoded to text",
+            "imatrix_s": round(imatrix_s, 1), "torch_threads": torch.get_num_threads(),
+        },
+        "rows": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def score(label: str, path: Path, facts: dict) -> None:
+        row = {"file": label, **facts}
+        for name, text in texts.items():
+            row[name] = perplexity(args.llama_bin, path, text, args.ctx, args.threads, work / f"{path.stem}-{name}.log")
+        result["rows"].append(row)
+        args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+        print(label, {n: row[n]["ppl"] for n in texts}, "bpw", row[TEXTS[0]]["bpw"], flush=True)
+
+    for label, (path, facts) in files.items():  # llama.cpp's files while lowbit's are still being made
+        score(label, path, facts)
+    for mix, future in made.items():
+        score(f"lowbit {'+'.join(args.methods)} {mix}", work / f"lowbit-{mix}.gguf", {"mix": mix, **future.result()})
+    pool.shutdown()
+    print(f"wrote {args.out}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
