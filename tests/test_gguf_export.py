@@ -11,7 +11,7 @@ from lowbit_testing.tiny_models import perturb, tiny_llama, tiny_model, tiny_tok
 from quant import checkpoint_write
 from quant.affine import QuantScheme
 from quant.format import QuantizedWeight
-from quant.gguf import TYPES, dequantize, unpack
+from quant.gguf import dequantize, unpack
 from quant.gguf.export import export
 from quant.gguf.write import rotary_permutation
 from quant.plan import plan_layers
