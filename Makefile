@@ -60,8 +60,9 @@ test: install-test venv-triton36 venv-vllm chromium llama-cpp-lib
 # llama.cpp for the GGUF tests and benches (tests/test_gguf_llama.py, bench/results/gguf/): the
 # release vendored by the llama-cpp-python sdist, pinned, built with cmake; not the Python package's
 # own build. The tests need only libllama (the sdist's own ctypes bindings load it through
-# LLAMA_CPP_LIB_PATH: tests/conftest.py): `make llama-cpp-lib`, ~2-5 min on 2 cores. The benches also
-# run llama.cpp's tools (perplexity, quantize, imatrix, completion): `make llama-cpp`, ~30 min more.
+# LLAMA_CPP_LIB_PATH: tests/conftest.py): `make llama-cpp-lib`, 206 s of CPU (about 2 min on 2 idle
+# cores; 10 min on a loaded shared one). The benches also run llama.cpp's tools (perplexity, quantize,
+# imatrix, completion): `make llama-cpp`, 442 s of CPU in all.
 # Cached in .llama-cpp/ (ignores itself for git).
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP := .llama-cpp

@@ -112,7 +112,7 @@ def llama_cpp():
     `make llama-cpp-lib` builds: skipped where it was not built, except in CI, where `make test` builds it."""
     lib, bindings = LLAMA_CPP / "build" / "bin", sorted(LLAMA_CPP.glob("llama_cpp_python-*/llama_cpp"))
     if not (lib / "libllama.so").exists() or not bindings:
-        message = f"no llama.cpp build in {LLAMA_CPP}: `make llama-cpp-lib` builds it (~5 min on 2 cores)"
+        message = f"no llama.cpp build in {LLAMA_CPP}: `make llama-cpp-lib` builds it (~2 min on 2 cores)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
