@@ -116,8 +116,8 @@ class Grid:
 
 # ---- step 1: each sub-block's own scale and offset (float), by a weighted search ----
 
-def _fit_min(x: torch.Tensor, w: torch.Tensor, nmax: int, clamp_min: bool, steps: int = 36,
-             rmin: float = -0.9, rdelta: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_min(x: torch.Tensor, w: torch.Tensor, nmax: int, clamp_min: bool, steps: int = 18,
+             rmin: float = -0.9, rdelta: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x ≈ s*q + o`` for rows of ``x`` [n, g], q in [0, nmax]: llama.cpp's ``make_qkx3_quants``
     vectorized: candidate inverse scales around nmax/(max - min), each refit by weighted least
     squares, the best kept. ``clamp_min``: o <= 0 (a k-quant stores -o as an unsigned min)."""
@@ -185,7 +185,7 @@ def importance(weight: torch.Tensor, t: GGUFType, h_diag: torch.Tensor | None) -
 
 # ---- step 2: a k-quant's sub-block scales to integers under an fp16 super-scale ----
 
-SUPER_FACTORS = (1.0, 0.96, 1.04, 0.92, 1.08, 0.88, 0.84, 0.8)  # tried for d (and dmin), times max/levels
+SUPER_FACTORS = (1.0, 0.95, 1.05, 0.9, 0.85)  # tried for d (and dmin), times max/levels
 
 
 def _quantize_levels(v: torch.Tensor, top: torch.Tensor, levels: tuple[int, int], factor: float):

@@ -124,7 +124,12 @@ def gptq_on_grid(weight: torch.Tensor, H: torch.Tensor, grid, config: GPTQConfig
     nearest codes of columns ``columns`` and ``grid.value(q, columns)`` their values. Columns are
     visited by decreasing ``diag(H)`` unless ``config.actorder`` is ``"none"`` (the grid is fixed,
     so the order costs nothing at inference)."""
-    W, H, perm = _prepare(weight, H, config.actorder != "none")
+    global _last_inverse
+    act_order = config.actorder != "none"
+    reuse = _last_inverse is not None and _last_inverse[0] is H and _last_inverse[1] == (act_order, config.dampening)
+    W, Hp, perm = _prepare(weight, H, act_order)
+    U = _last_inverse[2] if reuse else inverse_hessian_cholesky(Hp, config.dampening, name)
+    _last_inverse = (H, (act_order, config.dampening), U)
     order = perm.tolist()
 
     def round_column(i: int, w: torch.Tensor, upcoming) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +137,12 @@ def gptq_on_grid(weight: torch.Tensor, H: torch.Tensor, grid, config: GPTQConfig
         q = grid.round(w, column)
         return q, grid.value(q, column)
 
-    return _sweep(W, H, config, name, round_column)[:, torch.argsort(perm)]
+    return _sweep(W, Hp, config, name, round_column, U)[:, torch.argsort(perm)]
+
+
+# the last Hessian gptq_on_grid inverted and its factor: q/k/v (gate/up) get one H object from the
+# lockstep pass, so each layer inverts it once per distinct input, not once per Linear
+_last_inverse: tuple | None = None
 
 
 def _prepare(weight: torch.Tensor, H: torch.Tensor, act_order: bool):
@@ -148,12 +158,14 @@ def _prepare(weight: torch.Tensor, H: torch.Tensor, act_order: bool):
     return W[:, perm], H[perm][:, perm], perm
 
 
-def _sweep(W: torch.Tensor, H: torch.Tensor, config: GPTQConfig, name: str, round_column) -> torch.Tensor:
+def _sweep(W: torch.Tensor, H: torch.Tensor, config: GPTQConfig, name: str, round_column,
+           U: torch.Tensor | None = None) -> torch.Tensor:
     """The column sweep over ``W`` (in visiting order, ``H`` likewise): ``round_column(i, w,
     upcoming)`` rounds visited column ``i`` (``w`` [out, 1] as updated so far; ``upcoming()`` the
     columns from it on) to (codes, values); each error is pushed onto the columns not yet rounded
-    through the upper Cholesky factor of ``H⁻¹``, with lazy block updates. Codes in visiting order."""
-    U = inverse_hessian_cholesky(H, config.dampening, name)
+    through the upper Cholesky factor of ``H⁻¹`` (``U``, computed here unless given), with lazy block
+    updates. Codes in visiting order."""
+    U = inverse_hessian_cholesky(H, config.dampening, name) if U is None else U
     columns = W.shape[1]
     Q = torch.zeros_like(W)
     diag = torch.diagonal(U).tolist()
