@@ -61,7 +61,7 @@ def test_transformers_cache_reads_what_the_runtime_cache_reads(tiny, tiny_dir, i
     model, _ = tiny
     rt = runtime.load(tiny_dir)
     x = ids[None, :100]
-    for scheme in (KVScheme(), INT4, parse_kv("fp8-r32")):
+    for scheme in (KVScheme(), INT4, parse_kv("fp8-r32"), parse_kv("k4v2-g16-r32")):
         ours = runtime_session(rt, scheme)(100)
         theirs = hf_session(model, lambda s=scheme: QuantizedKVCache(model.config, s))(100)
         for a, b in [(0, 40), (40, 41), (41, 77), (77, 100)]:  # blocks of 32 fill inside chunks
