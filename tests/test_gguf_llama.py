@@ -161,3 +161,15 @@ def test_smollm2_w4_checkpoint_in_llama_cpp(llama_cpp, tmp_path):
     assert (q4.argmax(-1) == ours.argmax(-1)).mean() >= 0.8
     float_logits = lowbit_logits(models.resolve("smollm2-135m"), ids)
     assert rel_rms(q4, ours) < rel_rms(float_logits, ours) / 3  # the W4 grid, not merely near the float model
+
+
+def test_quantized_head_of_a_tied_model_is_written(llama_cpp, tmp_path):
+    """lowbit quantizes a tied model's head on its own (the embedding stays float): the file keeps it."""
+    model, tok = tiny_copy()
+    plan = plan_layers(model, QuantScheme(8, 32, True), [])
+    assert "lm_head" in plan
+    quantized, _ = quantize_model(model, plan, "rtn", progress=False)
+    ckpt = checkpoint_write.save(copy.deepcopy(model), quantized, tmp_path / "ckpt", tokenizer=tok)
+    report = export(str(ckpt), "exact", tmp_path / "m.gguf")
+    assert report.types["output.weight"] == "Q8_0" and report.types["token_embd.weight"] == "BF16"
+    assert rel_rms(llama_logits(llama_cpp, tmp_path / "m.gguf"), lowbit_logits(ckpt)) < TOLERANCE

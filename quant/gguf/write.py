@@ -226,8 +226,8 @@ def write_gguf(out: Path, config: dict, tokenizer_dir: Path, weights: Iterable[t
             types["rope_freqs.weight"] = _add_tensor(writer, "rope_freqs.weight",
                                                      llama3_rope_factors(shape["rope"], shape["head_dim"]), None)
         for hf_name, weight in weights:
-            if hf_name == "lm_head.weight" and tied:
-                continue  # llama.cpp reads a missing output.weight as the tied embedding
+            if hf_name == "lm_head.weight" and tied and not isinstance(weight, GGUFFields):
+                continue  # llama.cpp reads a missing output.weight as the tied embedding (a quantized head is its own)
             target = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if target is None:
                 raise ValueError(f"{hf_name}: no llama.cpp tensor of the {text['model_type']} graph has this name")
