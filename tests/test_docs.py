@@ -51,3 +51,26 @@ def test_the_readme_recipe_loads(tmp_path):
     recipe = re.search(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     (tmp_path / "r.yaml").write_text(recipe)
     assert load_recipe(tmp_path / "r.yaml").model == "smollm2-135m"
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`w{2,3}-x.json` -> [`w2-x.json`, `w3-x.json`], as a shell would."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if not match:
+        return [pattern]
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    return [e for option in match.group(1).split(",") for e in expand_braces(head + option + tail)]
+
+
+def test_every_result_file_is_in_the_index():
+    """bench/README.md names every raw result (a name, or a pattern such as `sass-<commit>.json`)."""
+    from fnmatch import fnmatch
+
+    index = (ROOT / "bench" / "README.md").read_text()
+    patterns = {re.sub(r"<[^>]*>", "*", e) for token in re.findall(r"`([^`\s]+)`", index)
+                for e in expand_braces(token)}
+    results = ROOT / "bench" / "results"
+    unnamed = sorted(str(f.relative_to(results)) for f in results.rglob("*")
+                     if f.is_file() and f.name != "NOTES.md"
+                     and not any(fnmatch(f.name, p) or fnmatch(str(f.relative_to(results)), p) for p in patterns))
+    assert not unnamed, f"bench/README.md does not index these result files: {unnamed}"
