@@ -8,8 +8,10 @@ in the CPU default dtype (float32, ``runtime.load.default_dtype``) and W4 (group
 every decoder Linear; lm_head and embeddings unquantized, as lowbit's recipes leave them, kept in
 bf16 as ``runtime.load`` keeps a bf16 checkpoint's on the CPU kernels), both through
 ``runtime.load.prepare``. ITL: the median of greedy decode steps of ``decoder(token, cache, pos)``
-(``evals.speed.run_request``) after a prompt of 32 tokens, at batch 1 and 8; the two models are
-timed in alternating rounds so a busy machine slows both alike. The KV comparison runs the
+(as ``evals.speed.run_request`` times them) after a prompt of 32 tokens, at batch 1 and 8; the two
+models are timed in alternating rounds so a busy machine slows both alike. Each step's process CPU
+time is kept beside its wall time: with ``--threads 1`` it is the step's own work, which other jobs
+on a shared machine do not stretch (the ratio to quote when the load average is above the cores). The KV comparison runs the
 SmolLM2 shape at ``--kv-context`` tokens (prefilled, then decoded) with the fp16 and INT4 caches.
 Also per layer shape: one quantized Linear's time through the int4 kernel (bf16 activations),
 dense float32 and dense bf16 at M = 1, 8, 128, 512 (what picks the activation dtype and the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -84,23 +87,42 @@ def random_model(config: dict, quantized: bool, kv: str = "fp16", seed: int = 0)
 
 
 def itl(model, batch: int, prompt_len: int, steps: int, scheme=None) -> list[float]:
-    from evals.speed import run_request
+    """Wall seconds of each of ``steps`` greedy decode steps after a random prompt."""
+    return [wall for wall, _ in step_times(model, batch, prompt_len, steps, scheme)]
 
+
+def step_times(model, batch: int, prompt_len: int, steps: int, scheme=None) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of each greedy decode step of ``decoder(token, cache, pos)`` after a
+    random prompt (as ``evals.speed.run_request`` times them). With one thread the CPU time is the
+    step's own work, whatever else the machine runs; with more it adds what OpenMP's threads spend."""
     prompt = torch.randint(0, model.decoder.cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
-    _, itls, _ = run_request(model, prompt, steps + 1, scheme)
-    return itls
+    cache = model.new_cache(prompt_len + steps + 1, batch, scheme)  # None: the model's own scheme
+    times = []
+    with torch.inference_mode():
+        token = model.decoder(prompt, cache, 0)[:, -1].argmax(-1, keepdim=True)
+        for pos in range(prompt_len, prompt_len + steps):
+            wall, cpu = time.perf_counter(), time.process_time()
+            token = model.decoder(token, cache, pos)[:, -1].argmax(-1, keepdim=True)
+            times.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
+def summary(seconds: list[float], prefix: str) -> dict:
+    ordered = sorted(seconds)
+    return {f"median_{prefix}_ms": 1e3 * statistics.median(ordered), f"p10_{prefix}_ms": 1e3 * ordered[len(ordered) // 10],
+            f"p90_{prefix}_ms": 1e3 * ordered[9 * len(ordered) // 10]}
 
 
 def side_by_side(models: dict, batch: int, prompt_len: int, steps: int, rounds: int, schemes=None) -> dict:
-    """Median ITL per model, the models alternating round by round."""
+    """Median ITL (wall) and median CPU time per step of each model, the models alternating round by round."""
     samples = {name: [] for name in models}
     for name, model in models.items():  # warm-up: first calls allocate and pick kernels
-        itl(model, batch, 8, 2, (schemes or {}).get(name))
+        step_times(model, batch, 8, 2, (schemes or {}).get(name))
     for _ in range(rounds):
         for name, model in models.items():
-            samples[name] += itl(model, batch, prompt_len, steps, (schemes or {}).get(name))
-    return {name: {"median_itl_ms": 1e3 * statistics.median(s), "steps": len(s),
-                   "p10_ms": 1e3 * sorted(s)[len(s) // 10], "p90_ms": 1e3 * sorted(s)[9 * len(s) // 10]}
+            samples[name] += step_times(model, batch, prompt_len, steps, (schemes or {}).get(name))
+    return {name: {"median_itl_ms": 1e3 * statistics.median(w for w, _ in s), "steps": len(s),
+                   **summary([w for w, _ in s], "wall"), **summary([c for _, c in s], "cpu")}
             for name, s in samples.items()}
 
 
@@ -145,11 +167,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-context", type=int, default=4096)
     ap.add_argument("--skip-kv", action="store_true")
+    ap.add_argument("--skip-linears", action="store_true", help="skip the one-Linear timings")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, one per core)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "cpu-decode.json")
     args = ap.parse_args()
-    import os
-
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -165,6 +186,8 @@ def main():
         for batch in (1, 8):
             row = {"shape": shape, "batch": batch, **side_by_side(models, batch, 32, args.steps, args.rounds)}
             row["w4_over_float"] = row["w4"]["median_itl_ms"] / row["float32"]["median_itl_ms"]
+            row["w4_over_float_cpu_time"] = row["w4"]["median_cpu_ms"] / row["float32"]["median_cpu_ms"]
+            row["load_average"] = os.getloadavg()[0]
             result["decode"].append(row)
             print(json.dumps(row), flush=True)
         del models
@@ -179,7 +202,7 @@ def main():
         row["int4_over_fp16"] = row["w4_kv_int4"]["median_itl_ms"] / row["w4_kv_fp16"]["median_itl_ms"]
         result["kv"].append(row)
         print(json.dumps(row), flush=True)
-    for n, k in ((1536, 576), (8192, 2048), (2048, 8192)):
+    for n, k in () if args.skip_linears else ((1536, 576), (8192, 2048), (2048, 8192)):
         result["linears"] += linear_times(n, k)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
