@@ -7,7 +7,7 @@ the CPU kernels with bf16 embedding/lm_head). Breakdown: the median decode step 
 cache, pos)`` after 32 prompt tokens) against a pass over its Linears alone, in the step's order, each
 on an input of the shape it gets in the step (the weight-reading part: what fewer bytes per weight cut);
 the rest is everything else (norms, RoPE, attention over a short cache, dtype conversions, Python
-and dispatch), which bits do not change. Policies: a child process per OpenMP setting (it must be
+and dispatch), which bits do not change; wall and process CPU time (``--threads 1``: the work itself). Policies: a child process per OpenMP setting (it must be
 set before torch loads), ``passive`` (OMP_WAIT_POLICY=PASSIVE, the CLI's default), ``active``,
 ``default`` (neither set: libgomp spins a while, then sleeps), timed in alternating rounds, each
 at 1 and 2 threads, batch 1 and 8. Raw JSON with device, versions, commit and the load average.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cpu_decode import SHAPES, itl, random_model
+from bench.cpu_decode import SHAPES, itl, random_model, step_times
 from evals.provenance import _cpu_name, commit, versions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,28 +34,33 @@ POLICIES = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "active": {"OMP_WAIT_POLI
 
 
 def breakdown(model, batch: int, steps: int = 16, repeats: int = 7) -> dict:
-    """The median decode step against the median pass over its Linears alone (milliseconds)."""
+    """The median decode step against the median pass over its Linears alone (milliseconds), in wall
+    time and in process CPU time (with one thread: the work itself, whatever else the machine runs)."""
     from runtime.cpu_linear import NarrowLinear
     from runtime.linear import QuantLinear
 
     linears = [m for m in model.decoder.modules() if isinstance(m, (QuantLinear, NarrowLinear, torch.nn.Linear))]
     shapes = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args: shapes.__setitem__(mod, args[0].shape)) for m in linears]
-    itl(model, batch, 32, 1)  # the last call of each Linear is a decode step's
+    step_times(model, batch, 32, 1)  # the last call of each Linear is a decode step's
     for h in hooks:
         h.remove()
-    step = statistics.median(itl(model, batch, 32, steps))
+    steps_taken = step_times(model, batch, 32, steps)
     inputs = [(module, torch.randn(shape)) for module, shape in shapes.items()]
     passes = []
     with torch.inference_mode():
         for _ in range(repeats + 1):  # every Linear once per pass, in the step's order: each weight read once
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             for module, x in inputs:
                 module(x)
-            passes.append(time.perf_counter() - start)
-    total = statistics.median(passes[1:])
-    return {"step_ms": 1e3 * step, "linears_ms": 1e3 * total, "rest_ms": 1e3 * (step - total),
-            "rest_share": (step - total) / step, "linears": len(shapes)}
+            passes.append((time.perf_counter() - wall, time.process_time() - cpu))
+    row = {"linears": len(shapes)}
+    for i, clock in enumerate(("wall", "cpu")):
+        step = statistics.median(t[i] for t in steps_taken)
+        linear = statistics.median(t[i] for t in passes[1:])
+        row |= {f"step_{clock}_ms": 1e3 * step, f"linears_{clock}_ms": 1e3 * linear,
+                f"rest_{clock}_ms": 1e3 * (step - linear), f"rest_share_{clock}": (step - linear) / step}
+    return row
 
 
 def child(shape: str, steps: int) -> dict:
@@ -91,12 +96,15 @@ def main():
     ap.add_argument("--policies", default="passive,active,default", help="'' to skip the OpenMP comparison")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads for the breakdown (default: torch's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "cpu-overhead.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.steps)))
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "threads": torch.get_num_threads(),
               "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
               "versions": versions(), "protocol": __doc__.split("\n\n", 2)[2].strip(),
