@@ -3,32 +3,38 @@
 The reference path (``PagedCache._read`` + SDPA) dequantizes every cached position of a layer
 into a float buffer on every decode step: at long contexts that dominates the step, and an
 INT4 cache cost twice the time of the unquantized one. Here a decode step (one new token per
-sequence) reads the pool's integer codes, turns them into floats as they are (one conversion,
-no scale or zero applied) and folds the scales where the math allows, as the CUDA kernel
-does (``runtime/kernels/decode_folded.py``). With ``u`` the stored unsigned code and
-``z' = zero + 2**(bits-1)`` (``x = (u - z') * s``):
+sequence) gathers the pool's packed codes, turns them into floats as they are stored (one
+conversion; no zero point subtracted) and applies the scales where they cost least, with the
+algebra of the CUDA kernel (``runtime/kernels/decode_folded.py``). With ``u`` the stored
+unsigned code and ``z' = zero + 2**(bits-1)``, ``x = (u - z') * s``:
 
-* KIVI keys (scale and zero per channel ``c`` over a group of tokens):
+* INT8 keys (per token ``t``): ``q.k_t = s_t (sum_c q_c u_tc - z'_t sum_c q_c)``: scale and zero
+  apply to whole score columns;
+* KIVI keys (per channel ``c`` over a group of ``G`` tokens):
   ``q.k_t = sum_c (q_c s_c) u_tc - sum_c q_c s_c z'_c``: the scales go into the query, once per
-  group (a few hundred multiplies), the zero points into one bias per group;
-* INT8 keys (per token ``t``): ``q.k_t = s_t (sum_c q_c u_tc - z'_t sum_c q_c)``;
-* values (INT8: per token; KIVI: per token and group of channels):
+  group (one small product per group of ``G`` tokens: a batched matmul), the zero points into
+  one bias per group and query row;
+* values (per token, one channel group per head: INT8, KIVI with ``group_size == head_dim``):
   ``sum_t p_t s_t (u_tc - z'_t) = sum_t (p_t s_t) u_tc - sum_t p_t s_t z'_t``: the scales go
-  into the softmax weights, the zero points into one sum per query row and channel group.
+  into the softmax weights, the zero points into one sum per query row. Several channel groups
+  per head: the scales multiply the codes in place (a scale that changes along a dot's columns
+  cannot fold into its rows), the zero points as before, per group.
 
-Packed codes are never re-laid in channel order: byte ``j`` of a token holds channels
-``j*F .. j*F+F-1`` (``F = 8 / bits`` fields, the first in the low bits), so field ``f`` of
-every byte is its own ``[tokens, D/F]`` operand, and the query (keys) or the output (values)
-is split into / merged from the same fields, which costs ``D`` numbers per query row.
+Codes are cut from whole int32 words (every field ``f`` of every byte with one shift and one
+mask) and kept in that field order: column ``f*(D/F) + j`` is channel ``j*F + f`` (``F = 8 /
+bits``), so the query (keys) and the output (values) are permuted instead, ``D`` numbers per
+query row. Nothing the size of the history is written but the float codes; no copy of the cache
+is kept between steps.
 
-Everything is float32 (the scales as the cache stores them, widened), so results equal the
-reference's to float32 rounding (summation order differs): tests/test_cpu_attention.py.
-Which schemes take this path: :func:`folds`; FP8 and the unquantized cache keep the reference.
+Everything is float32 (the stored float16 scales widened), so results equal the reference's to
+float32 rounding (summation order differs; tests/test_cpu_attention.py). Which schemes take this
+path: :func:`grids` (integer families: int8, kivi, kv-split); FP8 and the unquantized cache keep
+the reference.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
@@ -80,15 +86,13 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
     rest = max(n - s * B for n, s in zip(lengths, stored))  # residual positions read (the longest)
     pooled = (hi - lo) * B
     key_grid, value_grid = grids(paged.scheme, D)
+    if pooled:  # the rows' blocks lo..hi, [H, S, (hi-lo) * B, ...]; -1 (ring, shorter row): page 0, masked
+        pages = paged.block_table[:, lo:hi].clamp_min(0).flatten()
+        gather = lambda t: t.transpose(0, 1).index_select(1, pages).view(H, S, -1, t.shape[-1])  # noqa: E731
 
-    def gather(pool: QuantizedKV) -> QuantizedKV:  # the rows' blocks lo..hi: [H, S, (hi-lo) * rows, ...]
-        pages = paged.block_table[:, lo:hi].clamp_min(0).flatten()  # -1 (ring, shorter row): masked
-        return pool.map(lambda t: t.transpose(0, 1).index_select(1, pages).view(H, S, -1, t.shape[-1]))
-
-    residual_k = paged.residual_k[:, :, :rest].float().transpose(0, 1)  # [H, S, rest, D]
-    scores = qf @ residual_k.transpose(-1, -2)  # [H, S, nq, rest]
+    scores = qf @ paged.residual_k[:, :, :rest].float().transpose(0, 1).transpose(-1, -2)  # [H, S, nq, rest]
     if pooled:
-        scores = torch.cat([_key_scores(gather(paged.k), key_grid, qf), scores], dim=-1)
+        scores = torch.cat([_key_scores(paged.k.map(gather), key_grid, qf), scores], dim=-1)
     scores *= D ** -0.5
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -99,7 +103,7 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
 
     out = p[..., pooled:] @ paged.residual_v[:, :, :rest].float().transpose(0, 1)  # [H, S, nq, D]
     if pooled:
-        out += _value_sums(gather(paged.v), value_grid, p[..., :pooled])
+        out += _value_sums(paged.v.map(gather), value_grid, p[..., :pooled])
     return out.transpose(0, 1).reshape(S, Hq, 1, D).to(q.dtype)
 
 
@@ -118,61 +122,60 @@ def _invalid(lengths, firsts, stored, lo: int, hi: int, rest: int, B: int, devic
 
 
 def _fields(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed codes [..., W] int32 as float32 [..., D] in field order: column ``f*(D/F) + j`` is
-    field ``f`` of byte ``j``, channel ``j*F + f`` (``F = 8 / bits``), its unsigned code unchanged
-    (exact in float32). Fields are cut from whole words (the same mask in every byte): int32
-    shifts, where PyTorch's uint8 shifts are slow."""
+    """Packed codes [..., W] int32 as float32 [..., D] in field order (the module docstring), each
+    unsigned code unchanged (exact in float32): int32 shifts and masks (PyTorch's uint8 shifts
+    are slow), then one contiguous conversion."""
     if bits == 8:
         return data.view(torch.uint8).float()
-    fields = 8 // bits
-    mask = int.from_bytes(bytes([(1 << bits) - 1] * 4), "little", signed=True)  # e.g. 0x0F0F0F0F
-    out = torch.empty((*data.shape[:-1], fields, data.shape[-1] * 4), dtype=torch.float32, device=data.device)
-    for f in range(fields):
-        out[..., f, :].copy_(((data >> (bits * f)) & mask).view(torch.uint8))
-    return out.flatten(-2)
+    shifts, mask = _field_shifts(bits, data.device)
+    fields = (data.unsqueeze(-2) >> shifts).bitwise_and_(mask)  # [..., F, W]: field f of every byte
+    return fields.view(torch.uint8).float().flatten(-2)
 
 
-def _to_fields(x: torch.Tensor, fields: int) -> torch.Tensor:
-    """``x`` [..., D] in channel order to :func:`_fields`' column order (contiguous)."""
-    return x.unflatten(-1, (-1, fields)).transpose(-1, -2).flatten(-2)
+@functools.cache
+def _field_shifts(bits: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Shifts [F, 1] that bring field ``f`` of every byte of a word to the byte's low bits, and the
+    mask keeping one field per byte (0x0F0F0F0F for 4 bits)."""
+    mask = int.from_bytes(bytes([(1 << bits) - 1] * 4), "little", signed=True)
+    return torch.arange(0, 8, bits, dtype=torch.int32, device=device)[:, None], mask
 
 
-def _from_fields(x: torch.Tensor, fields: int) -> torch.Tensor:
-    """The inverse of :func:`_to_fields`."""
-    return x.unflatten(-1, (fields, -1)).transpose(-1, -2).flatten(-2)
+@functools.cache
+def _field_order(head_dim: int, fields: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The channel at each column of :func:`_fields`' order, and each channel's column."""
+    order = torch.arange(head_dim, device=device).view(-1, fields).t().flatten()
+    return order, order.argsort()
 
 
 def _key_scores(keys: QuantizedKV, grid, q: torch.Tensor) -> torch.Tensor:
     """Raw scores q.k [H, S, nq, T] over gathered keys ``keys`` ([H, S, T, ...] tensors) on
     ``grid``, ``q`` [H, S, nq, D]."""
     data, scale, zero = keys
-    F = 8 // grid.bits
     codes = _fields(data, grid.bits)  # [H, S, T, D], field order
-    zero = zero.float() + (1 << (grid.bits - 1))
+    scale, zero = scale.float(), zero.float().add_(1 << (grid.bits - 1))
     if grid.over_tokens:  # per channel over groups of G tokens: scale, zero [H, S, T/G, D]
-        scale = scale.float()
-        codes.unflatten(2, (-1, grid.group)).mul_(_to_fields(scale, F)[:, :, :, None])  # in place
-        raw = _to_fields(q, F) @ codes.transpose(-1, -2)  # [H, S, nq, T]
-        bias = q @ (scale * zero).transpose(-1, -2)  # [H, S, nq, T/G]
-        return (raw.unflatten(-1, (-1, grid.group)) - bias[..., None]).flatten(-2)
+        order, _ = _field_order(q.shape[-1], 8 // grid.bits, q.device)
+        qs = q.index_select(-1, order).unsqueeze(2) * scale.index_select(-1, order).unsqueeze(3)  # [H, S, T/G, nq, D]
+        raw = qs @ codes.unflatten(2, (-1, grid.group)).transpose(-1, -2)  # [H, S, T/G, nq, G]: one product per group
+        bias = q @ zero.mul_(scale).transpose(-1, -2)  # [H, S, nq, T/G]
+        return raw.transpose(2, 3).sub_(bias.unsqueeze(-1)).flatten(-2)
     raw = q @ codes.transpose(-1, -2)  # per token: scale, zero [H, S, T, 1]
-    return (raw - q.sum(-1, keepdim=True) * zero.transpose(-1, -2)) * scale.float().transpose(-1, -2)
+    return raw.sub_(q.sum(-1, keepdim=True) * zero.transpose(-1, -2)).mul_(scale.transpose(-1, -2))
 
 
 def _value_sums(values: QuantizedKV, grid, p: torch.Tensor) -> torch.Tensor:
     """``p @ v`` [H, S, nq, D] for softmax weights ``p`` [H, S, nq, T] over gathered values
-    ``values`` ([H, S, T, ...] tensors; scale and zero [H, S, T, groups]) on ``grid``. One channel
-    group per head (INT8, KIVI with ``group_size == head_dim``): the scales fold into ``p``; several: they
-    scale the codes in place (a scale that changes along a dot's columns cannot fold into its rows)."""
+    ``values`` ([H, S, T, ...] tensors; scale and zero [H, S, T, groups]) on ``grid``."""
     data, scale, zero = values
     F, groups = 8 // grid.bits, scale.shape[-1]
     codes = _fields(data, grid.bits)  # [H, S, T, D], field order
-    scale, zero = scale.float(), zero.float() + (1 << (grid.bits - 1))
-    if groups == 1:
-        ps = p * scale.transpose(-1, -2)  # [H, S, nq, T]
-        return _from_fields(ps @ codes, F) - ps @ zero  # [H, S, nq, D] - [H, S, nq, 1]
     D = codes.shape[-1]
+    _, column = _field_order(D, F, codes.device)
+    scale, zero = scale.float(), zero.float().add_(1 << (grid.bits - 1))
+    if groups == 1:  # the scales fold into p
+        ps = p * scale.transpose(-1, -2)  # [H, S, nq, T]
+        return (ps @ codes).index_select(-1, column).sub_(ps @ zero)  # [H, S, nq, D] - [H, S, nq, 1]
     # field order: column f*(D/F) + j is in channel group (j*F) // G, for every field f
     codes.view(*codes.shape[:3], F, groups, -1).mul_(scale[:, :, :, None, :, None])
-    zero_sums = p @ (scale * zero)  # [H, S, nq, groups]
-    return _from_fields(p @ codes, F) - zero_sums.repeat_interleave(D // groups, dim=-1)
+    zero_sums = p @ zero.mul_(scale)  # [H, S, nq, groups]
+    return (p @ codes).index_select(-1, column).sub_(zero_sums.repeat_interleave(D // groups, dim=-1))
