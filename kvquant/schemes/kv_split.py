@@ -5,7 +5,7 @@ takes part in (through the softmax), a value's only its share of one output. Eac
 its width's grid from the uniform families: 8 bits per token over the whole head (as
 ``int8``), 4 or 2 bits KIVI's (keys per channel over groups of G tokens, values per token
 over groups of G channels, INT2 values on a grid 0.9 as wide). No Triton kernel takes two
-widths yet: these caches run on the PyTorch reference path.
+widths yet: on CUDA these caches run attention on the PyTorch reference path.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _grid(bits: int, group_size: int, keys: bool) -> IntGrid:
 
 class KVSplit(IntegerFamily):
     name = "kv-split"
-    summary = "keys at one width, values at another (8, 4 or 2 bits each; reference path, no Triton kernel)"
+    summary = "keys at one width, values at another (8, 4 or 2 bits each; no Triton kernel yet)"
     pattern = r"k(?P<key_bits>[842])v(?P<value_bits>[842])"
     listed = ("k8v4", "k4v2")
     order = 40
