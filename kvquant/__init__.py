@@ -1,4 +1,7 @@
-"""KV-cache quantization: schemes, the one quantize/dequantize implementation, a transformers Cache.
+"""KV-cache quantization: schemes, the one quantize/dequantize entry point, a transformers Cache.
+
+The families (fp16, int8, kivi, fp8, kv-split) are one file each in :mod:`kvquant.schemes`;
+a :class:`KVScheme` is a family and its settings.
 
 ``kvquant`` depends on torch and ``quant`` (affine math, packing) only; the
 transformers cache lives in :mod:`kvquant.hf` so importing this package stays light.
