@@ -72,7 +72,7 @@ def unsupported_reason(scheme: QuantScheme, in_features: int, out_features: int,
 
 
 def _linear_out(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = y.to(x.dtype).unflatten(0, x.shape[:-1])
+    y = y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])  # view, not unflatten: a decode step makes 120 of these
     return y if bias is None else y + bias
 
 

@@ -161,7 +161,7 @@ class QuantLinear(nn.Module):
             if self._kernel is None or self._kernel.qweight.device != x.device:
                 self._kernel = self.kernel_weight()
             return quant_matmul.quant_matmul(x, self._kernel, self.bias)
-        if self._cpu is not None and x.device.type == "cpu":
+        if self._cpu is not None and x.is_cpu:
             return self._cpu(x, self.bias)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
             self._dense = self.dequantized_weight(x.dtype)
