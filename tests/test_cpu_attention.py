@@ -9,7 +9,7 @@ from kvquant import parse_kv
 from runtime.attention import SequenceBatch, WholeCache
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
-from runtime.cpu_attention import folds
+from runtime.cpu_attention import decode_attention, folds
 
 H, HQ, D = 2, 6, 64
 FOLDED = ["int8-r32", "int4-g16-r32", "int4-g32-r64", "int2-g16-r32", "int4-g64-r64", "int2-g64-r64",
@@ -25,9 +25,29 @@ def twin_caches(cls, spec: str, batch: int, max_len: int, windows=None, dtype=to
     return folded, reference
 
 
-@pytest.mark.parametrize("spec", FOLDED)
-@pytest.mark.parametrize("window, softcap", [(None, None), (40, None), (None, 30.0)])
-def test_lockstep_decode_matches_reference(spec, window, softcap):
+@pytest.fixture
+def folded_calls(monkeypatch):
+    """Counts the decode steps that took the folded path (so a test cannot pass by comparing the
+    reference with itself)."""
+    import runtime.attention
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.attention, "decode_attention", counted)
+    return calls
+
+
+CASES = [(spec, None, None) for spec in FOLDED] + [
+    ("int8-r32", 40, None), ("int4-g16-r32", 40, None), ("k4v2-g32-r32", 40, None),  # sliding window
+    ("int4-g32-r64", None, 30.0), ("int2-g16-r32", None, 30.0)]  # Gemma 2's soft-capping
+
+
+@pytest.mark.parametrize("spec, window, softcap", CASES)
+def test_lockstep_decode_matches_reference(spec, window, softcap, folded_calls):
     g = torch.Generator().manual_seed(0)
     caches = twin_caches(LockstepCache, spec, 2, 200, None if window is None else [window])
     prompt = 62
@@ -39,11 +59,12 @@ def test_lockstep_decode_matches_reference(spec, window, softcap):
         k, v = (torch.randn(2, H, 1, D, generator=g) * 2 for _ in range(2))
         out = [WholeCache(c, position, 1, False).attend(0, q, k, v, window, softcap) for c in caches]
         torch.testing.assert_close(out[0], out[1], **TOL)
+    assert len(folded_calls) == 5  # the folded cache's steps, not the reference's
 
 
 @pytest.mark.parametrize("spec", ["int8-r32", "int4-g16-r32", "int2-g32-r32"])
 @pytest.mark.parametrize("window", [None, 24])
-def test_engine_rows_at_different_lengths_match_reference(spec, window):
+def test_engine_rows_at_different_lengths_match_reference(spec, window, folded_calls):
     """The engine's decode: each row at its own length (some shorter than a block, one with none
     stored), one call for all of them, against each row read back alone."""
     g = torch.Generator().manual_seed(1)
@@ -67,6 +88,7 @@ def test_engine_rows_at_different_lengths_match_reference(spec, window):
             for slot in range(len(lengths)):
                 cache.advance(slot, 1)
         torch.testing.assert_close(out[0], out[1], **TOL)
+    assert len(folded_calls) == 5  # one call per step for every row
 
 
 def test_bfloat16_model():
