@@ -47,6 +47,13 @@ def test_lowbit_serves_everything_it_writes_and_transformers_what_compressed_ten
     assert not served_by("llama.cpp", QuantScheme(4, 64, True))
 
 
+def test_the_llama_cpp_row_is_what_the_gguf_export_copies_exactly():
+    from quant.gguf.export import EXACT_TYPES
+
+    schemes = [QuantScheme(b, g, s) for b in (2, 3, 4, 8) for g in (-1, 32, 64) for s in (True, False)]
+    assert {(s.bits, s.group_size, s.symmetric) for s in schemes if served_by("llama.cpp", s)} == set(EXACT_TYPES)
+
+
 def test_names_and_aliases():
     assert [e.name for e in engines.resolve(["vllm"])] == ["vllm-gpu", "vllm-cpu"]
     assert [e.name for e in engines.resolve(["vllm-cpu", "transformers"])] == ["transformers", "vllm-cpu"]
