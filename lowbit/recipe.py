@@ -308,7 +308,10 @@ def _serve_with(c: _Checker, value, weights: Weights, explicit_candidates: bool)
     they refuse is an error at its key path; the budget's default candidates shrink to the ones they take."""
     if not value:
         return []
-    names = c.patterns(value, "serve_with")
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        c.fail("serve_with", f"expected an engine name or a list of them ({', '.join([*engines.ENGINES, *engines.ALIASES])}), "
+                             f"got {value!r}")
     try:
         chosen = engines.resolve(names)
     except engines.EngineError as e:

@@ -96,6 +96,7 @@ def test_vllm_cpu_needs_input_and_joined_output_sizes_in_multiples_of_32():
                                    "(w4 g32, w4 g64, w4 g128) store at least 4 bits"),
     ("transformers", {"bits": 3}, "weights.bits: serve_with transformers: transformers (compressed-tensors) refuses 3-bit"),
     ("vlm", {}, "serve_with: unknown engine 'vlm'"),
+    ({"vllm": True}, {}, "serve_with: expected an engine name or a list of them (lowbit-cpu, "),
 ])
 def test_a_recipe_an_engine_cannot_serve_is_refused_at_the_key_that_chose_it(spec, weights, message):
     with pytest.raises(RecipeError) as e:
