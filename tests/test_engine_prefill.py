@@ -88,7 +88,7 @@ def test_the_engine_prefills_waiting_prompts_together(models, eight_prompts):
     assert engine.stats()["prefill_forwards"] < len(eight_prompts)
 
 
-@pytest.mark.parametrize("kv", ["fp16-r16", "int8-r16", "int4-g16-r16", "int2-g16-r16", "fp8-r16"])
+@pytest.mark.parametrize("kv", ["fp16-r16", "int8-r16", "int4-g16-r16", "int2-g16-r16", "fp8-r16", "k4v2-g16-r16"])
 def test_every_kv_scheme_gives_generates_tokens_with_joins_preemption_and_chunks(model_dir, prompts, kv):
     """Packed prefill under everything the scheduler does: five requests through three slots
     (joins), a pool too small for all to grow (preemption, replay) and chunks of 16."""
