@@ -126,10 +126,11 @@ def fill_random(cache, context: int, slots: list[int], seed: int = 0) -> None:
     prefill stores them): the decode steps after it read the same cache a real prompt would leave
     of that length, without prefilling ``batch x context`` tokens through the model."""
     g = torch.Generator().manual_seed(seed)
+    store = getattr(cache, "store_sequence", cache.write_sequence)  # an earlier tree's cache: store and read
     for layer in range(cache.num_layers):
         for s in slots:
             k, v = (torch.randn(cache.kv_heads, context, cache.head_dim, generator=g).to(cache.dtype) for _ in "kv")
-            cache.write_sequence(layer, s, 0, k, v)
+            store(layer, s, 0, k, v)
     for s in slots:
         cache.advance(s, context)
 
