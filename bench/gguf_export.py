@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gguf_vs_llamacpp import LLAMA_BIN, SDIST, eval_texts, llama_version, run_tool
+from bench.gguf_vs_llamacpp import LLAMA_BIN, SDIST, eval_texts, run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gguf" / "export-smollm2.json"
@@ -146,13 +146,20 @@ def main():
         "device": platform.processor() or platform.machine(),
         "cpu": _cpu_model(),
         "machine_note": "shared 2-core machine (quality numbers; nothing here is timed)",
-        "versions": {**versions(), "llama.cpp": llama_version(LLAMA_BIN, work), "llama-cpp-python sdist": SDIST.name},
+        "versions": {**versions(), "llama.cpp": llama_cpp_version(work), "llama-cpp-python sdist": SDIST.name},
         "commit": commit(),
         "command": "python -m bench.gguf_export " + " ".join(sys.argv[1:]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def llama_cpp_version(work: Path) -> str:
+    """What ``llama-perplexity --version`` says (``0.5.0-dev (build 1, commit 0c1e570)``)."""
+    out = run_tool(LLAMA_BIN, "llama-perplexity", "--version", log=work / "version.log")
+    found = re.search(r"version: (.+)", out)
+    return found.group(1).strip() if found else out.strip().splitlines()[-1]
 
 
 def _cpu_model() -> str:
