@@ -82,12 +82,12 @@ def eval_texts(tokenizer, tokens: int, work: Path) -> dict[str, Path]:
     return paths
 
 
-def lowbit_file(source: Path, mix: str, samples, out: Path, methods: list[str]) -> dict:
+def lowbit_file(source: Path, mix: str, samples, out: Path, methods: list[str], threads: int) -> dict:
     import torch
 
     from quant import models
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     from quant.gguf_quantize import quantize_gguf, write
 
     model, _, lazy = models.load_lazily(source)
@@ -110,7 +110,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=["gptq"])
-    ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (one thread each)")
+    ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (--threads each)")
     ap.add_argument("--no-plain", action="store_true", help="skip llama-quantize without an imatrix")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
     ap.add_argument("--work", type=Path, default=None, help="keep the files here (default: a temporary directory)")
@@ -138,9 +138,10 @@ def main():
     f32 = work / "f32.gguf"
     write(f32, source, {}, overwrite=True)
     imatrix = work / "imatrix.gguf"
-    # lowbit's files are made in worker processes (one thread each) while llama.cpp's tools run
+    # lowbit's files are made in worker processes while llama.cpp's tools run
     pool = ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=multiprocessing.get_context("spawn"))
-    made = {mix: pool.submit(lowbit_file, source, mix, samples, work / f"lowbit-{mix}.gguf", args.methods)
+    made = {mix: pool.submit(lowbit_file, source, mix, samples, work / f"lowbit-{mix}.gguf", args.methods,
+                             args.threads)
             for mix in args.mixes}
     files = {"float (F32)": (f32, {})}
     start = time.perf_counter()

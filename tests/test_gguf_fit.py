@@ -13,6 +13,7 @@ from quant.gguf import TYPES, dequantize, fit_rtn, pack, unpack
 from quant.gguf_fit import fit_grid, round_gptq, round_to_nearest, weighted_loss
 from lowbit.recipe import RecipeError, parse_recipe
 from quant.gguf_mix import tensor_types
+from quant.gguf_quantize import plan_types
 from quant.gptq import GPTQConfig
 
 
@@ -135,3 +136,29 @@ def test_recipe_gguf_target_validates_its_inputs():
         parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"methods": ["awq", "gptq"]}})
     with pytest.raises(RecipeError, match="gguf: weights.bits do not apply to a GGUF target"):
         parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"bits": 3}})
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.filterwarnings("ignore:llama.cpp will split text")
+def test_recipe_target_writes_the_mix_and_llama_cpp_runs_it_as_lowbit_does(llama_cpp, tmp_path):
+    """`gguf: Q4_K_M` with GPTQ end to end on a tiny Llama whose hidden rows tile 256-blocks: the file
+    holds the planned mix (Q4_K where rows tile, the fallback elsewhere), and llama.cpp's logits on it
+    match lowbit's runtime on the file's own dequantized weights."""
+    import gguf as gguf_package
+
+    from lowbit import pipeline
+    from lowbit_testing.tiny_models import save_model
+    from test_gguf_export import tiny_copy
+    from test_gguf_llama import TOLERANCE, llama_logits, lowbit_logits, model_from_gguf, rel_rms
+
+    model, tok = tiny_copy()
+    source = save_model(model.float(), tok, tmp_path / "float")
+    recipe = parse_recipe({"model": str(source), "gguf": "Q4_K_M", "output": str(tmp_path / "m.gguf"),
+                           "weights": {"methods": ["gptq"]}, "calibration": {"samples": 4, "seq_len": 32}})
+    out = pipeline.quantize(recipe, device="cpu", progress=False)
+    types = {t.name: t.tensor_type.name for t in gguf_package.GGUFReader(out).tensors}
+    planned = plan_types(model, "Q4_K_M", calibrated=True)
+    assert types["blk.0.attn_q.weight"] == planned["model.layers.0.self_attn.q_proj"] == "Q4_K"
+    assert types["blk.0.ffn_down.weight"] == planned["model.layers.0.mlp.down_proj"]
+    reference = model_from_gguf(source, out, tmp_path)
+    assert rel_rms(llama_logits(llama_cpp, out), lowbit_logits(reference)) < TOLERANCE
