@@ -249,6 +249,10 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.materialize(dtype, cpu)  # at load, so the first request does not pay for it
+    for mlp in (m for m in decoder.modules() if isinstance(m, MLP) and hasattr(m, "gate_up_proj")):
+        both = [mlp.gate_up_proj, getattr(mlp, mlp.names[2])]
+        on_kernels = all(isinstance(p, QuantLinear) and p.on_cpu_kernel for p in both)
+        mlp.cpu_kernel_dtype = cpu_linear.ACTIVATIONS if on_kernels and dtype != cpu_linear.ACTIVATIONS else None
     decoder.self_check = self_check  # an Engine's start-up check reads it too
     if device.type == "cuda":  # elsewhere nothing runs on Triton (tests that send it to the interpreter check it)
         selfcheck.check_decoder(decoder, dtype, kv_scheme)

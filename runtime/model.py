@@ -201,12 +201,18 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     kernels = False
+    # set by runtime.load.prepare where gate_up and down both run the CPU kernels: their bf16 activations
+    # stay bf16 in between (the kernels return the input's dtype), two conversions fewer per layer
+    cpu_kernel_dtype: torch.dtype | None = None
 
     def forward(self, x):
         down = getattr(self, self.names[2])
         if not hasattr(self, "gate_up_proj"):
             gate, up = getattr(self, self.names[0]), getattr(self, self.names[1])
             return down(self.act(gate(x)) * up(x))
+        if self.cpu_kernel_dtype is not None:
+            gate, up = self.gate_up_proj(x.to(self.cpu_kernel_dtype)).chunk(2, dim=-1)
+            return down(self.act(gate) * up).to(x.dtype)
         gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load (or stored so)
         if self.kernels and self.act_name == "silu":
             from runtime.kernels.small_ops import silu_mul

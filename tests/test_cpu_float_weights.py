@@ -1,13 +1,14 @@
 """A quantized model's float leftovers on CPU (runtime.load.narrow_float_weights): with the CPU kernels
 its embedding and lm_head stay in the checkpoint's bf16 (half the memory and bytes per token of
-float32) and lm_head multiplies in bf16; float models, float32-stored weights and the dense reference
-are left as they were."""
+float32) and lm_head multiplies in bf16, as the MLPs do between their kernels; float models,
+float32-stored weights and the dense reference are left as they were."""
 
 import pytest
 import torch
 
 import runtime
 from runtime.cpu_linear import NarrowLinear
+from runtime.model import MLP
 
 TOLERANCE = 0.02  # of the largest logit: bf16 activations, as the quantized Linears' kernels already use
 
@@ -40,6 +41,9 @@ def test_a_bf16_checkpoint_keeps_its_embedding_and_lm_head_in_bf16_on_the_cpu_ke
     assert isinstance(head, NarrowLinear) and head.weight.dtype == torch.bfloat16
     assert (head.weight is embed) == (kind == "llama")  # a tied lm_head still shares the embedding's tensor
     assert reference.decoder.model.embed_tokens.weight.dtype == torch.float32  # the reference: all float32
+    mlps = lambda model: [m for m in model.decoder.modules() if isinstance(m, MLP)]  # noqa: E731
+    assert all(m.cpu_kernel_dtype == torch.bfloat16 for m in mlps(kernels))  # bf16 between gate_up and down
+    assert all(m.cpu_kernel_dtype is None for m in mlps(reference))
     assert type(reference.decoder.lm_head) is torch.nn.Linear
     vocab = kernels.decoder.cfg.vocab_size
     got, want = logits_of(kernels, vocab), logits_of(reference, vocab)
