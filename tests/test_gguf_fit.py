@@ -140,6 +140,7 @@ def test_recipe_gguf_target_validates_its_inputs():
 
 @pytest.mark.llama_cpp
 @pytest.mark.filterwarnings("ignore:llama.cpp will split text")
+@pytest.mark.filterwarnings("ignore::quant.checkpoint.UnverifiedCheckpointWarning")  # the reference built from the file
 def test_recipe_target_writes_the_mix_and_llama_cpp_runs_it_as_lowbit_does(llama_cpp, tmp_path):
     """`gguf: Q4_K_M` with GPTQ end to end on a tiny Llama whose hidden rows tile 256-blocks: the file
     holds the planned mix (Q4_K where rows tile, the fallback elsewhere), and llama.cpp's logits on it
