@@ -82,45 +82,6 @@ def time_window(model, scheme, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     return (time.perf_counter() - start, time.process_time() - cpu), logits
 
 
-def decode_steps(package, model, scheme, batch: int, context: int, steps: int) -> tuple[list[float], list]:
-    """Seconds of each of ``steps`` decode steps after ``batch`` prompts of ``context`` tokens, and the
-    greedy tokens, on the engine's step code over a ``KVCache``."""
-    cache = model.new_cache(context + steps, batch, scheme, lockstep=False)
-    executor = package.execution.Executor(model.decoder, cache, False)
-    g = torch.Generator().manual_seed(0)
-    slots = [cache.add_sequence() for _ in range(batch)]
-    for s in slots:
-        cache.reserve(s, context)
-    prompts = [torch.randint(0, model.decoder.cfg.vocab_size, (context,), generator=g).tolist() for _ in slots]
-    tokens = executor.prefill(slots, [0] * batch, prompts).argmax(-1).tolist()
-    out, times = [tokens], []
-    for s in slots:
-        cache.advance(s, context)
-    for i in range(steps):
-        for s in slots:
-            cache.reserve(s, context + i + 1)
-        start, cpu = time.perf_counter(), time.process_time()
-        logits = executor.decode(tokens, [context + i] * batch)
-        times.append((time.perf_counter() - start, time.process_time() - cpu))
-        tokens = logits.argmax(-1).tolist()
-        out.append(tokens)
-        for s in slots:
-            cache.advance(s, 1)
-    return times, out
-
-
-def medians(times: list[tuple[float, float]]) -> dict:
-    """Median wall and CPU seconds (the process's: with one intra-op thread, the work itself, however
-    often the shared machine took the core away)."""
-    return {"wall_s": statistics.median(w for w, _ in times), "cpu_s": statistics.median(c for _, c in times)}
-
-
-def ratios(times: dict, over: str = "fp16") -> dict:
-    """Each cache's median over the fp16 cache's, wall and CPU."""
-    base = medians(times[over])
-    return {name: {k: v / base[k] for k, v in medians(t).items()} for name, t in times.items()}
-
-
 def fill_random(cache, context: int, slots: list[int], seed: int = 0) -> None:
     """Every layer of ``slots`` holds ``context`` positions of random keys and values (stored as a
     prefill stores them): the decode steps after it read the same cache a real prompt would leave
