@@ -75,17 +75,18 @@ $(LLAMA_CPP)/.configured: | $(VENV)/.installed
 		$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_CPP) && \
 		tar -xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP); }
 	$(PIP) install -q --no-deps --target $(LLAMA_CPP)/python diskcache  # the bindings' one missing import
-	cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release \
+	command -v cmake >/dev/null || $(PIP) install -q cmake  # PyPI's cmake where the system has none
+	PATH="$$PATH:$(abspath $(VENV))/bin" cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release \
 		-DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
 		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > $(LLAMA_CPP)/cmake.log 2>&1
 	touch $@
 
 $(LLAMA_CPP)/.lib: $(LLAMA_CPP)/.configured
-	cmake --build $(LLAMA_CPP)/build -j$$(nproc) --target llama > $(LLAMA_CPP)/build-lib.log 2>&1
+	PATH="$$PATH:$(abspath $(VENV))/bin" cmake --build $(LLAMA_CPP)/build -j$$(nproc) --target llama > $(LLAMA_CPP)/build-lib.log 2>&1
 	touch $@
 
 $(LLAMA_CPP)/.built: $(LLAMA_CPP)/.lib
-	cmake --build $(LLAMA_CPP)/build -j$$(nproc) --target $(LLAMA_CPP_TOOLS) > $(LLAMA_CPP)/build.log 2>&1
+	PATH="$$PATH:$(abspath $(VENV))/bin" cmake --build $(LLAMA_CPP)/build -j$$(nproc) --target $(LLAMA_CPP_TOOLS) > $(LLAMA_CPP)/build.log 2>&1
 	touch $@
 
 llama-cpp-lib: $(LLAMA_CPP)/.lib
