@@ -54,11 +54,19 @@ def run_tool(bin_dir: Path, tool: str, *args, log: Path) -> str:
 def perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int, log: Path) -> dict:
     out = run_tool(bin_dir, "llama-perplexity", "-m", model, "-f", text, "-c", ctx, "-b", ctx, "-t", threads, log=log)
     ppl = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
-    size = re.search(r"file size\s*=\s*([\d.]+) (\w+) \(([\d.]+) BPW\)", out)
     if ppl is None:
         raise RuntimeError(f"no perplexity in {log}")
     return {"ppl": float(ppl.group(1)), "ppl_err": float(ppl.group(2)),
-            "bpw": float(size.group(3)) if size else None, "file_bytes": model.stat().st_size}
+            "bpw": bits_per_weight(model), "file_bytes": model.stat().st_size}
+
+
+def bits_per_weight(model: Path) -> float:
+    """Bits per weight of the file's tensors, as llama.cpp counts them (every tensor's stored bytes over
+    its elements; this build's llama-perplexity does not print it)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(model).tensors
+    return round(8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors), 3)
 
 
 def llama_version(bin_dir: Path, work: Path) -> str:
@@ -66,8 +74,8 @@ def llama_version(bin_dir: Path, work: Path) -> str:
         out = run_tool(bin_dir, "llama-perplexity", "--version", log=work / "version.log")
     except RuntimeError as e:
         out = str(e)
-    found = re.search(r"version: (\d+) \((\w+)\)", out)
-    return f"b{found.group(1)} ({found.group(2)})" if found else out.strip().splitlines()[-1]
+    found = re.search(r"version: (\S+) \(build (\d+), commit (\w+)\)", out)
+    return f"{found.group(1)} (commit {found.group(3)})" if found else out.strip().splitlines()[-1]
 
 
 def eval_texts(tokenizer, tokens: int, work: Path) -> dict[str, Path]:
