@@ -230,3 +230,7 @@ def doctor(ckpt, device, dtype, kv, json_out):
 
 for _command in cli_measure.COMMANDS:
     main.add_command(_command)
+
+
+if __name__ == "__main__":
+    main()
