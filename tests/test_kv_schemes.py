@@ -13,6 +13,7 @@ from kvquant import schemes
 from kvquant.schemes.integer import IntegerFamily, IntGrid
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
+from lowbit_testing.kv_data import keys_with_offset_channels as offset_keys, rel_err
 
 # every family's listed names, and settings each family reads
 NAMES = [*schemes.listed_names(), "k8v2", "k2v4", "int4-g32-r64", "k4v2-g16-r32", "fp8-r64", "int8-r32"]
@@ -26,16 +27,6 @@ HAND_BYTES = {"fp16": 2 * 128, "int8": 2 * (64 + 4), "int4": 2 * (32 + 4), "int2
               "k8v4": (64 + 4) + (32 + 4), "k4v2": (32 + 4) + (16 + 4), "k8v2": (64 + 4) + (16 + 4)}
 
 
-def offset_keys(*lead, tokens=128, dim=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, tokens, dim, generator=g)
-    offsets = torch.zeros(dim)
-    offsets[torch.randperm(dim, generator=g)[:4]] = 12.0
-    return x + offsets
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def base_name(name: str) -> str:

@@ -11,21 +11,11 @@ from quant.affine import QuantScheme, choose_qparams, dequantize, quantize
 from quant.packing import unpack
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
+from lowbit_testing.kv_data import keys_with_offset_channels, rel_err
 
 SCHEMES = ["fp16", "int8", "int4", "int2", "fp8"]
 
 
-def keys_with_offset_channels(*lead, tokens=128, dim=64, seed=0):
-    """Keys as LLMs make them: a few channels carry a large, persistent offset."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, tokens, dim, generator=g)
-    offsets = torch.zeros(dim)
-    offsets[torch.randperm(dim, generator=g)[:4]] = 12.0
-    return x + offsets
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 # ------------------------------------------------------------------ affine math
