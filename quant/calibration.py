@@ -2,7 +2,12 @@
 
 The default text is the bundled copy of five Austen novels (Emma, Mansfield
 Park, Northanger Abbey, Pride and Prejudice, Sense and Sensibility); the
-evaluation text, Persuasion, is never among them.
+evaluation text, Persuasion, is never among them. ``mixed`` is three genres in equal parts of
+450,000 characters each, so that a method is not fitted to one genre: the start of that Austen text
+(prose), CPython 3.11.7 ``Lib/`` modules other than ``argparse.py`` (code; the bundled code
+evaluation text is argparse.py) and the Python reference's topic texts from ``pydoc_data`` (technical
+documentation), joined in that order; windows are drawn from the whole, so about a third of them
+from each part. ``bench/text_sources.py`` rebuilds the code and documentation files.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "calibration.txt.gz"
+MIXED_PARTS = ("calibration-code.txt.gz", "calibration-docs.txt.gz")  # after the prose part
 
 
 def _json_line(path: Path, number: int, line: str):
@@ -47,9 +53,12 @@ def read_text_file(path) -> str:
 
 
 def load_calibration_text(spec: str = "default") -> str:
-    """``default``, a local .txt/.jsonl path, or a Hugging Face ``datasets`` name (its ``text`` column)."""
+    """``default`` (Austen), ``mixed`` (prose, code, documentation), a local .txt/.jsonl path, or a
+    Hugging Face ``datasets`` name (its ``text`` column)."""
     if spec == "default":
         return gzip.decompress(DEFAULT_TEXT.read_bytes()).decode("utf-8")
+    if spec == "mixed":
+        return mixed_text()
     if Path(spec).expanduser().exists() or spec.endswith((".txt", ".jsonl")):
         return read_text_file(spec)
     try:
@@ -60,11 +69,19 @@ def load_calibration_text(spec: str = "default") -> str:
         ds = datasets.load_dataset(spec, split="train")
     except Exception as e:
         raise FileNotFoundError(
-            f"could not load the dataset {spec!r} ({type(e).__name__}); offline, use 'default' or a local .txt/.jsonl"
+            f"could not load the dataset {spec!r} ({type(e).__name__}); offline, use 'default', 'mixed' or a local .txt/.jsonl"
         ) from e
     if "text" not in ds.column_names:
         raise ValueError(f"dataset {spec!r} has no 'text' column (columns: {', '.join(ds.column_names)})")
     return "\n\n".join(ds["text"])
+
+
+def mixed_text() -> str:
+    """The ``mixed`` source: as much Austen prose as each other part holds, then code, then docs."""
+    parts = [gzip.decompress((DEFAULT_TEXT.parent / name).read_bytes()).decode("utf-8") for name in MIXED_PARTS]
+    prose = load_calibration_text("default")
+    prose = prose[:prose.rfind("\n", 0, min(map(len, parts))) + 1]
+    return "\n\n".join([prose, *parts])
 
 
 def adds_bos(tokenizer) -> bool:
