@@ -79,7 +79,7 @@ def one(method: str, bits: int, group: int, texts: dict[str, int]) -> dict:
     import runtime
     from evals.size import weight_stats
     from lowbit import pipeline
-    from lowbit.recipe import parse_recipe
+    from lowbit.recipe_parse import parse_recipe
     from quant.models import resolve
 
     budget = cpu_seconds = None

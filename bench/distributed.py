@@ -56,7 +56,7 @@ def rank_run(recipe_path: Path, report_dir: Path, batch_size: int) -> None:
 
     import quant.quantize
     from lowbit import launch, pipeline
-    from lowbit.recipe import load_recipe
+    from lowbit.recipe_files import load_recipe
 
     if batch_size != 8:  # the pipeline's own batch (no recipe key): only the noise-floor run changes it
         quant.quantize.quantize_sequential = functools.partial(quant.quantize.quantize_sequential,

@@ -91,7 +91,7 @@ def lowbit_perplexity(ckpt: Path, tokens: list[int], add_bos: bool, bos: int, ct
 
 def make_checkpoint(name: str, weights: dict | None, work: Path) -> Path:
     from lowbit import pipeline
-    from lowbit.recipe import parse_recipe
+    from lowbit.recipe_parse import parse_recipe
     from quant import models
 
     if weights is None:

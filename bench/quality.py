@@ -24,7 +24,7 @@ from evals.perplexity import Protocol, perplexity, tokenize_text
 from evals.provenance import commit
 from evals.texts import load_text
 from lowbit import pipeline
-from lowbit.recipe import load_recipe
+from lowbit.recipe_files import load_recipe
 from quant import models
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -79,7 +79,7 @@ def float_model(kind: str):
 def write_checkpoints(root: Path) -> tuple[dict[str, Path], list[list[int]]]:
     """Every checkpoint of CASES, by the pipeline `lowbit quantize` runs, and two prompts (token ids)."""
     from lowbit import pipeline
-    from lowbit.recipe import parse_recipe
+    from lowbit.recipe_parse import parse_recipe
     from lowbit_testing.tiny_models import TEXT, save_model
     from runtime import load_tokenizer
 

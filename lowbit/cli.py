@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from lowbit import cli_measure, pipeline
-from lowbit.recipe import bundled_recipe_names, bundled_recipes_dir
+from lowbit.recipe_files import bundled_recipe_names, bundled_recipes_dir
 
 # The demo scores the first 4,096 tokens (7 windows of 1,024 per model, not 31), a quarter of the
 # evaluation's time; how far its perplexity change strays from 16,384 tokens' is not measured yet.
@@ -56,7 +56,7 @@ def quantize(recipe, model, output, overwrite, resume, device, ranks):
     """
     from lowbit import launch
     from lowbit.inspection import inspect_text
-    from lowbit.recipe import load_recipe
+    from lowbit.recipe_files import load_recipe
 
     if ranks > 1:
         options = {"--model": model, "--output": output, "--device": device, "--overwrite": overwrite, "--resume": resume}
@@ -166,7 +166,7 @@ def export(ckpt, gguf_type, output, overwrite):
 @main.command()
 def recipes():
     """List the bundled recipes (each usable by name in `lowbit quantize` and `lowbit demo --recipe`)."""
-    from lowbit.recipe import load_recipe
+    from lowbit.recipe_files import load_recipe
 
     click.echo(f"bundled recipes in {bundled_recipes_dir()}:")
     for name in bundled_recipe_names():
@@ -184,7 +184,7 @@ def recipes():
 def demo(recipe, tokens, overwrite):
     """The main job on the bundled default: quantize, evaluate against the float model, report.
     A checkpoint already at the recipe's output is reused (--overwrite quantizes again)."""
-    from lowbit.recipe import load_recipe
+    from lowbit.recipe_files import load_recipe
 
     r = load_recipe(recipe)
     output = Path(r.output)

@@ -7,7 +7,7 @@ import pytest
 from bench.calibrated import recipe_dict, table
 from bench.scoring import parse_texts, protocols, score_texts
 from evals.perplexity import hf_logits_fn
-from lowbit.recipe import parse_recipe
+from lowbit.recipe_parse import parse_recipe
 from tiny import tiny_llama
 
 

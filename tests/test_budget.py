@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from lowbit.recipe import RecipeError, parse_recipe
+from lowbit.recipe import RecipeError
+from lowbit.recipe_parse import parse_recipe
 from quant import checkpoint
 from quant import checkpoint_write
 from quant.affine import QuantScheme

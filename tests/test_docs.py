@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.recipe import load_recipe
+from lowbit.recipe_files import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")),

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from lowbit.recipe import RecipeError, parse_recipe
+from lowbit.recipe import RecipeError
+from lowbit.recipe_parse import parse_recipe
 from quant import checkpoint, engines
 from quant.affine import QuantScheme
 from quant.budget import Candidate

@@ -11,7 +11,8 @@ import torch
 
 from quant.gguf import TYPES, dequantize, fit_rtn, pack, unpack
 from quant.gguf_fit import fit_grid, round_gptq, round_to_nearest, weighted_loss
-from lowbit.recipe import RecipeError, parse_recipe
+from lowbit.recipe import RecipeError
+from lowbit.recipe_parse import parse_recipe
 from quant.gguf_mix import tensor_types
 from quant.gguf_quantize import plan_types
 from quant.gptq import GPTQConfig

@@ -132,7 +132,7 @@ def test_smollm2_w4_checkpoint_in_llama_cpp(llama_cpp, tmp_path):
     its Q4_0 x Q8_0 dot products quantize SmolLM2's large activations to 8 bits per 32 (measured:
     3.6-4% relative RMS, ~90% of top-1 tokens equal)."""
     from lowbit import pipeline
-    from lowbit.recipe import parse_recipe
+    from lowbit.recipe_parse import parse_recipe
     from quant import models
 
     try:

@@ -228,7 +228,7 @@ def test_a_recipe_with_a_hundred_thousand_ignore_patterns_plans_in_seconds(tmp_p
     import time
     import warnings
 
-    from lowbit.recipe import load_recipe
+    from lowbit.recipe_files import load_recipe
     from quant.affine import QuantScheme
     from quant.plan import plan_layers
 
@@ -252,7 +252,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from lowbit.recipe import RecipeError, load_recipe, parse_recipe  # noqa: E402
+from lowbit.recipe import RecipeError  # noqa: E402
+from lowbit.recipe_files import load_recipe  # noqa: E402
+from lowbit.recipe_parse import parse_recipe  # noqa: E402
 
 RECIPE_KEYS = ["model", "output", "dtype", "weights", "calibration", "kv_cache", "method", "methods", "bits",
                "group_size", "symmetric", "ignore", "overrides", "target_bits", "candidates", "gptq", "awq",

@@ -269,7 +269,8 @@ def test_the_planner_diagnose_and_every_kv_help_list_the_split_family():
 
 
 def test_a_recipe_stores_a_split_scheme_and_reads_it_back():
-    from lowbit.recipe import RecipeError, parse_recipe
+    from lowbit.recipe import RecipeError
+    from lowbit.recipe_parse import parse_recipe
 
     base = {"model": "m", "weights": {"bits": 4}}
     recipe = parse_recipe({**base, "kv_cache": {"bits": 8, "value_bits": 4, "group_size": 32}})

@@ -241,7 +241,7 @@ def test_a_recipe_in_either_form_gives_the_same_checkpoint_and_says_its_methods(
     manifest keeps the list and `lowbit inspect` names it."""
     from lowbit import pipeline
     from lowbit.inspection import inspect_text
-    from lowbit.recipe import parse_recipe
+    from lowbit.recipe_parse import parse_recipe
     from tiny import save_model
 
     from tiny import TEXT

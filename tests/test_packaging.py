@@ -71,7 +71,7 @@ def test_bundled_recipes_and_data_come_with_the_wheel(installed):
     lowbit, python, env, tmp = installed
     assert "w4g64-awq-gptq" in sh(lowbit, "recipes", cwd=tmp, env=env)
     assert "--recipe" in sh(lowbit, "demo", "--help", cwd=tmp, env=env)
-    demo_recipe = sh(python, "-c", "from lowbit.recipe import find_recipe, load_recipe; "
+    demo_recipe = sh(python, "-c", "from lowbit.recipe_files import find_recipe, load_recipe; "
                      "load_recipe('default'); print(find_recipe('default'))", cwd=tmp, env=env).strip()
     assert demo_recipe.startswith(str(tmp / "venv")) and demo_recipe.endswith("lowbit/recipes/default.yaml")
     sh(python, "-c", "from evals.texts import load_text; from quant.calibration import load_calibration_text; "

@@ -5,7 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowbit.recipe import Recipe, RecipeError, load_recipe, matches, parse_recipe
+from lowbit.recipe import Recipe, RecipeError
+from lowbit.recipe_files import load_recipe
+from lowbit.recipe_parse import parse_recipe
+from quant.plan import matches
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -168,7 +171,7 @@ def test_readme_shows_the_defaults():
 
 
 def test_a_bundled_recipe_is_found_by_name_and_a_wrong_name_lists_them():
-    from lowbit.recipe import bundled_recipes_dir, find_recipe
+    from lowbit.recipe_files import bundled_recipes_dir, find_recipe
 
     assert find_recipe("w4g64-awq-gptq") == bundled_recipes_dir() / "w4g64-awq-gptq.yaml"
     assert load_recipe("w8-rtn.yaml").weights.bits == 8

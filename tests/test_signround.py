@@ -4,7 +4,8 @@ RTN at 3 and 2 bits, checkpoints that load and run, recipe settings checked."""
 import pytest
 import torch
 
-from lowbit.recipe import RecipeError, parse_recipe
+from lowbit.recipe import RecipeError
+from lowbit.recipe_parse import parse_recipe
 from quant import checkpoint_write, rtn
 from quant.affine import QuantScheme, choose_qparams
 from quant.learned_rounding import SignRoundConfig, learn_rounding

@@ -6,7 +6,7 @@ import torch
 import runtime
 from evals.perplexity import Protocol
 from lowbit import pipeline
-from lowbit.recipe import parse_recipe
+from lowbit.recipe_parse import parse_recipe
 from quant import models
 
 pytestmark = pytest.mark.slow

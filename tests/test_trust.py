@@ -109,7 +109,7 @@ def test_a_full_disk_fails_before_the_work(tmp_path, model_dir, monkeypatch):
 
 def test_the_size_estimate_is_close_to_the_checkpoint(ckpt, model_dir):
     from lowbit.pipeline import checkpoint_size_estimate
-    from lowbit.recipe import load_recipe
+    from lowbit.recipe_files import load_recipe
 
     estimate = checkpoint_size_estimate(model_dir, load_recipe(ckpt.parent / "r.yaml"))
     actual = (ckpt / "model.safetensors").stat().st_size
