@@ -2,20 +2,25 @@
 llama.cpp's own perplexity tool, in one run.
 
     python -m bench.gguf_vs_llamacpp [--mixes Q2_K Q3_K_M Q4_K_M] [--samples 128] [--seq-len 512]
-        [--eval-tokens 8192] [--out bench/results/gguf/gguf-vs-llamacpp.json]
+        [--calibration mixed] [--eval-tokens 8192] [--out bench/results/gguf/gguf-vs-llamacpp.json]
 
 On SmolLM2-135M (lowbit's bundled model, its float weights as lowbit resolves them):
 
 1. the float model as an F32 GGUF (lowbit's writer), the source of every file;
-2. lowbit's calibration windows (the recipe default: 128 x 512 tokens of the bundled Austen text,
-   seed 0), decoded and joined into one text file; ``llama-imatrix`` on it (``-c`` the window
-   length, one chunk per window);
+2. lowbit's calibration windows (``--calibration``, default ``mixed``: Austen prose, CPython
+   source, the Python reference, ``quant.calibration``; 128 x 512 tokens, seed 0), decoded and
+   joined into one text file; ``llama-imatrix`` on it (``-c`` the window length, one chunk per
+   window);
 3. per mix: ``llama-quantize --imatrix`` and ``llama-quantize`` without one, and lowbit's file
-   (``quant.gguf_quantize``: the same per-tensor types, GPTQ on each type's fitted grid, from
-   the same windows);
-4. ``llama-perplexity`` on the first ``--eval-tokens`` tokens of each evaluation text (Persuasion,
-   never calibrated on; CPython's argparse.py, another genre), ``-c 512``: every file, the same
-   tool, the same text. Bits per weight as llama.cpp prints them for the file.
+   (``quant.gguf_quantize``: the same per-tensor types, checked tensor by tensor against
+   llama.cpp's imatrix file; GPTQ on each type's fitted grid, from the same windows);
+4. ``llama-perplexity`` on the first ``--eval-tokens`` tokens of each evaluation text, none of
+   them calibrated on: Persuasion (prose), CPython's argparse.py (code), package READMEs
+   (Markdown docs, ``evals.texts``), ``-c`` 512: the float file's run saves its logits
+   (``--kl-divergence-base``), every quantized file is scored against them (``--kl-divergence``):
+   its perplexity, ln(PPL/PPL(float)) and the mean KL divergence from the float model, each with
+   llama.cpp's error estimate (the last two are paired per token, so much tighter than the
+   perplexity's own). Bits per weight from the file's tensors.
 
 Needs llama.cpp's tools built by ``make llama-cpp`` (``.llama-cpp/build/bin``; ``--llama-bin``).
 """
@@ -37,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_BIN = ROOT / ".llama-cpp" / "build" / "bin"
 SDIST = ROOT / ".llama-cpp" / "llama_cpp_python-0.3.36"
-TEXTS = ("persuasion", "code")
+TEXTS = ("persuasion", "code", "docs")
 
 
 def run_tool(bin_dir: Path, tool: str, *args, log: Path) -> str:
@@ -51,13 +56,35 @@ def run_tool(bin_dir: Path, tool: str, *args, log: Path) -> str:
     return out
 
 
-def perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int, log: Path) -> dict:
-    out = run_tool(bin_dir, "llama-perplexity", "-m", model, "-f", text, "-c", ctx, "-b", ctx, "-t", threads, log=log)
-    ppl = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
-    if ppl is None:
-        raise RuntimeError(f"no perplexity in {log}")
-    return {"ppl": float(ppl.group(1)), "ppl_err": float(ppl.group(2)),
-            "bpw": bits_per_weight(model), "file_bytes": model.stat().st_size}
+def perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int, log: Path, base: Path) -> dict:
+    """The float file's perplexity (its logits saved to ``base``), or a quantized file's scored
+    against ``base`` when that exists: perplexity, ln(PPL/PPL(base)) and mean KL divergence."""
+    common = ("-m", model, "-c", ctx, "-b", ctx, "-t", threads, "--kl-divergence-base", base)
+    if not base.exists():
+        out = run_tool(bin_dir, "llama-perplexity", *common, "-f", text, log=log)
+        ppl = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
+        if ppl is None:
+            raise RuntimeError(f"no perplexity in {log}")
+        return {"ppl": float(ppl.group(1)), "ppl_err": float(ppl.group(2)), **file_facts(model)}
+    out = run_tool(bin_dir, "llama-perplexity", *common, "--kl-divergence", log=log)
+    found = {}
+    for key, label in (("ppl", r"Mean PPL\(Q\)"), ("ln_ppl_ratio", r"Mean ln\(PPL\(Q\)/PPL\(base\)\)"),
+                       ("kld", r"Mean\s+KLD")):
+        m = re.search(label + r"\s*:\s*([-\d.]+)\s*±\s*([\d.]+)", out)
+        if m is None:
+            raise RuntimeError(f"no {label} in {log}")
+        found[key], found[f"{key}_err"] = float(m.group(1)), float(m.group(2))
+    return {**found, **file_facts(model)}
+
+
+def file_facts(model: Path) -> dict:
+    return {"bpw": bits_per_weight(model), "file_bytes": model.stat().st_size}
+
+
+def tensor_types(model: Path) -> dict[str, str]:
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(model).tensors}
 
 
 def bits_per_weight(model: Path) -> float:
@@ -90,23 +117,58 @@ def eval_texts(tokenizer, tokens: int, work: Path) -> dict[str, Path]:
     return paths
 
 
-def lowbit_file(source: Path, mix: str, samples, out: Path, methods: list[str], threads: int) -> dict:
+def lowbit_file(source: Path, mix: str, samples, out: Path, made_with: dict, threads: int) -> dict:
+    """lowbit's file for ``mix`` at ``out``, and beside it (``.json``) how it was made and its facts:
+    a later run with the same ``made_with`` (settings, windows, commit) takes the file as it is."""
     import torch
 
     from quant import models
+    from quant.gptq import GPTQConfig
 
     torch.set_num_threads(threads)
     from quant.gguf_quantize import quantize_gguf, write
 
     model, _, lazy = models.load_lazily(source)
     start = time.process_time()
-    fields, _ = quantize_gguf(model, mix, methods, samples=samples, lazy=lazy, progress=False)
+    settings = {"gptq": GPTQConfig(**made_with["gptq"])}
+    fields, _ = quantize_gguf(model, mix, made_with["methods"], samples=samples, settings=settings, lazy=lazy,
+                              progress=False)
     seconds = time.process_time() - start
     types = write(out, source, fields, overwrite=True)
     counts = {}
     for t in types.values():
         counts[t] = counts.get(t, 0) + 1
-    return {"quantize_cpu_s": round(seconds, 1), "tensor_types": counts}
+    facts = {"quantize_cpu_s": round(seconds, 1), "tensor_types": counts}
+    out.with_suffix(".json").write_text(json.dumps({"made_with": made_with, "facts": facts}, indent=2))
+    return facts
+
+
+def quant_source_digest() -> str:
+    """A digest of the sources on lowbit's GPTQ-to-GGUF path: what a kept file must have been made by
+    (the tree's commit moves with every unrelated commit in a shared checkout)."""
+    import hashlib
+
+    quant = ROOT / "quant"
+    files = [quant / f for f in ("gguf_fit.py", "gptq.py", "quantize.py", "sequential.py", "gram.py", "calibration.py",
+                                 "methods/gptq.py")] + sorted((quant / "gguf").glob("*.py"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+
+
+def made_before(out: Path, made_with: dict) -> dict | None:
+    """The facts of a lowbit file an earlier run (``--lowbit-only``) made the same way, else None."""
+    stamp = out.with_suffix(".json")
+    if not (out.exists() and stamp.exists()):
+        return None
+    kept = json.loads(stamp.read_text())
+    return {**kept["facts"], "made_by_earlier_run": True} if kept["made_with"] == made_with else None
+
+
+def same_types(ours: Path, theirs: Path) -> dict:
+    """Tensor by tensor, whether two files store the same GGUF types (the mix's choices)."""
+    a, b = tensor_types(ours), tensor_types(theirs)
+    differ = sorted(n for n in a.keys() | b.keys() if a.get(n) != b.get(n))
+    return {"tensors": len(a.keys() | b.keys()), "equal": len(a.keys() | b.keys()) - len(differ),
+            "differ": {n: [a.get(n), b.get(n)] for n in differ}}
 
 
 def main():
@@ -114,10 +176,16 @@ def main():
     ap.add_argument("--mixes", nargs="+", default=["Q2_K", "Q3_K_M", "Q4_K_M"])
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--calibration", default="mixed", help="quant.calibration's source for both tools")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=["gptq"])
+    ap.add_argument("--dampening", type=float, default=None, help="GPTQ's (default: quant.gptq.GPTQConfig's)")
+    ap.add_argument("--actorder", default=None, help="GPTQ's column order (default: GPTQConfig's)")
+    ap.add_argument("--lowbit-only", action="store_true",
+                    help="only make lowbit's files in --work; a full run with the same settings at the same commit "
+                         "takes them as they are (said in each row)")
     ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (--threads each)")
     ap.add_argument("--no-plain", action="store_true", help="skip llama-quantize without an imatrix")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
@@ -134,23 +202,33 @@ def main():
     from quant.gguf_quantize import write
 
     code_version = commit()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="gguf-bench-")
     work = args.work or Path(tmp.name)
     work.mkdir(parents=True, exist_ok=True)
     source = models.resolve("smollm2-135m")
     tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    samples = calibration_samples(tokenizer, load_calibration_text("default"), args.samples, args.seq_len, 0, None)
+    samples = calibration_samples(tokenizer, load_calibration_text(args.calibration), args.samples, args.seq_len, 0, None)
     calib = work / "calibration.txt"
     calib.write_text("".join(tokenizer.decode(s) for s in samples))
     texts = eval_texts(tokenizer, args.eval_tokens, work)
     f32 = work / "f32.gguf"
     write(f32, source, {}, overwrite=True)
     imatrix = work / "imatrix.gguf"
+    gptq = {k: v for k, v in (("dampening", args.dampening), ("actorder", args.actorder)) if v is not None}
+    made_with = {"methods": args.methods, "gptq": gptq, "calibration": args.calibration, "samples": args.samples,
+                 "seq_len": args.seq_len, "seed": 0, "quant_source": quant_source_digest()}
     # lowbit's files are made in worker processes while llama.cpp's tools run
     pool = ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=multiprocessing.get_context("spawn"))
-    made = {mix: pool.submit(lowbit_file, source, mix, samples, work / f"lowbit-{mix}.gguf", args.methods,
-                             args.threads)
-            for mix in args.mixes}
+    made = {}
+    for mix in args.mixes:
+        out = work / f"lowbit-{mix}.gguf"
+        kept = None if args.lowbit_only else made_before(out, made_with)
+        made[mix] = kept if kept else pool.submit(lowbit_file, source, mix, samples, out, made_with, args.threads)
+    if args.lowbit_only:
+        for mix, future in made.items():
+            print(mix, future.result(), flush=True)
+        return
     files = {"float (F32)": (f32, {})}
     start = time.perf_counter()
     run_tool(args.llama_bin, "llama-imatrix", "-m", f32, "-f", calib, "-o", imatrix, "-c", args.seq_len,
@@ -168,26 +246,35 @@ def main():
         "bench": "gguf_vs_llamacpp",
         "command": "python -m bench.gguf_vs_llamacpp " + " ".join(os.sys.argv[1:]),
         "commit": code_version,
-        "machine": {"cpu": platform.processor() or platform.machine(), "note": "shared 2-core machine"},
+        "machine": {"cpu": platform.processor() or platform.machine(), "note": "shared 2-core machine",
+                    "load_average_at_start": load_at_start},
         "versions": {**versions(), "llama.cpp": llama_version(args.llama_bin, work),
                      "llama.cpp source": "vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist"},
         "protocol": {
             "model": "smollm2-135m (lowbit's bundled default, float weights as lowbit resolves them), F32 GGUF source",
-            "calibration": f"{args.samples} x {args.seq_len} tokens of lowbit's bundled Austen text (seed 0), decoded "
-                           f"and joined for llama-imatrix (-c {args.seq_len}, {args.samples} chunks); lowbit "
-                           f"{'+'.join(args.methods)} on the same token windows",
+            "calibration": f"{args.samples} x {args.seq_len} tokens of quant.calibration's {args.calibration!r} "
+                           f"source (seed 0; 'mixed': Austen prose, CPython Lib/ source without argparse.py, the "
+                           f"Python reference's topics), decoded and joined for llama-imatrix (-c {args.seq_len}, "
+                           f"{args.samples} chunks); lowbit {'+'.join(args.methods)} on the same token windows",
             "evaluation": f"llama-perplexity -c {args.ctx} on the first {args.eval_tokens} tokens of each text "
-                          f"({', '.join(TEXTS)}: Persuasion, CPython argparse.py), decoded to text",
+                          f"({', '.join(TEXTS)}: Persuasion, CPython argparse.py, package READMEs in Markdown; none "
+                          f"calibrated on), decoded to text; the float file's logits saved (--kl-divergence-base), "
+                          f"every quantized file scored against them (--kl-divergence): PPL, ln(PPL/PPL(float)) "
+                          f"and mean KLD with llama.cpp's +/- (one standard error)",
+            "lowbit": made_with,
             "imatrix_s": round(imatrix_s, 1), "torch_threads": torch.get_num_threads(),
         },
         "rows": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in texts:  # a kept --work directory's float logits are from an earlier run
+        (work / f"float-logits-{name}.kld").unlink(missing_ok=True)
 
     def score(label: str, path: Path, facts: dict) -> None:
         row = {"file": label, **facts}
         for name, text in texts.items():
-            row[name] = perplexity(args.llama_bin, path, text, args.ctx, args.threads, work / f"{path.stem}-{name}.log")
+            row[name] = perplexity(args.llama_bin, path, text, args.ctx, args.threads, work / f"{path.stem}-{name}.log",
+                                   work / f"float-logits-{name}.kld")
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
         print(label, {n: row[n]["ppl"] for n in texts}, "bpw", row[TEXTS[0]]["bpw"], flush=True)
@@ -195,8 +282,13 @@ def main():
     for label, (path, facts) in files.items():  # llama.cpp's files while lowbit's are still being made
         score(label, path, facts)
     for mix, future in made.items():
-        score(f"lowbit {'+'.join(args.methods)} {mix}", work / f"lowbit-{mix}.gguf", {"mix": mix, **future.result()})
+        path = work / f"lowbit-{mix}.gguf"
+        made_facts = future if isinstance(future, dict) else future.result()
+        score(f"lowbit {'+'.join(args.methods)} {mix}", path,
+              {"mix": mix, **made_facts, "types_vs_llama_imatrix": same_types(path, files[f"llama.cpp imatrix {mix}"][0])})
     pool.shutdown()
+    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     if tmp is not None:
         tmp.cleanup()
