@@ -66,7 +66,7 @@ def serving_lines(path, config: dict) -> list[str]:
     """Which engines serve the checkpoint (``quant.engines``), from its schemes and stored shapes."""
     from quant import engines
 
-    return engines.serving_lines(*stored_plan(path, config))
+    return engines.serving_lines(*stored_plan(path, config), config)
 
 
 def summary_lines(schemes: dict[str, str], layer_stats: dict) -> list[str]:

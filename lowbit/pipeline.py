@@ -92,7 +92,8 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     if world.main:  # a calibrated run also keeps its finished layers in a work directory beside the output
         need = checkpoint_size_estimate(source, recipe) * (2 if calibrated else 1)
         checkpoint_write.check_output(output, overwrite, need_bytes=need)
-    cfg = runtime.check_supported(checkpoint.read_config(source))
+    source_config = checkpoint.read_config(source)
+    cfg = runtime.check_supported(source_config)
     try:
         recipe.kv_cache.check_head_dim(cfg.head_dim)
     except ValueError as e:
@@ -112,7 +113,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in plan}  # (out, in); meta tensors too
     serve = engines.resolve(recipe.serve_with)
     try:  # before any work: every Linear as planned (a budget's choices are held to them as they are made)
-        engines.check_plan(serve, plan, shapes)
+        engines.check_plan(serve, plan, shapes, source_config)
     except engines.EngineError as e:
         raise RecipeError(str(e)) from None
 
@@ -155,7 +156,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
         checkpoint_write.save(model, quantized, output, tokenizer=tokenizer, dtype=store_dtype, manifest=manifest,
                         overwrite=overwrite)
         if progress:
-            print("\n".join(engines.serving_lines(plan, shapes)))
+            print("\n".join(engines.serving_lines(plan, shapes, source_config)))
     world.barrier()  # the checkpoint is in place before any rank drops its share of the progress
     if work_dir is not None:
         shutil.rmtree(work_dir, ignore_errors=True)

