@@ -9,9 +9,9 @@ float: vLLM's CPUWNA16 kernel takes it): ``smollm2`` from the bundled SmolLM2-13
 Llama-3.2-1B-shaped model with random weights (SmolLM2's tokenizer and vocabulary), written once
 under ``out/vllm-bench/``.
 
-Each engine runs in a child process of its own venv (lowbit: this one; vLLM: ``.venv-vllm``), both
-pinned to the same cores (``sched_setaffinity``; vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; lowbit's
-torch threads = the core count). The same prompts (windows of the bundled evaluation text, as token
+Each engine runs in a child process of its own venv (``bench/vllm_cpu_worker.py``; lowbit: this one;
+vLLM: ``.venv-vllm``), both pinned to the same cores (``sched_setaffinity``; vLLM's
+``VLLM_CPU_OMP_THREADS_BIND``; lowbit's torch threads = the core count). The same prompts (windows of the bundled evaluation text, as token
 ids, so no tokenizer differs) are decoded greedily for ``--output-len`` tokens, EOS ignored, at each
 batch size. All engines stay loaded and take turns: ``--repeats`` rounds of one request per batch size
 from each (a batch size's first request is preceded by an untimed warm-up), so a change in the
@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,96 +101,6 @@ def prompt_ids(checkpoint: Path, batch: int, length: int) -> list[list[int]]:
     return [ids[1000 + 997 * i: 1000 + 997 * i + length] for i in range(batch)]
 
 
-# ---- the two workers (each in its own venv, alive for the whole run, timing one request per command) ----
-
-def pin(cores: list[int]) -> None:
-    os.sched_setaffinity(0, set(cores))
-
-
-class LowbitEngine:
-    def __init__(self, job: dict):
-        import torch
-
-        import runtime
-
-        torch.set_num_threads(len(job["cores"]))
-        dtype, _, path = job["variant"].partition(":")
-        self.model = runtime.load(job["checkpoint"], dtype=getattr(torch, dtype) if dtype != "default" else None,
-                                  cpu_kernels=False if path == "dense" else None)
-        self.info = {"engine": "lowbit", "dtype": str(self.model.dtype).removeprefix("torch."),
-                     "variant": job["variant"], "cpu_kernels": path != "dense",
-                     "threads": torch.get_num_threads()}
-
-    def request(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[float], list[list[int]]]:
-        import torch
-
-        from evals.speed import run_request
-
-        ttft, itls, tokens = run_request(self.model, torch.tensor(prompts), output_len)
-        return ttft, itls, tokens.tolist()
-
-
-class VllmEngine:
-    def __init__(self, job: dict):
-        import torch
-        from vllm import LLM
-
-        largest_batch = max(len(batch) for batch in job["prompts"])
-        self.llm = LLM(model=job["checkpoint"], dtype="bfloat16", seed=0, max_num_seqs=largest_batch,
-                       max_model_len=len(job["prompts"][0][0]) + job["output_len"] + 8, enable_prefix_caching=False)
-        self.info = {"engine": "vllm", "dtype": "bfloat16", "threads": torch.get_num_threads(),
-                     "ld_preload": os.environ.get("LD_PRELOAD", "")}
-
-    def request(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[float], list[list[int]]]:
-        """Submit the batch and step the engine to the end: TTFT (every sequence's first token), the wall
-        time of each step in which every sequence decoded one token (requests reach vLLM's engine core one
-        by one, so the first steps may prefill part of the batch while the rest decodes: not counted), the tokens."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-        engine = self.llm.llm_engine
-        ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        start = last = time.perf_counter()
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, {"prompt_token_ids": p}, params)
-        tokens, ttft, steps = {rid: [] for rid in ids}, None, []
-        while engine.has_unfinished_requests():
-            before = {rid: len(t) for rid, t in tokens.items()}
-            outputs = engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-            if ttft is None and all(tokens.values()):
-                ttft = now - start
-            elif all(before.values()) and all(len(tokens[rid]) == before[rid] + 1 for rid in ids):
-                steps.append(now - last)
-            last = now
-        return ttft, steps, [tokens[rid] for rid in ids]
-
-
-def serve(engine_name: str, job: dict, reply) -> None:
-    """Load, say so, then answer each command line (a batch index) with one timed request; a batch's
-    first command also runs an untimed warm-up."""
-    pin(job["cores"])
-    start = time.perf_counter()
-    engine = (LowbitEngine if engine_name == "lowbit" else VllmEngine)(job)
-    send(reply, {**engine.info, "load_s": time.perf_counter() - start})
-    warm = set()
-    for line in sys.stdin:
-        i = int(line)
-        prompts = job["prompts"][i]
-        if i not in warm:
-            engine.request([p[:16] for p in prompts], 2)
-            warm.add(i)
-        ttft, itls, tokens = engine.request(prompts, job["output_len"])
-        send(reply, {"ttft_s": ttft, "itls_s": itls, "tokens": tokens})
-
-
-def send(reply, message: dict) -> None:
-    reply.write(json.dumps(message) + "\n")
-    reply.flush()
-
-
 def summary(batch: int, requests: list[dict]) -> dict:
     steps = [s for r in requests for s in r["itls_s"]]
     return {"batch": batch, "ttft_s": statistics.median(r["ttft_s"] for r in requests),
@@ -223,7 +132,7 @@ class Worker:
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         read_end, write_end = os.pipe()
         self.process = subprocess.Popen(
-            [python, __file__, "--worker", engine, "--job", self.job_file.name, "--reply-fd", str(write_end)],
+            [python, "-m", "bench.vllm_cpu_worker", engine, self.job_file.name, str(write_end)],
             env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
             pass_fds=(write_end,))
         os.close(write_end)
@@ -391,9 +300,6 @@ def device() -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worker", choices=("lowbit", "vllm"), help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--shape", action="append", choices=("smollm2", "1b"), help="repeatable; default smollm2")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -406,10 +312,6 @@ def main():
     p.add_argument("--prepare", action="store_true", help="only write the checkpoints (outside the bench lock)")
     p.add_argument("--out", type=Path, help="JSON results (default bench/results/interop/vllm-cpu-SHAPES.json)")
     args = p.parse_args()
-    if args.worker:
-        with os.fdopen(args.reply_fd, "w") as reply:
-            serve(args.worker, json.loads(Path(args.job).read_text()), reply)
-        return
     cores = [int(c) for c in args.cores.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     shapes = args.shape or ["smollm2"]

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from bench.vllm_cpu import VLLM_PYTHON, device, versions
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 NEW_TOKENS = 8
 
 # vLLM needs head_dim >= 32 on CPU: two query heads of 64 over hidden 128; one KV head
@@ -47,9 +48,17 @@ CASES = {
     "qwen3moe-gptq-w4-asym-g64": ("qwen3_moe", {"methods": ["gptq"], "group_size": 64}, None),
     "qwen3moe-rtn-w4-sym-g32-experts-float": ("qwen3_moe", {"group_size": 32, "symmetric": True,
                                                           "ignore": ["lm_head", "re:.*\\.experts\\..*"]}, None),
+    # Gemma 2 and 3 (four norms, (1 + w) scales, scaled embeddings, soft-capping (2), sliding windows, GeGLU)
+    # and Phi-3 (q/k/v and gate/up stored joined) at head_dim 64
+    "gemma2-rtn-w4-asym-g32": ("gemma2", {"group_size": 32}, None),
+    "gemma2-gptq-w4-sym-g64": ("gemma2", {"methods": ["gptq"], "group_size": 64, "symmetric": True}, None),
+    "gemma3-rtn-w4-sym-g32": ("gemma3", {"group_size": 32, "symmetric": True}, None),
+    "gemma3-gptq-w4-asym-g64": ("gemma3", {"methods": ["gptq"], "group_size": 64}, None),
+    "phi3-rtn-w4-asym-g32": ("phi3", {"group_size": 32}, None),
     "budget-gptq-vllm-cpu": ("llama", {"methods": ["gptq"], "target_bits": 4.3, "group_size": 32,
                                        "symmetric": True}, ["vllm-cpu"]),
     # what the table says vLLM-CPU refuses
+    "gemma2-head16-rtn-w4-asym-g32": ("gemma2-head16", {"group_size": 32}, None),
     "rtn-w8-sym-g128": ("llama", {"bits": 8, "group_size": 128, "symmetric": True}, None),
     "rtn-w4-g64-down-w8-asym": ("llama", {"group_size": 64, "overrides": [{"match": "down_proj", "bits": 8}]}, None),
     "rtn-w3-asym-g64": ("llama", {"bits": 3, "group_size": 64}, None),
@@ -63,16 +72,22 @@ HOST_HAS_AMX = "amx_tile" in Path("/proc/cpuinfo").read_text()
 
 def float_model(kind: str):
     from lowbit_testing.tiny_models import tiny_llama, tiny_model
+    from quant.architectures import architecture_of
 
     if kind == "llama":
         model, tok = tiny_llama(seed=0, hidden=128, layers=2, intermediate_size=256,
                                 **{k: v for k, v in SHAPE.items() if k != "hidden_size"})
     elif kind == "qwen3":
         model, tok = tiny_model("qwen3", intermediate_size=256, **SHAPE)
-    else:  # two layers: sparse (8 experts, 2 per token, 64 wide), then dense (mlp_only_layers)
+    elif kind == "qwen3_moe":  # two layers: sparse (8 experts, 2 per token, 64 wide), then dense (mlp_only_layers)
         model, tok = tiny_model("qwen3_moe", intermediate_size=128, **SHAPE)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(4.0)  # logits spread like a trained model's: greedy picks are not near-ties
+    elif kind == "gemma2-head16":  # the tiny Gemma of the other tests: heads of 16
+        model, tok = tiny_model("gemma2", intermediate_size=128)
+    else:  # gemma2, gemma3, phi3 (their tiny settings: windows of 8, soft-caps, a query scalar other than head_dim)
+        model, tok = tiny_model(kind, intermediate_size=256, **SHAPE)
+    offset = architecture_of(model).norm_offset  # Gemma's norms scale by 1 + weight
+    with torch.no_grad():  # logits spread like a trained model's: greedy picks are not near-ties
+        model.model.norm.weight.copy_((offset + model.model.norm.weight) * 4.0 - offset)
     return model, tok
 
 
@@ -93,7 +108,7 @@ def write_checkpoints(root: Path) -> tuple[dict[str, Path], list[list[int]]]:
         if serve_with:
             recipe["serve_with"] = serve_with
         checkpoints[label] = pipeline.quantize(parse_recipe(recipe), device="cpu", progress=False)
-    ids = load_tokenizer(models["llama"])(TEXT)["input_ids"]
+    ids = load_tokenizer(next(iter(models.values())))(TEXT)["input_ids"]  # the tiny models share one tokenizer
     return checkpoints, [ids[:40], ids[50:90]]
 
 
@@ -121,7 +136,8 @@ def table_verdict(checkpoint: Path) -> str | None:
     from quant import checkpoint as ckpt
     from quant import engines
 
-    verdict = engines.serving(*stored_plan(checkpoint, ckpt.read_config(checkpoint)))["vllm-cpu"]
+    config = ckpt.read_config(checkpoint)
+    verdict = engines.serving(*stored_plan(checkpoint, config), config)["vllm-cpu"]
     return None if verdict and "AMX" in verdict and HOST_HAS_AMX else verdict
 
 
@@ -193,7 +209,6 @@ def markdown(result: dict) -> str:
 def main():
     import tempfile
 
-    from bench.vllm_cpu import device, versions
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "interop" / "vllm-cpu-matrix.json")
