@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from evals.provenance import _cpu_name, commit, versions
+from evals.provenance import commit, cpu_name, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,7 +174,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "threads": torch.get_num_threads(),
+    result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": torch.get_num_threads(),
               "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
               "versions": versions(), "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "note": "a shared 2-core machine: other sessions' jobs may have run at the same time; "

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu_decode import SHAPES, itl, random_model, step_times
-from evals.provenance import _cpu_name, commit, versions
+from evals.provenance import commit, cpu_name, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "active": {"OMP_WAIT_POLICY": "ACTIVE"}, "default": {}}
@@ -105,7 +105,7 @@ def main():
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "threads": torch.get_num_threads(),
+    result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": torch.get_num_threads(),
               "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
               "versions": versions(), "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "note": "a shared 2-core machine: other sessions' jobs ran at the same time (load_average per row)",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from evals.provenance import _cpu_name, commit, versions
+from evals.provenance import commit, cpu_name, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def main():
         row["relative_difference"] = row["cpu_kernels"] / row["dense_reference"] - 1
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "versions": versions(),
+    result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "versions": versions(),
               "protocol": protocol.describe() + ", bundled default text", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -112,7 +112,7 @@ def main():
         sys.exit(f"no llama-perplexity in {LLAMA_BIN}: `make llama-cpp` builds it")
     from transformers import AutoTokenizer
 
-    from evals.provenance import commit, versions
+    from evals.provenance import commit, cpu_name, versions
     from quant import models
     from quant.gguf.export import export
 
@@ -144,7 +144,7 @@ def main():
                     "ids from llama.cpp's tokenizer, BOS as its vocabulary adds it, second half of each chunk scored",
         "rows": rows,
         "device": platform.processor() or platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "machine_note": "shared 2-core machine (quality numbers; nothing here is timed)",
         "versions": {**versions(), "llama.cpp": llama_cpp_version(work), "llama-cpp-python sdist": SDIST.name},
         "commit": commit(),
@@ -160,13 +160,6 @@ def llama_cpp_version(work: Path) -> str:
     out = run_tool(LLAMA_BIN, "llama-perplexity", "--version", log=work / "version.log")
     found = re.search(r"version: (.+)", out)
     return found.group(1).strip() if found else out.strip().splitlines()[-1]
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

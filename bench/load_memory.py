@@ -31,7 +31,7 @@ import torch
 
 from bench.cpu_decode import SCHEME, SHAPES
 from bench.memory import PeakSampler, rss
-from evals.provenance import _cpu_name, commit, versions
+from evals.provenance import commit, cpu_name, versions
 from evals.serving import LLAMA3_8B
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def main():
     if args.one:
         print(json.dumps(one(args.one, args.decode)))
         return
-    result = {"commit": commit(), "device": f"cpu: {_cpu_name()}", "threads": torch.get_num_threads(),
+    result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": torch.get_num_threads(),
               "versions": versions(), "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "note": "a shared machine: other sessions' processes ran at the same time (their memory is not counted: RSS is per process)",
               "rows": []}

@@ -292,10 +292,12 @@ def table(result: dict) -> str:
 
 
 def device() -> dict:
-    lscpu = subprocess.check_output(["lscpu"], text=True)
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    return {"cpu": fields.get("Model name", "?").strip(), "flags_avx512": "avx512f" in fields.get("Flags", ""),
-            "flags_amx": "amx_tile" in fields.get("Flags", ""), "cores_online": os.cpu_count()}
+    from evals.provenance import cpu_name
+
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return {"cpu": cpu_name(), "flags_avx512": "avx512f" in flags, "flags_amx": "amx_tile" in flags,
+            "cores_online": os.cpu_count()}
 
 
 def main():

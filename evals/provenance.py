@@ -54,7 +54,8 @@ def commit() -> str:
         return "unknown"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what ``platform`` knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -71,7 +72,7 @@ def device_info(device: str | torch.device = "cpu") -> dict:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "memory_bytes": props.total_memory,
                 "capability": f"{props.major}.{props.minor}"}
-    return {"type": "cpu", "name": _cpu_name(), "threads": torch.get_num_threads(),
+    return {"type": "cpu", "name": cpu_name(), "threads": torch.get_num_threads(),
             "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "platform": platform.platform()}
 
