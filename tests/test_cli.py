@@ -11,12 +11,6 @@ from lowbit.cli import main
 from tiny import save_model, tiny_llama, tiny_tokenizer
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_llama(hidden=64)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
-
-
 def write_recipe(path, model_dir, **weights):
     recipe = {
         "model": str(model_dir),

@@ -16,7 +16,6 @@ from click.testing import CliRunner
 import runtime
 from lowbit import pipeline
 from lowbit.cli import main
-from tiny import save_model, tiny_llama
 
 COMMANDS = {
     "generate": ["--prompt", "Anne"],
@@ -26,12 +25,6 @@ COMMANDS = {
     "doctor": [],
     "serve": ["--port", "0"],
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_llama(hidden=64)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from quant import checkpoint
 from quant import checkpoint_write
-from test_trust import ckpt, copy, model_dir, run, write_recipe  # noqa: F401 - the same tiny model and checkpoint fixtures
+from test_trust import ckpt, copy, run, write_recipe  # noqa: F401 - the same checkpoint fixtures
 from tiny import tiny_llama
 
 

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from evals import lm_eval_tasks  # noqa: E402
 from evals.lm_eval_adapter import LowbitLM, run_tasks  # noqa: E402
 from lowbit.cli import main  # noqa: E402
-from tiny import TEXT, save_model, tiny_llama  # noqa: E402
+from tiny import TEXT  # noqa: E402
 
 PAIRS = [("Anne Elliot walked", " along the shore at Lyme"), ("It is a truth universally", " acknowledged"),
          ("A single man in possession of a good fortune, must be in want", " of a wife."), ("", "Anne")]
@@ -23,12 +23,6 @@ PAIRS = [("Anne Elliot walked", " along the shore at Lyme"), ("It is a truth uni
 
 def request(kind, *args):
     return Instance(request_type=kind, doc={}, arguments=args, idx=0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_llama(hidden=64)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("lmeval") / "tiny")
 
 
 @pytest.fixture(scope="module")

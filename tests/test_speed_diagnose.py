@@ -12,17 +12,10 @@ from evals import speed
 from kvquant import KVScheme
 from kvquant.memory import stored_bytes
 from lowbit.cli import main
-from tiny import save_model, tiny_llama
 
 
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_llama(hidden=64)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("speed") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,6 @@ from safetensors.torch import save_file
 
 from lowbit.cli import main
 from quant import checkpoint
-from tiny import save_model, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_llama(hidden=64)
-    return save_model(model, tokenizer, tmp_path_factory.mktemp("models") / "tiny")
 
 
 def write_recipe(where, model_dir, output=None, **weights):
