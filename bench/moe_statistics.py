@@ -13,11 +13,11 @@ tokens the router sent each expert. Deterministic; CPU.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import torch
 
+from evals.provenance import commit
 from quant.affine import QuantScheme
 from quant.moe import routed_counts, unfuse_experts
 from quant.plan import plan_layers
@@ -105,14 +105,14 @@ def main() -> None:
             for block, errs in r["expert_output_rel_error"].items():
                 print(f"    {block}: routed {r['routed_tokens_per_expert'][block]} expert errors {errs}")
     print(f"  rtn: {rows[0]['logits_rel_error']:.4f} expert errors {rows[0]['expert_output_rel_error']}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    code_version = commit()
     import transformers
 
-    out = Path(__file__).parent / "results" / "moe" / f"expert-statistics-{commit}.json"
+    out = Path(__file__).parent / "results" / "moe" / f"expert-statistics-{code_version}.json"
     out.write_text(json.dumps({
         "protocol": __doc__.split("\n\n")[1].replace("\n", " "), "scheme": SCHEME.describe(),
         "model": "tiny mixtral: hidden 128, expert width 128, 2 layers, 8 experts top 2, router skewed",
-        "held_out_tokens": list(held_out.shape), "commit": commit, "device": "cpu",
+        "held_out_tokens": list(held_out.shape), "commit": code_version, "device": "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "rows": rows}, indent=1))
     print(out)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -28,12 +27,8 @@ import torch  # noqa: E402
 
 import runtime  # noqa: E402
 from runtime import Engine, SamplingParams  # noqa: E402
+from evals.provenance import commit  # noqa: E402
 from lowbit_testing.counting import decode_step_counts, generate_step_counts  # noqa: E402
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def count(model_dir: Path, kv: str, batch: int, fused: bool) -> dict:

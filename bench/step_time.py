@@ -34,12 +34,9 @@ from pathlib import Path
 
 import torch
 
+from evals.provenance import commit
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def import_before(rev: str, into: Path, packages: tuple[str, ...] = ("runtime",)):
