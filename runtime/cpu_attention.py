@@ -20,11 +20,12 @@ unsigned code and ``z' = zero + 2**(bits-1)``, ``x = (u - z') * s``:
   per head: the scales multiply the codes in place (a scale that changes along a dot's columns
   cannot fold into its rows), the zero points as before, per group.
 
-Codes are cut from whole int32 words (every field ``f`` of every byte with one shift and one
-mask) and kept in that field order: column ``f*(D/F) + j`` is channel ``j*F + f`` (``F = 8 /
-bits``), so the query (keys) and the output (values) are permuted instead, ``D`` numbers per
-query row. Nothing the size of the history is written but the float codes; no copy of the cache
-is kept between steps.
+Codes are cut from whole int32 words (field ``f`` of every byte with one scalar shift and one
+mask) and kept in that field order, fields leading: ``[f, ..., j]`` is channel ``j*F + f`` (``F =
+8 / bits``), so the query (keys) and the output (values) are permuted instead, ``D`` numbers per
+query row. Nothing the size of the history is written but the float codes, and those a few rows
+(KV head x sequence) at a time (:data:`CHUNK_FLOATS`), so the product reads them from the core's
+cache; no copy of the cache is kept between steps.
 
 Everything is float32 (the stored float16 scales widened), so results equal the reference's to
 float32 rounding (summation order differs; tests/test_cpu_attention.py). Which schemes take this
@@ -65,6 +66,12 @@ def folds(scheme: KVScheme, head_dim: int) -> bool:
     return grids(scheme, head_dim) is not None
 
 
+# Float codes converted per chunk of rows (KV head x sequence): about this many floats, so they
+# are still in the core's cache when the product reads them (at batch 8 and 4k context a layer's
+# keys are 25 MB as floats; per row, 1 MB). At least one row per chunk.
+CHUNK_FLOATS = 1 << 19
+
+
 def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over everything the cache holds for it.
@@ -77,34 +84,53 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
     in ``q``'s dtype."""
     S, Hq, _, D = q.shape
     H, B = paged.residual_k.shape[1], paged.block_size
-    # [H, S, nq, D]: query head h * nq + i reads KV head h (as SDPA's GQA); heads lead, so each
-    # head's gathered tokens are one contiguous run
-    qf = q.float().view(S, H, Hq // H, D).transpose(0, 1)
+    nq, R = Hq // H, H * S
+    # rows r = h * S + s: [R, nq, D]; query head h * nq + i reads KV head h (as SDPA's GQA); heads
+    # lead, so each head's gathered tokens are one contiguous run
+    qf = q.float().view(S, H, nq, D).transpose(0, 1).reshape(R, nq, D)
     firsts = [0 if window is None else max(n - window, 0) for n in lengths]
     stored = [n // B for n in lengths]
     lo, hi = min(f // B for f in firsts), max(stored)
     rest = max(n - s * B for n, s in zip(lengths, stored))  # residual positions read (the longest)
     pooled = (hi - lo) * B
-    key_grid, value_grid = grids(paged.scheme, D)
-    if pooled:  # the rows' blocks lo..hi, [H, S, (hi-lo) * B, ...]; -1 (ring, shorter row): page 0, masked
+    grid = grids(paged.scheme, D)
+    keys = values = None
+    if pooled:  # the rows' blocks lo..hi, [R, (hi-lo) * B, ...]; -1 (ring, shorter row): page 0, masked
         pages = paged.block_table[:, lo:hi].clamp_min(0).flatten()
-        gather = lambda t: t.transpose(0, 1).index_select(1, pages).view(H, S, -1, t.shape[-1])  # noqa: E731
-
-    scores = qf @ paged.residual_k[:, :, :rest].float().transpose(0, 1).transpose(-1, -2)  # [H, S, nq, rest]
-    if pooled:
-        scores = torch.cat([_key_scores(paged.k.map(gather), key_grid, qf), scores], dim=-1)
-    scores *= D ** -0.5
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        gather = lambda t: t.transpose(0, 1).index_select(1, pages).view(R, -1, t.shape[-1])  # noqa: E731
+        keys, values = paged.k.map(gather), paged.v.map(gather)
+    residual = [r[:, :, :rest].transpose(0, 1).reshape(R, rest, D) for r in (paged.residual_k, paged.residual_v)]
     mask = _invalid(lengths, firsts, stored, lo, hi, rest, B, q.device)
     if mask is not None:
-        scores.masked_fill_(mask[None, :, None], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
+        mask = mask.repeat(H, 1)[:, None]  # [R, 1, pooled + rest]
+    out = torch.empty(R, nq, D, device=q.device)
+    step = max(1, CHUNK_FLOATS // ((pooled + rest) * D))
+    for a in range(0, R, step):
+        rows = slice(a, a + step)
+        part = lambda t: t[rows]  # noqa: E731
+        out[rows] = _attend_rows(qf[rows], keys and keys.map(part), values and values.map(part), residual[0][rows],
+                                 residual[1][rows], None if mask is None else mask[rows], grid, softcap)
+    return out.view(H, S, nq, D).transpose(0, 1).reshape(S, Hq, 1, D).to(q.dtype)
 
-    out = p[..., pooled:] @ paged.residual_v[:, :, :rest].float().transpose(0, 1)  # [H, S, nq, D]
-    if pooled:
-        out += _value_sums(paged.v.map(gather), value_grid, p[..., :pooled])
-    return out.transpose(0, 1).reshape(S, Hq, 1, D).to(q.dtype)
+
+def _attend_rows(q, keys, values, residual_k, residual_v, mask, grid, softcap) -> torch.Tensor:
+    """Attention [r, nq, D] of queries ``q`` [r, nq, D] over gathered pool tokens ``keys``,
+    ``values`` ([r, P, ...] tensors; None: none) then residual ``residual_k/v`` [r, rest, D];
+    ``mask`` [r, 1, P + rest] True where not seen."""
+    scores = q @ residual_k.float().transpose(-1, -2)  # [r, nq, rest]
+    if keys is not None:
+        scores = torch.cat([_key_scores(keys, grid[0], q), scores], dim=-1)
+    scores *= q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores.masked_fill_(mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    pooled = scores.shape[-1] - residual_k.shape[-2]
+    out = p[..., pooled:] @ residual_v.float()
+    if values is not None:
+        out += _value_sums(values, grid[1], p[..., :pooled])
+    return out
 
 
 def _invalid(lengths, firsts, stored, lo: int, hi: int, rest: int, B: int, device) -> torch.Tensor | None:
@@ -122,60 +148,70 @@ def _invalid(lengths, firsts, stored, lo: int, hi: int, rest: int, B: int, devic
 
 
 def _fields(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed codes [..., W] int32 as float32 [..., D] in field order (the module docstring), each
-    unsigned code unchanged (exact in float32): int32 shifts and masks (PyTorch's uint8 shifts
-    are slow), then one contiguous conversion."""
+    """Packed codes [..., W] int32 as float32 [F, ..., D/F]: field ``f`` of every byte (the module
+    docstring's field order, fields leading), each unsigned code unchanged (exact in float32).
+    One scalar shift and mask per field into one int32 buffer, then one conversion: every op
+    runs on contiguous tensors with scalar operands (a broadcast [F, 1] shift runs PyTorch's
+    slow scalar loop: 5x the time)."""
     if bits == 8:
-        return data.view(torch.uint8).float()
-    shifts, mask = _field_shifts(bits, data.device)
-    fields = (data.unsqueeze(-2) >> shifts).bitwise_and_(mask)  # [..., F, W]: field f of every byte
-    return fields.view(torch.uint8).float().flatten(-2)
+        return data.view(torch.uint8).float()[None]
+    F, mask = 8 // bits, _field_mask(bits)
+    ints = torch.empty((F, *data.shape), dtype=torch.int32, device=data.device)
+    torch.bitwise_and(data, mask, out=ints[0])
+    for f in range(1, F):
+        torch.bitwise_right_shift(data, f * bits, out=ints[f]).bitwise_and_(mask)
+    return ints.view(torch.uint8).float()
 
 
 @functools.cache
-def _field_shifts(bits: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Shifts [F, 1] that bring field ``f`` of every byte of a word to the byte's low bits, and the
-    mask keeping one field per byte (0x0F0F0F0F for 4 bits)."""
-    mask = int.from_bytes(bytes([(1 << bits) - 1] * 4), "little", signed=True)
-    return torch.arange(0, 8, bits, dtype=torch.int32, device=device)[:, None], mask
+def _field_mask(bits: int) -> int:
+    """The int32 mask keeping one field per byte (0x0F0F0F0F for 4 bits)."""
+    return int.from_bytes(bytes([(1 << bits) - 1] * 4), "little", signed=True)
+
+
+def _by_field(x: torch.Tensor, fields: int) -> torch.Tensor:
+    """Channels [..., D] as [F, ..., D/F] in field order: ``[f, ..., j]`` is channel ``j*F + f``."""
+    return x.unflatten(-1, (-1, fields)).movedim(-1, 0)
 
 
 @functools.cache
-def _field_order(head_dim: int, fields: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The channel at each column of :func:`_fields`' order, and each channel's column."""
-    order = torch.arange(head_dim, device=device).view(-1, fields).t().flatten()
-    return order, order.argsort()
+def _field_order(head_dim: int, fields: int, device: torch.device) -> torch.Tensor:
+    """Each channel's column in field order (flattened ``[F, D/F]``)."""
+    return torch.arange(head_dim, device=device).view(-1, fields).t().flatten().argsort()
 
 
 def _key_scores(keys: QuantizedKV, grid, q: torch.Tensor) -> torch.Tensor:
-    """Raw scores q.k [H, S, nq, T] over gathered keys ``keys`` ([H, S, T, ...] tensors) on
-    ``grid``, ``q`` [H, S, nq, D]."""
+    """Raw scores q.k [R, nq, T] over gathered keys ``keys`` ([R, T, ...] tensors) on ``grid``,
+    ``q`` [R, nq, D]."""
     data, scale, zero = keys
-    codes = _fields(data, grid.bits)  # [H, S, T, D], field order
+    F = 8 // grid.bits
+    codes = _fields(data, grid.bits)  # [F, R, T, D/F]
     scale, zero = scale.float(), zero.float().add_(1 << (grid.bits - 1))
-    if grid.over_tokens:  # per channel over groups of G tokens: scale, zero [H, S, T/G, D]
-        order, _ = _field_order(q.shape[-1], 8 // grid.bits, q.device)
-        qs = q.index_select(-1, order).unsqueeze(2) * scale.index_select(-1, order).unsqueeze(3)  # [H, S, T/G, nq, D]
-        raw = qs @ codes.unflatten(2, (-1, grid.group)).transpose(-1, -2)  # [H, S, T/G, nq, G]: one product per group
-        bias = q @ zero.mul_(scale).transpose(-1, -2)  # [H, S, nq, T/G]
-        return raw.transpose(2, 3).sub_(bias.unsqueeze(-1)).flatten(-2)
-    raw = q @ codes.transpose(-1, -2)  # per token: scale, zero [H, S, T, 1]
+    qf = _by_field(q, F)  # [F, R, nq, D/F]
+    if grid.over_tokens:  # per channel over groups of G tokens: scale, zero [R, T/G, D]
+        qs = qf.unsqueeze(-3) * _by_field(scale, F).unsqueeze(-2)  # [F, R, T/G, nq, D/F]
+        raw = (qs @ codes.unflatten(-2, (-1, grid.group)).transpose(-1, -2)).sum(0)  # [R, T/G, nq, G]
+        bias = q @ zero.mul_(scale).transpose(-1, -2)  # [R, nq, T/G]
+        return raw.transpose(-3, -2).sub_(bias.unsqueeze(-1)).flatten(-2)
+    raw = (qf @ codes.transpose(-1, -2)).sum(0)  # per token: scale, zero [R, T, 1]
     return raw.sub_(q.sum(-1, keepdim=True) * zero.transpose(-1, -2)).mul_(scale.transpose(-1, -2))
 
 
 def _value_sums(values: QuantizedKV, grid, p: torch.Tensor) -> torch.Tensor:
-    """``p @ v`` [H, S, nq, D] for softmax weights ``p`` [H, S, nq, T] over gathered values
-    ``values`` ([H, S, T, ...] tensors; scale and zero [H, S, T, groups]) on ``grid``."""
+    """``p @ v`` [R, nq, D] for softmax weights ``p`` [R, nq, T] over gathered values ``values``
+    ([R, T, ...] tensors; scale and zero [R, T, groups]) on ``grid``."""
     data, scale, zero = values
     F, groups = 8 // grid.bits, scale.shape[-1]
-    codes = _fields(data, grid.bits)  # [H, S, T, D], field order
-    D = codes.shape[-1]
-    _, column = _field_order(D, F, codes.device)
+    codes = _fields(data, grid.bits)  # [F, R, T, D/F]
+    D = codes.shape[-1] * F
+    column = _field_order(D, F, codes.device)
     scale, zero = scale.float(), zero.float().add_(1 << (grid.bits - 1))
     if groups == 1:  # the scales fold into p
-        ps = p * scale.transpose(-1, -2)  # [H, S, nq, T]
-        return (ps @ codes).index_select(-1, column).sub_(ps @ zero)  # [H, S, nq, D] - [H, S, nq, 1]
-    # field order: column f*(D/F) + j is in channel group (j*F) // G, for every field f
-    codes.view(*codes.shape[:3], F, groups, -1).mul_(scale[:, :, :, None, :, None])
-    zero_sums = p @ zero.mul_(scale)  # [H, S, nq, groups]
-    return (p @ codes).index_select(-1, column).sub_(zero_sums.repeat_interleave(D // groups, dim=-1))
+        ps = p * scale.transpose(-1, -2)  # [R, nq, T]
+        sums = ps @ codes  # [F, R, nq, D/F]
+        return sums.movedim(0, -2).flatten(-2).index_select(-1, column).sub_(ps @ zero)  # - [R, nq, 1]
+    # byte j of a token holds channels j*F .. j*F+F-1, all in channel group (j*F) // G
+    codes.view(*codes.shape[:-1], groups, -1).mul_(scale.unsqueeze(-1))
+    zero_sums = p @ zero.mul_(scale)  # [R, nq, groups]
+    sums = (p @ codes).movedim(0, -2).flatten(-2).index_select(-1, column)
+    return sums.sub_(zero_sums.repeat_interleave(D // groups, dim=-1))

@@ -109,3 +109,25 @@ def test_which_schemes_fold():
     assert not folds(parse_kv("fp16"), D)
     assert not folds(parse_kv("fp8"), D)
     assert not LockstepCache(1, 1, H, D, 64, torch.float32, "cpu", parse_kv("fp8")).folded_decode
+
+
+@pytest.mark.parametrize("spec", ["int4-g16-r32", "k8v4-g16-r32", "int4-g32-r64"])
+def test_rows_in_chunks_match_one_chunk(spec, monkeypatch):
+    """Rows (KV head x sequence) attended a few at a time (runtime.cpu_attention.CHUNK_FLOATS: the
+    float codes stay in cache) give what one chunk of every row gives."""
+    import runtime.cpu_attention as cpu_attention
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [70, 5, 130]
+    cache = KVCache(1, len(lengths), H, D, 200, torch.float32, "cpu", parse_kv(spec))
+    for slot, n in enumerate(lengths):
+        cache.add_sequence(slot)
+        cache.write_sequence(0, slot, 0, *(torch.randn(H, n, D, generator=g) for _ in range(2)))
+        cache.advance(slot, n)
+    q = torch.randn(len(lengths), HQ, 1, D, generator=g)
+    from runtime.kernels.kv_reference import PagedKV
+
+    paged = PagedKV.from_cache(cache, 0)
+    whole = decode_attention(paged, q, lengths)
+    monkeypatch.setattr(cpu_attention, "CHUNK_FLOATS", 1)  # one row per chunk
+    torch.testing.assert_close(decode_attention(paged, q, lengths), whole, rtol=0, atol=0)
