@@ -8,6 +8,7 @@ import yaml
 from click.testing import CliRunner
 
 from lowbit.cli import main
+from cli_runner import run
 from tiny import save_model, tiny_llama, tiny_tokenizer
 
 
@@ -20,10 +21,6 @@ def write_recipe(path, model_dir, **weights):
     }
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from evals.kv import ChunkProtocol, kv_perplexity, runtime_session
 from evals.perplexity import Protocol, perplexity
 from kvquant import KVScheme, parse_kv
 from kvquant.hf import QuantizedKVCache
+from tests.cli_runner import run
 from tests.tiny import TEXT, save_model, tiny_llama
 
 INT4 = parse_kv("int4-g16-r32")  # the tiny model's heads have 32 channels
@@ -123,14 +124,6 @@ def test_memory_is_measured_on_allocated_caches():
 # ------------------------------------------------------------- recipe and CLI
 
 
-def run_cli(*args):
-    from click.testing import CliRunner
-
-    from lowbit.cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
 def kv_recipe(path, model_dir, **kv_cache):
     import yaml
 
@@ -145,7 +138,7 @@ def kv_recipe(path, model_dir, **kv_cache):
 @pytest.fixture(scope="module")
 def kv_ckpt(tiny_dir, tmp_path_factory):
     recipe = kv_recipe(tmp_path_factory.mktemp("q") / "r.yaml", tiny_dir, bits=4, group_size=16, residual=32)
-    result = run_cli("quantize", recipe)
+    result = run("quantize", recipe)
     assert result.exit_code == 0, result.output
     return recipe.parent / "ckpt"
 
@@ -166,7 +159,7 @@ def test_eval_reports_kv_perplexity_next_to_the_fp16_cache(kv_ckpt, tmp_path):
 
     out = tmp_path / "r.json"
     args = ["eval", kv_ckpt, "--no-baseline", "--tokens", 150, "--window", 64, "--stride", 32, "--kv-chunk", 8]
-    result = run_cli(*args, "--json", out)
+    result = run(*args, "--json", out)
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
     assert r["kv_cache"]["name"] == "int4-g16-r32"
@@ -175,24 +168,24 @@ def test_eval_reports_kv_perplexity_next_to_the_fp16_cache(kv_ckpt, tmp_path):
     assert r["kv_delta_ppl_pct"] == pytest.approx(100 * (r["kv_ppl"] / r["kv_baseline_ppl"] - 1))
     assert r["kv_bytes_per_token"] < 0.5 * r["kv_baseline_bytes_per_token"]
     assert "chunks of 8" in r["kv_protocol"]["description"] and "int4-g16-r32" in result.output
-    result = run_cli(*args, "--kv", "fp16", "--json", out)
+    result = run(*args, "--kv", "fp16", "--json", out)
     assert result.exit_code == 0 and json.loads(out.read_text())["kv_ppl"] is None
 
 
 def test_generate_takes_a_kv_scheme(kv_ckpt):
-    result = run_cli("generate", kv_ckpt, "--prompt", "Anne", "--max-new-tokens", 40, "--kv", "int2")
+    result = run("generate", kv_ckpt, "--prompt", "Anne", "--max-new-tokens", 40, "--kv", "int2")
     assert result.exit_code == 0, result.output
     assert "KV cache int2-g16-r32" in result.output
 
 
 def test_bad_kv_settings_are_clear_errors(kv_ckpt, tiny_dir, tmp_path):
-    result = run_cli("generate", kv_ckpt, "--prompt", "Anne", "--kv", "int3")
+    result = run("generate", kv_ckpt, "--prompt", "Anne", "--kv", "int3")
     assert result.exit_code != 0 and "unknown KV cache scheme 'int3'" in result.output
-    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=3))
+    result = run("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=3))
     assert result.exit_code != 0 and "kv_cache.bits: must be one of 16, 8, 4, 2" in result.output
-    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=4, residual=100))
+    result = run("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=4, residual=100))
     assert result.exit_code != 0 and "kv_cache: KV cache residual 100 is not a multiple of group_size 64" in result.output
-    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=4, gruop_size=16))
+    result = run("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=4, gruop_size=16))
     assert result.exit_code != 0 and "kv_cache.gruop_size: unknown key (did you mean 'group_size'?)" in result.output
-    result = run_cli("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=2))  # group 64, heads of 32
+    result = run("quantize", kv_recipe(tmp_path / "r.yaml", tiny_dir, bits=2))  # group 64, heads of 32
     assert result.exit_code != 0 and "kv_cache: KV cache group_size 64 does not divide head_dim 32" in result.output

@@ -4,20 +4,15 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from evals import planner
 from kvquant import KVScheme, parse_kv
 from kvquant.memory import max_tokens, sequence_bytes
-from lowbit.cli import main
 from runtime.cache import KVCache
+from cli_runner import run
 from tiny import save_model, tiny_llama
 
 SCHEMES = ["fp16", "int8", "int4-g32-r64", "int2-g32-r64", "fp8"]
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,14 @@ import subprocess
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from evals.provenance import RUN_FORMAT
-from lowbit.cli import main
+from cli_runner import run
 from tiny import save_model, tiny_llama
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 EVAL_ARGS = ["--tokens", "200", "--window", "64", "--stride", "32", "--speed", "1,2", "--speed-prompt-len", "8",
              "--speed-output-len", "3"]
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,13 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import runtime
 from evals import diagnose as dg
 from evals import speed
 from kvquant import KVScheme
 from kvquant.memory import stored_bytes
-from lowbit.cli import main
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+from cli_runner import run
 
 
 @pytest.fixture(scope="module")
