@@ -69,10 +69,10 @@ def perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int, l
     out = run_tool(bin_dir, "llama-perplexity", *common, "--kl-divergence", log=log)
     found = {}
     for key, label in (("ppl", r"Mean PPL\(Q\)"), ("ln_ppl_ratio", r"Mean ln\(PPL\(Q\)/PPL\(base\)\)"),
-                       ("kld", r"Mean\s+KLD")):
+                       ("kld", r"Mean\s+KLD"), ("same_top_token_pct", r"Same top p")):
         m = re.search(label + r"\s*:\s*([-\d.]+)\s*±\s*([\d.]+)", out)
         if m is None:
-            raise RuntimeError(f"no {label} in {log}")
+            raise RuntimeError(f"no {key} (llama.cpp: {label}) in {log}")
         found[key], found[f"{key}_err"] = float(m.group(1)), float(m.group(2))
     return {**found, **file_facts(model)}
 
@@ -186,6 +186,8 @@ def main():
     ap.add_argument("--lowbit-only", action="store_true",
                     help="only make lowbit's files in --work; a full run with the same settings at the same commit "
                          "takes them as they are (said in each row)")
+    ap.add_argument("--wait-lowbit", action="store_true",
+                    help="lowbit's files missing from --work are being made by a --lowbit-only run: wait for them")
     ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (--threads each)")
     ap.add_argument("--no-plain", action="store_true", help="skip llama-quantize without an imatrix")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
@@ -224,7 +226,10 @@ def main():
     for mix in args.mixes:
         out = work / f"lowbit-{mix}.gguf"
         kept = None if args.lowbit_only else made_before(out, made_with)
-        made[mix] = kept if kept else pool.submit(lowbit_file, source, mix, samples, out, made_with, args.threads)
+        if kept or args.wait_lowbit:
+            made[mix] = kept
+        else:
+            made[mix] = pool.submit(lowbit_file, source, mix, samples, out, made_with, args.threads)
     if args.lowbit_only:
         for mix, future in made.items():
             print(mix, future.result(), flush=True)
@@ -283,6 +288,8 @@ def main():
         score(label, path, facts)
     for mix, future in made.items():
         path = work / f"lowbit-{mix}.gguf"
+        while future is None and (future := made_before(path, made_with)) is None:
+            time.sleep(30)
         made_facts = future if isinstance(future, dict) else future.result()
         score(f"lowbit {'+'.join(args.methods)} {mix}", path,
               {"mix": mix, **made_facts, "types_vs_llama_imatrix": same_types(path, files[f"llama.cpp imatrix {mix}"][0])})
