@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quant.affine import QuantScheme
@@ -172,7 +171,12 @@ class NarrowLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        # weight @ x.T (a matrix-vector product for one row): oneDNN's bf16 F.linear ran 1.1-1.7x
+        # slower on lm_head's shapes from 1 to 128 rows (bench/results/cpu/NOTES.md); the transpose
+        # back is folded into the copy to the activations' dtype
+        a = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)
+        y = torch.mv(self.weight, a[0])[None] if a.shape[0] == 1 else (self.weight @ a.t()).t()
+        y = y.to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime.attention import as_batch
 from runtime.norms import RMSNorm, make_norm  # noqa: F401 (RMSNorm: callers read runtime.model.RMSNorm)
-from runtime.rope import Rope, apply_rope, rope_settings  # noqa: F401 (apply_rope: the kernels' tests read it here)
+from runtime.rope import Rope, apply_rope, rope_settings, token_major  # noqa: F401 (apply_rope: the kernels' tests read it here)
 
 # each family's facts (biases, q/k norms, sliding windows, layer layout) live in quant.architectures
 from quant.architectures import SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture, attention_shape  # noqa: F401
@@ -155,6 +155,8 @@ class Attention(nn.Module):
 
                 q, k, v = rope_qkv(qkv, cos, sin, h, kv, d, store=batch.kv_store(layer, T))
                 return self.scale_queries(q), k, v
+            if not cfg.qk_norm:
+                return self.rope_joined(qkv, cos, sin)
             q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -163,6 +165,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return self.scale_queries(apply_rope(q, cos, sin)), apply_rope(k, cos, sin), v
+
+    def rope_joined(self, qkv, cos, sin):
+        """q, k, v of a joined projection, q and k rotated as one tensor [B, T, Hq + Hk, D] (half
+        the RoPE ops of rotating each: a decode step is dispatch-bound, bench/results/cpu/NOTES.md)."""
+        B, T, _ = qkv.shape
+        h, kv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        qk = apply_rope(qkv[..., :(h + kv) * d].view(B, T, h + kv, d), token_major(cos), token_major(sin))
+        v = qkv[..., (h + kv) * d:].view(B, T, kv, d)
+        return self.scale_queries(qk[:, :, :h].transpose(1, 2)), qk[:, :, h:].transpose(1, 2), v.transpose(1, 2)
 
     def scale_queries(self, q):
         """Gemma scores with query_pre_attn_scalar^-1/2, not head_dim^-1/2: the queries carry the

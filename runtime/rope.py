@@ -111,6 +111,12 @@ class Rope(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves, as HF's Llama does: x is [B, H, T, D], cos/sin are [T, D]."""
+    """Rotate halves, as HF's Llama does: x is [B, H, T, D], cos/sin are [T, D] (or any layout that
+    broadcasts: x [B, T, H, D] with :func:`token_major` cos/sin)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def token_major(t: torch.Tensor) -> torch.Tensor:
+    """cos or sin of ``Decoder.rope`` ([T, D], or [B, 1, T, D] per sequence) laid out for x [B, T, H, D]."""
+    return t.unsqueeze(-2) if t.dim() == 2 else t.transpose(1, 2)

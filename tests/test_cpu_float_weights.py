@@ -61,3 +61,18 @@ def test_float32_stored_weights_and_float_models_are_not_narrowed(tmp_path):
     model, tok = tiny_model("llama")
     float_model = runtime.load(save_model(model.to(torch.bfloat16), tok, tmp_path / "float"), cpu_kernels=True)
     assert all(p.dtype == torch.float32 for p in float_model.decoder.parameters())  # the float model as before
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 5), (7,)])
+def test_narrow_linear_matches_f_linear_in_the_weight_dtype(rows):
+    """NarrowLinear multiplies as weight @ x.T (a matrix-vector product for one row, faster than
+    F.linear's bf16 path on lm_head shapes): the same product as F.linear in bf16, contiguous,
+    in the activations' dtype and shape."""
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(256, 96)
+    linear.weight.data = (torch.randn(96, 256, generator=g) * 0.05).bfloat16()
+    x = torch.randn(*rows, 256, generator=g)
+    got = NarrowLinear(linear)(x)
+    want = torch.nn.functional.linear(x.bfloat16(), linear.weight).float() + linear.bias
+    assert got.shape == (*rows, 96) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)

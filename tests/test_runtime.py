@@ -374,3 +374,39 @@ def test_dtype_override(tiny_dir):
     out = rt.logits(torch.tensor([[1, 2, 3]]))
     assert out.dtype == torch.float32  # logits always come back as float32
     torch.testing.assert_close(out, runtime.load(tiny_dir).logits(torch.tensor([[1, 2, 3]])), atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_formula_bit_for_bit(dtype):
+    """RMSNorm runs F.rms_norm (one call on a decode step, not five): the same values as HF's
+    float32 normalize, round to the activations' dtype, then scale."""
+    from runtime.norms import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(64, generator=g).to(dtype)
+    x = (torch.randn(3, 5, 64, generator=g) * 4).to(dtype)
+    xf = x.float()
+    want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(x), want)
+
+
+@pytest.mark.parametrize("start", [3, "per-sequence"])
+def test_joined_rope_equals_rotating_q_and_k_apart(start):
+    """q and k of a joined qkv_proj are rotated as one tensor (half the ops): bit for bit what
+    rotating each, as HF lays them out, gives; per-sequence starts too."""
+    from runtime.model import Decoder, DecoderConfig
+    from runtime.rope import apply_rope
+
+    cfg = DecoderConfig.from_hf(tiny_llama()[0].config.to_dict())
+    decoder = Decoder(cfg)
+    decoder.join_projections()
+    attention = decoder.model.layers[0].self_attn
+    h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = torch.randn(2, 4, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = decoder.rope(3 if start == 3 else torch.tensor([3, 9]), 4, torch.float32)[0]
+    with torch.no_grad():
+        q, k, v = attention.project(x, cos, sin, None, 0)
+        apart = [t.view(2, 4, -1, d).transpose(1, 2) for t in attention.qkv_proj(x).split([h * d, kv * d, kv * d], -1)]
+    assert torch.equal(q, apply_rope(apart[0], cos, sin)) and torch.equal(k, apply_rope(apart[1], cos, sin))
+    assert torch.equal(v, apart[2])
