@@ -25,10 +25,14 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
+if __name__ == "__main__":  # as the lowbit CLI does, before torch loads (not when bench.cpu_overhead imports this)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from evals.provenance import commit, cpu_name, versions
 
@@ -179,6 +183,7 @@ def main():
               "versions": versions(), "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "note": "a shared 2-core machine: other sessions' jobs may have run at the same time; "
                       "ratios are between models timed in alternating rounds of one run",
+              "command": "python -m bench.cpu_decode " + " ".join(sys.argv[1:]), "load_average_start": os.getloadavg(),
               "decode": [], "kv": [], "linears": []}
     for shape in args.shapes.split(","):
         config = SHAPES[shape]
@@ -204,6 +209,7 @@ def main():
         print(json.dumps(row), flush=True)
     for n, k in () if args.skip_linears else ((1536, 576), (8192, 2048), (2048, 8192)):
         result["linears"] += linear_times(n, k)
+    result["load_average_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
