@@ -97,7 +97,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides):
         model, tok = tiny_llama(seed=seed, tie=kind != "llama-untied", **extra)
         return perturb(model, seed), tok
     if kind.startswith(("gemma", "phi3")):
-        return tiny_gemma_or_phi3(kind, seed)
+        return tiny_gemma_or_phi3(kind, seed, **overrides)
     torch.manual_seed(seed)
     tok = tiny_tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -141,9 +141,9 @@ GEMMA_SETTINGS = {
 }
 
 
-def tiny_gemma_or_phi3(kind: str, seed: int = 0):
+def tiny_gemma_or_phi3(kind: str, seed: int = 0, **overrides):
     """Gemma 2 / Gemma 3 text (tied, GeGLU, four norms), Phi-3 (fused q/k/v and gate/up;
-    ``phi3-longrope``: LongRoPE with a 64-token original context)."""
+    ``phi3-longrope``: LongRoPE with a 64-token original context); ``overrides``: config keys."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -154,7 +154,7 @@ def tiny_gemma_or_phi3(kind: str, seed: int = 0):
     if kind.startswith("gemma"):
         config_cls, model_cls = {"gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                                  "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[kind]
-        config = config_cls(**common, **GEMMA_SETTINGS[kind])
+        config = config_cls(**{**common, **GEMMA_SETTINGS[kind], **overrides})
         config._attn_implementation = "eager"  # the reference for soft-capping (transformers' own choice for Gemma 2)
         model = model_cls(config)
     else:
@@ -165,7 +165,7 @@ def tiny_gemma_or_phi3(kind: str, seed: int = 0):
                                         "long_factor": [1.0 + 0.5 * i for i in range(8)],
                                         "original_max_position_embeddings": 64}
             extra["original_max_position_embeddings"] = 64  # Phi-3 keeps it at the top level too (and it wins)
-        model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_hidden_layers=2, **extra))
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**{**common, "num_hidden_layers": 2, **extra, **overrides}))
     return perturb(model.eval(), seed, norm_center=0.0 if kind.startswith("gemma") else 1.0), tok
 
 
