@@ -14,7 +14,6 @@ from lowbit.recipe import Recipe, RecipeError
 from quant import checkpoint, distributed, engines, models
 from quant import checkpoint_write
 from quant.calibration import calibration_samples, load_calibration_text
-from quant.affine import QuantScheme
 from quant.plan import plan_layers
 from quant.quantize import quantize_model
 
@@ -102,8 +101,7 @@ def _quantize(recipe: Recipe, overwrite: bool, resume: bool, device: str | None,
     # model is never in memory whole (a format transformers converts on load is read whole)
     loaded = models.load_lazily(source) if calibrated else None
     model, tokenizer, lazy = loaded or (*models.load_float_model(source), None)
-    rounding = chain[-1]  # its act-order (GPTQ's) is each layer's scheme.actorder
-    default = QuantScheme(w.bits, w.group_size, w.symmetric, rounding.actorder(w.settings[rounding.name]))
+    default = w.scheme  # the rounding method's act-order (GPTQ's) is each layer's scheme.actorder
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_layers(model, default, w.ignore, w.overrides)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvquant.scheme import KVScheme
 from quant import methods as registry
+from quant.affine import QuantScheme
 from quant.budget import Candidate, default_candidates
 from quant.plan import Override  # a recipe's overrides are the plan's: one definition
 
@@ -58,6 +59,13 @@ class Weights:
         """The schemes a bits budget chooses from: ``candidates``, or 3/4 bits at groups 32/64/128 and 8 bits (quant.budget)."""
         groups = [self.group_size] + [o.group_size for o in self.overrides if o.group_size is not None]
         return self.candidates or default_candidates(groups)
+
+    @property
+    def scheme(self) -> QuantScheme:
+        """The scheme of every planned Linear that no override or budget changes; its act-order is the
+        rounding method's (GPTQ's ``actorder``)."""
+        rounding = self.chain[-1]
+        return QuantScheme(self.bits, self.group_size, self.symmetric, rounding.actorder(self.settings[rounding.name]))
 
     @property
     def method(self) -> str:

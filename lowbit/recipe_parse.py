@@ -16,7 +16,7 @@ from kvquant.scheme import SUPPORTED_KV_BITS, KVScheme
 from lowbit.recipe import DTYPES, Calibration, Recipe, RecipeError, Weights, default_output
 from quant import engines
 from quant import methods as registry
-from quant.affine import SUPPORTED_BITS, QuantScheme
+from quant.affine import SUPPORTED_BITS
 from quant.budget import DEFAULT_BITS, MAX_TARGET_BITS, Candidate
 from quant.plan import Override
 
@@ -223,9 +223,7 @@ def _serve_with(c: _Checker, value, weights: Weights, explicit_candidates: bool)
         chosen = engines.resolve(names)
     except engines.EngineError as e:
         c.fail("serve_with", str(e))
-    rounding = weights.chain[-1]
-    default = QuantScheme(weights.bits, weights.group_size, weights.symmetric,
-                          rounding.actorder(weights.settings[rounding.name]))
+    rounding, default = weights.chain[-1], weights.scheme
     overrides = {f"weights.overrides[{i}]": replace(default, **{k: v for k, v in asdict(o).items()
                                                                 if k in ("bits", "group_size", "symmetric") and v is not None})
                  for i, o in enumerate(weights.overrides) if not o.skip}
