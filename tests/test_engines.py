@@ -251,3 +251,15 @@ def test_transformers_reads_act_order_group_as_the_table_says(tmp_path, tiny_dir
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
     torch.testing.assert_close(runtime.load(out).logits(ids), theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_cpu_with_amx_takes_symmetric_4_bit_experts_in_groups_other_than_32():
+    """vLLM's int4 MoE kernel (CPUExpertsInt4) runs on AMX CPUs only, and there takes uint4b8 experts whose scale
+    key is kInt4Static: every group size but 32 (tests/test_vllm.py on an AMX host)."""
+    amx, plain = engines.VLLM_CPU_AMX, engines.ENGINES["vllm-cpu"]
+    assert plain.refusal(QuantScheme(4, 64, True), expert=True).startswith("quantized MoE experts: its only CPU int4")
+    assert amx.refusal(QuantScheme(4, 64, True), expert=True) is None
+    assert amx.refusal(QuantScheme(4, -1, True), expert=True) is None
+    assert "groups of 32" in amx.refusal(QuantScheme(4, 32, True), expert=True)
+    assert "other than 4-bit symmetric" in amx.refusal(QuantScheme(4, 64, False), expert=True)
+    assert amx.refusal(QuantScheme(4, 32, True)) is None and amx.refusal(QuantScheme(8, 64, True))  # the row's rules
