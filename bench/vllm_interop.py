@@ -46,6 +46,7 @@ CASES = {
     "qwen3-gptq-w4-asym-g32": ("qwen3", {"methods": ["gptq"], "group_size": 32}, None),
     "qwen3moe-rtn-w4-sym-g32": ("qwen3_moe", {"group_size": 32, "symmetric": True}, None),
     "qwen3moe-gptq-w4-asym-g64": ("qwen3_moe", {"methods": ["gptq"], "group_size": 64}, None),
+    "qwen3moe-rtn-w4-sym-g64": ("qwen3_moe", {"group_size": 64, "symmetric": True}, None),  # served with AMX
     "qwen3moe-rtn-w4-sym-g32-experts-float": ("qwen3_moe", {"group_size": 32, "symmetric": True,
                                                           "ignore": ["lm_head", "re:.*\\.experts\\..*"]}, None),
     # Gemma 2 and 3 (four norms, (1 + w) scales, scaled embeddings, soft-capping (2), sliding windows, GeGLU)
@@ -58,15 +59,17 @@ CASES = {
     "budget-gptq-vllm-cpu": ("llama", {"methods": ["gptq"], "target_bits": 4.3, "group_size": 32,
                                        "symmetric": True}, ["vllm-cpu"]),
     # what the table says vLLM-CPU refuses
-    "gemma2-head16-rtn-w4-asym-g32": ("gemma2-head16", {"group_size": 32}, None),
     "rtn-w8-sym-g128": ("llama", {"bits": 8, "group_size": 128, "symmetric": True}, None),
     "rtn-w4-g64-down-w8-asym": ("llama", {"group_size": 64, "overrides": [{"match": "down_proj", "bits": 8}]}, None),
     "rtn-w3-asym-g64": ("llama", {"bits": 3, "group_size": 64}, None),
     "rtn-w2-sym-g64": ("llama", {"bits": 2, "group_size": 64, "symmetric": True}, None),
     "gptq-w4-sym-g64-actorder-group": ("llama", {"methods": ["gptq"], "group_size": 64, "symmetric": True,
                                                  "gptq": {"actorder": "group"}}, None),
+    # last: vLLM accepts it and fails at its first step (one process runs every case)
+    "gemma2-head16-rtn-w4-asym-g32": ("gemma2-head16", {"group_size": 32}, None),
 }
-# vLLM-CPU's int4 MoE kernel runs on x86 CPUs with AMX only (the table refuses quantized experts for the rest)
+# vLLM-CPU's int4 MoE kernel runs on x86 CPUs with AMX only (engines.VLLM_CPU_AMX; the table's row refuses
+# quantized experts for the rest)
 HOST_HAS_AMX = "amx_tile" in Path("/proc/cpuinfo").read_text()
 
 
@@ -131,14 +134,14 @@ def run_vllm(python: Path, root: Path, checkpoints: dict[str, Path], prompts: li
 
 def table_verdict(checkpoint: Path) -> str | None:
     """What the engine table says of vLLM-CPU for this checkpoint (read as `lowbit inspect` reads it): None
-    (serves it) or why not; quantized experts count as served on a host with AMX."""
+    (serves it) or why not; on a host with AMX, with the rules of vLLM's int4 MoE kernel for the experts."""
     from lowbit.inspection import stored_plan
     from quant import checkpoint as ckpt
     from quant import engines
 
     config = ckpt.read_config(checkpoint)
-    verdict = engines.serving(*stored_plan(checkpoint, config), config)["vllm-cpu"]
-    return None if verdict and "AMX" in verdict and HOST_HAS_AMX else verdict
+    engine = engines.VLLM_CPU_AMX if HOST_HAS_AMX else engines.ENGINES["vllm-cpu"]
+    return engines.verdict(engine, *stored_plan(checkpoint, config), config)
 
 
 def compare(checkpoint: Path, prompts: list[list[int]], got: dict) -> dict:

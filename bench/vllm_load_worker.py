@@ -27,7 +27,13 @@ def run_one(path: str, job: dict) -> dict:
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], ignore_eos=True, prompt_logprobs=0,
                             detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+    try:  # some refusals come only at the first step (an attention head size its kernels lack)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+    except Exception as e:
+        del llm
+        gc.collect()
+        return {"loaded": False, "error": "".join(traceback.format_exception_only(type(e), e))[-2000:],
+                "load_s": load_s, "failed_at": "generate"}
     result = {"loaded": True, "load_s": load_s, "tokens": [], "prompt_logprobs": []}
     for prompt, out in zip(job["prompts"], outputs):
         result["tokens"].append(list(out.outputs[0].token_ids))

