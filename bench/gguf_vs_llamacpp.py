@@ -2,7 +2,7 @@
 llama.cpp's own perplexity tool, in one run.
 
     python -m bench.gguf_vs_llamacpp [--mixes Q2_K Q3_K_M Q4_K_M] [--samples 128] [--seq-len 512]
-        [--calibration mixed] [--eval-tokens 8192] [--out bench/results/gguf/gguf-vs-llamacpp.json]
+        [--calibration mixed] [--eval-tokens 8192] [--out bench/results/gguf/gguf-vs-llamacpp-mixed.json]
 
 On SmolLM2-135M (lowbit's bundled model, its float weights as lowbit resolves them):
 
@@ -36,7 +36,8 @@ import re
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+import threading
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,10 +190,11 @@ def main():
     ap.add_argument("--wait-lowbit", action="store_true",
                     help="lowbit's files missing from --work are being made by a --lowbit-only run: wait for them")
     ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (--threads each)")
+    ap.add_argument("--score-jobs", type=int, default=1, help="llama-perplexity runs at once (--threads each)")
     ap.add_argument("--no-plain", action="store_true", help="skip llama-quantize without an imatrix")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
     ap.add_argument("--work", type=Path, default=None, help="keep the files here (default: a temporary directory)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf" / "gguf-vs-llamacpp.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf" / "gguf-vs-llamacpp-mixed.json")
     args = ap.parse_args()
 
     import torch
@@ -275,24 +277,34 @@ def main():
     for name in texts:  # a kept --work directory's float logits are from an earlier run
         (work / f"float-logits-{name}.kld").unlink(missing_ok=True)
 
+    written = threading.Lock()
+
     def score(label: str, path: Path, facts: dict) -> None:
         row = {"file": label, **facts}
         for name, text in texts.items():
             row[name] = perplexity(args.llama_bin, path, text, args.ctx, args.threads, work / f"{path.stem}-{name}.log",
                                    work / f"float-logits-{name}.kld")
-        result["rows"].append(row)
-        args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
-        print(label, {n: row[n]["ppl"] for n in texts}, "bpw", row[TEXTS[0]]["bpw"], flush=True)
+        with written:
+            result["rows"].append(row)
+            args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+            print(label, {n: row[n]["ppl"] for n in texts}, "bpw", row[TEXTS[0]]["bpw"], flush=True)
 
-    for label, (path, facts) in files.items():  # llama.cpp's files while lowbit's are still being made
-        score(label, path, facts)
-    for mix, future in made.items():
+    def score_lowbit(mix: str, future) -> None:
         path = work / f"lowbit-{mix}.gguf"
         while future is None and (future := made_before(path, made_with)) is None:
             time.sleep(30)
         made_facts = future if isinstance(future, dict) else future.result()
         score(f"lowbit {'+'.join(args.methods)} {mix}", path,
               {"mix": mix, **made_facts, "types_vs_llama_imatrix": same_types(path, files[f"llama.cpp imatrix {mix}"][0])})
+
+    (label, (path, facts)), *others = files.items()
+    score(label, path, facts)  # the float file first: it saves the logits the others are scored against
+    # llama.cpp's files while lowbit's are still being made; --score-jobs llama-perplexity runs at once
+    with ThreadPoolExecutor(max_workers=max(1, args.score_jobs)) as scorers:
+        done = [scorers.submit(score, label, path, facts) for label, (path, facts) in others]
+        done += [scorers.submit(score_lowbit, mix, future) for mix, future in made.items()]
+        for d in done:
+            d.result()
     pool.shutdown()
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.write_text(json.dumps(result, indent=2))
