@@ -5,8 +5,12 @@ side by side in one process.
                                  [--random-fill] [--batches 1,8] [--steps 16] [--rounds 2]
                                  [--windows 2] [--threads 1] [--before COMMIT] [--out FILE]
 
-    # issue 31's long-context target: W4 weights, 4k context, batch 1 and 8
-    flock /tmp/lowbit-bench.lock python -m bench.kv_cpu_speed --weights w4 --context 4096 --random-fill
+    # issue 31's long-context target: W4 weights, 4k context, batch 1 and 8 (decode only)
+    flock /tmp/lowbit-bench.lock python -m bench.kv_cpu_speed --weights w4 --context 4096 --random-fill \
+        --windows 0 --steps 12 --rounds 2 --threads 1
+    # lowbit eval --kv's chunked windows (float SmolLM2) and decode after a real 1k prefill
+    flock /tmp/lowbit-bench.lock python -m bench.kv_cpu_speed --weights float --windows 6 --batches 1,8 \
+        --steps 12 --rounds 2 --threads 1
 
 Weights: SmolLM2-135M-Instruct (``float``: float32, the runtime's CPU dtype) or random W4 g64
 weights at its shape through the CPU int4 kernels (``w4``: ``bench.cpu_decode.random_model``).
@@ -21,8 +25,9 @@ Caches: fp16 / int8 / int4 (default group 64, residual 128) or ``--schemes``.
   then ``steps`` decode steps timed one by one (no block fills in them); the median step.
 
 Compared (two variants, each with every cache): by default this tree's decode steps over the
-stored codes with scales folded (``runtime.cpu_attention``: ``folded``) against the same tree
-dequantizing the cache and running SDPA (``reference``: ``PagedCache.folded_decode`` off), on
+stored codes with scales folded, every row of the batch in one call (``runtime.cpu_attention``:
+``folded``; the fp16 cache's floats read as stored) against the same tree reading the cache
+back dequantized and running SDPA per sequence (``reference``: ``PagedCache.folded_decode`` off), on
 the same model; with ``--before COMMIT`` (float weights) that commit's ``runtime``, ``kvquant``
 and ``quant`` imported from git as ``*_before`` (``bench/step_time.import_before``) against this
 tree. Every (variant, cache) pair runs each window and each round before the next one starts,
@@ -30,7 +35,9 @@ the first alternating. The machine is shared (other work may be compiling): rati
 measured together are what count. Everything runs in a worker thread with ``--threads``
 intra-op threads (default: 1; on a loaded machine PyTorch's OpenMP threads stepped from the
 main thread wait actively for each other: ``bench/step_time.py``). Whether the two variants'
-logits (windows) and greedy tokens (decode) are identical is recorded. Writes
+logits (windows) and greedy tokens (decode) are identical is recorded, and the load average
+before and after. Prints a summary table (median CPU and wall per step or window, and each
+cache's ratio to fp16 in the same variant and to the reference fp16). Writes
 bench/results/kv/cpu-speed-<weights>-ctx<context>.json.
 """
 
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -144,6 +152,24 @@ def ratios(times: dict, over: str = "fp16") -> dict:
     return {name: {k: v / base[k] for k, v in medians(t).items()} for name, t in times.items()}
 
 
+def summary(label: str, times: dict) -> list[str]:
+    """Table rows: each (variant, cache)'s median CPU and wall, its ratio to fp16 in the same variant
+    and to the first variant's fp16 (the reference path's)."""
+    first = next(iter(times))[0]
+    base = {v: medians(t) for (v, n), t in times.items() if n == "fp16" and t}
+    rows = [f"{label:<10} {'variant':<10} {'cache':<6} {'cpu s':>8} {'wall s':>8} {'cpu/fp16':>9} "
+            f"{'wall/fp16':>9} {'cpu/ref fp16':>13}"]
+    for (v, n), t in times.items():
+        if not t:
+            continue
+        m = medians(t)
+        own, ref = base.get(v), base.get(first)
+        rows.append(f"{label:<10} {v:<10} {n:<6} {m['cpu_s']:>8.4f} {m['wall_s']:>8.4f} "
+                    f"{m['cpu_s'] / own['cpu_s']:>9.2f} {m['wall_s'] / own['wall_s']:>9.2f} "
+                    f"{m['cpu_s'] / ref['cpu_s']:>13.2f}")
+    return rows
+
+
 def load_models(args, tmp: Path) -> dict:
     """The variants compared: name -> (runtime package, kvquant module, model, folded decode)."""
     import kvquant
@@ -190,6 +216,7 @@ def main():
     if "fp16" not in names:
         raise SystemExit("--schemes must include fp16 (every ratio is over it)")
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         variants = load_models(args, Path(tmp))
         models = {v: m for v, (_, _, m, _) in variants.items()}
@@ -214,8 +241,8 @@ def main():
             for n in names:
                 same_logits[n] &= torch.equal(logits[first, n], logits[last, n])
 
-        decode = {}
-        for batch in [int(b) for b in args.batches.split(",")]:
+        decode, tables = {}, summary("eval", eval_s) if spans else []
+        for batch in [int(b) for b in args.batches.split(",") if b]:
             step_s = {p: [] for p in pairs}
             same_tokens = {n: True for n in names}
             for r in range(args.rounds):
@@ -234,6 +261,7 @@ def main():
                 "vs_fp16": {v: ratios({n: step_s[v, n] for n in names}) for v in variants},
                 f"tokens_identical_{first}_{last}": same_tokens,
             }
+            tables += summary(f"decode b{batch}", step_s)[int(bool(tables)):]
 
     weights = ("random W4 g64 asymmetric weights at SmolLM2-135M's shape (bench.cpu_decode.random_model, CPU "
                "int4 kernels)" if args.weights == "w4" else "SmolLM2-135M-Instruct, float32 weights")
@@ -253,6 +281,7 @@ def main():
                      "alternating; each in a worker thread",
             "intra_op_threads": threads or torch.get_num_threads(),
             "machine": "shared 2-core CPU: other sessions may have been compiling or testing at the same time",
+            "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         },
         "schemes": {n: s.to_dict() for n, s in schemes[last].items()},
         "eval": {
@@ -270,8 +299,10 @@ def main():
     }
     out = args.out or ROOT / "bench" / "results" / "kv" / f"cpu-speed-{args.weights}-ctx{args.context}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    result["summary"] = tables
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"eval": result["eval"]["vs_fp16"], **{k: d["vs_fp16"] for k, d in decode.items()}}, indent=1))
+    print("\n".join(tables))
+    print(f"load average before {load_before}, after {os.getloadavg()}")
     print(f"wrote {out}")
 
 

@@ -92,7 +92,7 @@ import torch
 from kvquant import KVScheme, dequantize_blocks, quantize_blocks
 from kvquant.memory import layer_groups, ring_blocks
 from runtime.cache_parts import BlockPool, SequenceSlots
-from runtime.cpu_attention import folds
+from runtime.cpu_attention import decodes
 
 
 class PagedCache:
@@ -122,9 +122,10 @@ class PagedCache:
         self.pool = BlockPool(self.groups, self.num_blocks, kv_heads, head_dim, self.scheme, dtype, self.device)
         self.slots = SequenceSlots(self.groups, batch, max_blocks, kv_heads, head_dim, B, dtype, self.device)
         # Decode steps on the CPU reference path attend over the stored codes, scales folded
-        # (runtime.cpu_attention), where the scheme allows; False: dequantize and SDPA, as a prefill
-        # does (and as the GPU reference does, which the Triton kernels are checked against).
-        self.folded_decode = self.device.type == "cpu" and folds(self.scheme, head_dim)
+        # (runtime.cpu_attention; the unquantized cache's floats as stored), every row in one
+        # call, where the scheme allows; False: read back, dequantized, and SDPA per sequence, as
+        # a prefill does (and as the GPU reference does, which the Triton kernels are checked against).
+        self.folded_decode = self.device.type == "cpu" and decodes(self.scheme, head_dim)
 
     # ----------------------------------------------------------- the layout's public names
 

@@ -66,10 +66,18 @@ def folds(scheme: KVScheme, head_dim: int) -> bool:
     return grids(scheme, head_dim) is not None
 
 
-# Float codes converted per chunk of rows (KV head x sequence): about this many floats, so they
-# are still in the core's cache when the product reads them (at batch 8 and 4k context a layer's
-# keys are 25 MB as floats; per row, 1 MB). At least one row per chunk.
-CHUNK_FLOATS = 1 << 19
+def decodes(scheme: KVScheme, head_dim: int) -> bool:
+    """Whether :func:`decode_attention` serves this scheme's cache: the integer ones it folds, and
+    the unquantized one (its stored floats are read as they are: one batched call per layer
+    instead of a read-back and an SDPA per sequence). FP8 keeps the reference path."""
+    return not scheme.quantized or folds(scheme, head_dim)
+
+
+# Float codes converted (or floats gathered) per chunk of rows (KV head x sequence): about this
+# many floats, so they are still in the core's cache when the products read them (at batch 8 and
+# 4k context a layer's keys are 25 MB as floats; per row, 1 MB). At least one row per chunk.
+# 2**20 (4 MB) measured best of 2**18..2**24 for fp16, int8 and int4 at batch 8 and 4k (2 MB L2).
+CHUNK_FLOATS = 1 << 20
 
 
 def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
@@ -94,32 +102,53 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
     rest = max(n - s * B for n, s in zip(lengths, stored))  # residual positions read (the longest)
     pooled = (hi - lo) * B
     grid = grids(paged.scheme, D)
-    keys = values = None
-    if pooled:  # the rows' blocks lo..hi, [R, (hi-lo) * B, ...]; -1 (ring, shorter row): page 0, masked
-        pages = paged.block_table[:, lo:hi].clamp_min(0).flatten()
-        gather = lambda t: t.transpose(0, 1).index_select(1, pages).view(R, -1, t.shape[-1])  # noqa: E731
-        keys, values = paged.k.map(gather), paged.v.map(gather)
-    residual = [r[:, :, :rest].transpose(0, 1).reshape(R, rest, D) for r in (paged.residual_k, paged.residual_v)]
+    # the rows' blocks lo..hi; -1 (ring, shorter row): page 0, masked
+    pages = paged.block_table[:, lo:hi].clamp_min(0) if pooled else None
     mask = _invalid(lengths, firsts, stored, lo, hi, rest, B, q.device)
     if mask is not None:
         mask = mask.repeat(H, 1)[:, None]  # [R, 1, pooled + rest]
     out = torch.empty(R, nq, D, device=q.device)
-    step = max(1, CHUNK_FLOATS // ((pooled + rest) * D))
-    for a in range(0, R, step):
-        rows = slice(a, a + step)
-        part = lambda t: t[rows]  # noqa: E731
-        out[rows] = _attend_rows(qf[rows], keys and keys.map(part), values and values.map(part), residual[0][rows],
-                                 residual[1][rows], None if mask is None else mask[rows], grid, softcap)
+    for heads, seqs in _chunks(H, S, max(1, CHUNK_FLOATS // ((pooled + rest) * D))):
+        rows = slice(heads.start * S + seqs.start, (heads.stop - 1) * S + seqs.stop)  # [r]: h-major
+        n = rows.stop - rows.start
+        keys = values = None
+        if pooled:  # [r, (hi-lo) * B, ...], gathered per chunk (so it, too, is read from cache)
+            ids = pages[seqs].flatten()
+            keys, values = (part.map(lambda t: _gather(t, heads, ids, n)) for part in (paged.k, paged.v))
+        residual_k, residual_v = (r[seqs, heads, :rest].transpose(0, 1).reshape(n, rest, D)
+                                  for r in (paged.residual_k, paged.residual_v))
+        out[rows] = _attend_rows(qf[rows], keys, values, residual_k, residual_v,
+                                 None if mask is None else mask[rows], grid, softcap)
     return out.view(H, S, nq, D).transpose(0, 1).reshape(S, Hq, 1, D).to(q.dtype)
+
+
+def _gather(pool: torch.Tensor, heads: slice, pages: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pages ``pages`` of a pool tensor [N, H, ...] for KV heads ``heads``, [rows, tokens, ...]: one
+    head at a time along the pool's leading dimension (a gather through the transposed pool
+    runs PyTorch's strided path, 10-50x slower)."""
+    out = pool.new_empty(heads.stop - heads.start, pages.numel(), *pool.shape[2:])
+    for i, h in enumerate(range(heads.start, heads.stop)):
+        torch.index_select(pool[:, h], 0, pages, out=out[i])
+    return out.view(rows, -1, pool.shape[-1])
+
+
+def _chunks(heads: int, seqs: int, rows: int) -> list[tuple[slice, slice]]:
+    """``(heads, sequences)`` slices of about ``rows`` rows each whose rows ``h * S + s`` are one
+    contiguous range: whole heads when a chunk holds every sequence, else runs of one head."""
+    if rows >= seqs:
+        per = rows // seqs
+        return [(slice(h, min(h + per, heads)), slice(0, seqs)) for h in range(0, heads, per)]
+    return [(slice(h, h + 1), slice(s, min(s + rows, seqs))) for h in range(heads) for s in range(0, seqs, rows)]
 
 
 def _attend_rows(q, keys, values, residual_k, residual_v, mask, grid, softcap) -> torch.Tensor:
     """Attention [r, nq, D] of queries ``q`` [r, nq, D] over gathered pool tokens ``keys``,
     ``values`` ([r, P, ...] tensors; None: none) then residual ``residual_k/v`` [r, rest, D];
     ``mask`` [r, 1, P + rest] True where not seen."""
+    key_grid, value_grid = grid or (None, None)  # None: unquantized
     scores = q @ residual_k.float().transpose(-1, -2)  # [r, nq, rest]
     if keys is not None:
-        scores = torch.cat([_key_scores(keys, grid[0], q), scores], dim=-1)
+        scores = torch.cat([_key_scores(keys, key_grid, q), scores], dim=-1)
     scores *= q.shape[-1] ** -0.5
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -129,7 +158,7 @@ def _attend_rows(q, keys, values, residual_k, residual_v, mask, grid, softcap) -
     pooled = scores.shape[-1] - residual_k.shape[-2]
     out = p[..., pooled:] @ residual_v.float()
     if values is not None:
-        out += _value_sums(values, grid[1], p[..., :pooled])
+        out += _value_sums(values, value_grid, p[..., :pooled])
     return out
 
 
@@ -184,6 +213,8 @@ def _key_scores(keys: QuantizedKV, grid, q: torch.Tensor) -> torch.Tensor:
     """Raw scores q.k [R, nq, T] over gathered keys ``keys`` ([R, T, ...] tensors) on ``grid``,
     ``q`` [R, nq, D]."""
     data, scale, zero = keys
+    if grid is None:  # unquantized: the stored floats
+        return q @ data.float().transpose(-1, -2)
     F = 8 // grid.bits
     codes = _fields(data, grid.bits)  # [F, R, T, D/F]
     scale, zero = scale.float(), zero.float().add_(1 << (grid.bits - 1))
@@ -201,6 +232,8 @@ def _value_sums(values: QuantizedKV, grid, p: torch.Tensor) -> torch.Tensor:
     """``p @ v`` [R, nq, D] for softmax weights ``p`` [R, nq, T] over gathered values ``values``
     ([R, T, ...] tensors; scale and zero [R, T, groups]) on ``grid``."""
     data, scale, zero = values
+    if grid is None:
+        return p @ data.float()
     F, groups = 8 // grid.bits, scale.shape[-1]
     codes = _fields(data, grid.bits)  # [F, R, T, D/F]
     D = codes.shape[-1] * F

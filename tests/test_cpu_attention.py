@@ -9,7 +9,7 @@ from kvquant import parse_kv
 from runtime.attention import SequenceBatch, WholeCache
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
-from runtime.cpu_attention import decode_attention, folds
+from runtime.cpu_attention import decode_attention, decodes, folds
 
 H, HQ, D = 2, 6, 64
 FOLDED = ["int8-r32", "int4-g16-r32", "int4-g32-r64", "int2-g16-r32", "int4-g64-r64", "int2-g64-r64",
@@ -41,9 +41,9 @@ def folded_calls(monkeypatch):
     return calls
 
 
-CASES = [(spec, None, None) for spec in FOLDED] + [
-    ("int8-r32", 40, None), ("int4-g16-r32", 40, None), ("k4v2-g32-r32", 40, None),  # sliding window
-    ("int4-g32-r64", None, 30.0), ("int2-g16-r32", None, 30.0)]  # Gemma 2's soft-capping
+CASES = [(spec, None, None) for spec in FOLDED + ["fp16-r32"]] + [
+    ("int8-r32", 40, None), ("int4-g16-r32", 40, None), ("k4v2-g32-r32", 40, None), ("fp16-r32", 40, None),  # window
+    ("int4-g32-r64", None, 30.0), ("int2-g16-r32", None, 30.0), ("fp16-r32", None, 30.0)]  # Gemma 2's soft-capping
 
 
 @pytest.mark.parametrize("spec, window, softcap", CASES)
@@ -62,7 +62,7 @@ def test_lockstep_decode_matches_reference(spec, window, softcap, folded_calls):
     assert len(folded_calls) == 5  # the folded cache's steps, not the reference's
 
 
-@pytest.mark.parametrize("spec", ["int8-r32", "int4-g16-r32", "int2-g32-r32"])
+@pytest.mark.parametrize("spec", ["int8-r32", "int4-g16-r32", "int2-g32-r32", "fp16-r32"])
 @pytest.mark.parametrize("window", [None, 24])
 def test_engine_rows_at_different_lengths_match_reference(spec, window, folded_calls):
     """The engine's decode: each row at its own length (some shorter than a block, one with none
@@ -109,9 +109,12 @@ def test_which_schemes_fold():
     assert not folds(parse_kv("fp16"), D)
     assert not folds(parse_kv("fp8"), D)
     assert not LockstepCache(1, 1, H, D, 64, torch.float32, "cpu", parse_kv("fp8")).folded_decode
+    # the unquantized cache's floats are read as stored, every row in one call
+    assert decodes(parse_kv("fp16"), D) and not decodes(parse_kv("fp8"), D)
+    assert LockstepCache(1, 1, H, D, 64, torch.float32, "cpu", parse_kv("fp16")).folded_decode
 
 
-@pytest.mark.parametrize("spec", ["int4-g16-r32", "k8v4-g16-r32", "int4-g32-r64"])
+@pytest.mark.parametrize("spec", ["int4-g16-r32", "k8v4-g16-r32", "int4-g32-r64", "fp16-r32"])
 def test_rows_in_chunks_match_one_chunk(spec, monkeypatch):
     """Rows (KV head x sequence) attended a few at a time (runtime.cpu_attention.CHUNK_FLOATS: the
     float codes stay in cache) give what one chunk of every row gives."""
