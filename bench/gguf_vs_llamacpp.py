@@ -155,6 +155,25 @@ def quant_source_digest() -> str:
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
+def extra_rows(folders: list[Path], mixes: list[str], made_with: dict) -> list[tuple]:
+    """(label, path, facts) of lowbit's files in ``folders`` made from the same windows and sources as
+    this run's but other GPTQ settings (a file made otherwise is refused)."""
+    rows = []
+    for folder in folders:
+        for mix in mixes:
+            path = folder / f"lowbit-{mix}.gguf"
+            while not path.with_suffix(".json").exists():  # its --lowbit-only run is still at work
+                time.sleep(30)
+            kept = json.loads(path.with_suffix(".json").read_text())
+            other = kept["made_with"]
+            if {k: v for k, v in other.items() if k != "gptq"} != {k: v for k, v in made_with.items() if k != "gptq"}:
+                raise SystemExit(f"{path} was made from other windows or sources: {other}")
+            settings = ",".join(f"{k}={v}" for k, v in other["gptq"].items())
+            rows.append((f"lowbit {'+'.join(other['methods'])} ({settings}) {mix}", path,
+                         {"mix": mix, **kept["facts"], "made_by_earlier_run": True, "gptq": other["gptq"]}))
+    return rows
+
+
 def made_before(out: Path, made_with: dict) -> dict | None:
     """The facts of a lowbit file an earlier run (``--lowbit-only``) made the same way, else None."""
     stamp = out.with_suffix(".json")
@@ -190,6 +209,9 @@ def main():
     ap.add_argument("--wait-lowbit", action="store_true",
                     help="lowbit's files missing from --work are being made by a --lowbit-only run: wait for them")
     ap.add_argument("--jobs", type=int, default=3, help="lowbit files made at once (--threads each)")
+    ap.add_argument("--extra-lowbit", type=Path, nargs="*", default=[],
+                    help="--work folders of --lowbit-only runs with other GPTQ settings (same windows and sources): "
+                         "their files scored as more rows, labelled with their settings")
     ap.add_argument("--score-jobs", type=int, default=1, help="llama-perplexity runs at once (--threads each)")
     ap.add_argument("--no-plain", action="store_true", help="skip llama-quantize without an imatrix")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
@@ -303,6 +325,8 @@ def main():
     with ThreadPoolExecutor(max_workers=max(1, args.score_jobs)) as scorers:
         done = [scorers.submit(score, label, path, facts) for label, (path, facts) in others]
         done += [scorers.submit(score_lowbit, mix, future) for mix, future in made.items()]
+        for row in extra_rows(args.extra_lowbit, args.mixes, made_with):
+            done.append(scorers.submit(score, *row))
         for d in done:
             d.result()
     pool.shutdown()
