@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from runtime.kernels import attention as A  # noqa: E402
+from runtime.kernels import kv_dequantize as KD  # noqa: E402
 from runtime.kernels import kv_write as W  # noqa: E402
 
 TL = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
@@ -80,14 +81,14 @@ def main(capability: int = 90, quick: bool = False) -> None:
         built = []
         for sliding in (True,) if quick else (False, True):
             k = compile_kernel(A._decode_kernel, target, types,
-                               dict(H=8, GROUP_Q=4, QH=16, TILE=16 if dt == "fp32" else A.DEFAULT_TILE,
+                               dict(H=8, GROUP_Q=4, QH=16, TILE=16 if dt == "fp32" else KD.DEFAULT_TILE,
                                     SLIDING=sliding,
                                     IEEE=dt == "fp32", OUT=TL[dt], **scheme), 4, 2)
             built.append(("decode", k))
         built.append(("combine", compile_kernel(A._combine_kernel, target, {**parts, "out_ptr": f"*{dt}"},
                                                 dict(MAX=A.MAX_SPLITS, D=128), 4, 1)))
-        built.append(("dequantize", compile_kernel(A._dequantize_kernel, target, types,
-                                                   dict(H=8, TILE=A.DEFAULT_TILE, OUT=TL[dt], **scheme), 4, 1)))
+        built.append(("dequantize", compile_kernel(KD._dequantize_kernel, target, types,
+                                                   dict(H=8, TILE=KD.DEFAULT_TILE, OUT=TL[dt], **scheme), 4, 1)))
         built.append(("write blocks", compile_kernel(
             W._write_blocks_kernel, target, types,
             dict(H=8, KEY_ROWS=64 if kivi else W.WRITE_ROWS, ROWS=W.WRITE_ROWS, CACHE=TL[dt], **scheme),

@@ -45,7 +45,7 @@ from runtime.cache_lockstep import LockstepCache
 from runtime.kernels import decode_folded as folded
 from runtime.kernels import kv_reference as ref
 from runtime.kernels.kv_reference import PagedKV
-from runtime.kernels.kv_dequantize import DEFAULT_TILE, _dequant_pool_tile, _dequantize_kernel, _residual_tile, _tile, dequantize_cache  # noqa: F401 (tests, compile checks)
+from runtime.kernels.kv_dequantize import DEFAULT_TILE, dequant_pool_tile, dequantize_cache, residual_tile, tile_tokens
 from runtime.kernels.kv_write import write_kv
 from runtime.kernels.paged import TL_DTYPES, placeholder, pow2, require_supported, scheme_constants, supported, unsupported_reason  # noqa: F401 (public here)
 
@@ -177,8 +177,8 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
         for p0 in range(p_begin, pool_end, TILE):  # full blocks, from the pool
             blk = tl.load(table_ptr + s * table_stride + p0 // B)
             ok = p0 + tl.arange(0, TILE) >= lo
-            k = _dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
-            v = _dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+            k = dequant_pool_tile(kd, ks, kz, blk * H + h, p0 % B, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+            v = dequant_pool_tile(vd, vs, vz, blk * H + h, p0 % B, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
             m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
     # folded INT4 runs one warp: a 16-row residual tile keeps its [tile, D] keys and values from
     # pushing the kernel past 255 registers (ptxas then spills the loop-invariant addresses)
@@ -186,8 +186,8 @@ def _decode_kernel(q_ptr, kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, len
     for p0 in range(tl.maximum(p_begin, n_full * B), p_end, RT):  # the partial block, from the residual
         pos = p0 + tl.arange(0, RT)
         ok = (pos >= lo) & (pos < length)
-        k = _residual_tile(rk_ptr, s * H + h, p0 % B, ok, B, D, RT).to(OUT)
-        v = _residual_tile(rv_ptr, s * H + h, p0 % B, ok, B, D, RT).to(OUT)
+        k = residual_tile(rk_ptr, s * H + h, p0 % B, ok, B, D, RT).to(OUT)
+        v = residual_tile(rv_ptr, s * H + h, p0 % B, ok, B, D, RT).to(OUT)
         m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, qk_scale, IEEE)
 
     l_safe = tl.where(l == 0.0, 1.0, l)  # a split with no positions leaves zeros and lse = -inf
@@ -274,7 +274,7 @@ def decode_attention(q: torch.Tensor, paged: PagedKV, seq_lens: torch.Tensor, wi
         q, kd, ks, kz, vd, vs, vz, paged.residual_k, paged.residual_v, paged.block_table,
         seq_lens.to(torch.int32), out, part_o, part_lse, scale * _LOG2E, window or 0,
         paged.block_table.stride(0), per_split, splits,
-        H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=_tile(paged, tile),
+        H=H, GROUP_Q=group_q, QH=max(16, triton.next_power_of_2(group_q)), TILE=tile_tokens(paged, tile),
         SLIDING=window is not None, IEEE=q.dtype == torch.float32, OUT=TL_DTYPES[q.dtype], **c,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:

@@ -18,7 +18,7 @@ DEFAULT_TILE = 32
 
 
 
-def _tile(paged: PagedKV, tile: int | None = None) -> int:
+def tile_tokens(paged: PagedKV, tile: int | None = None) -> int:
     """Tokens per tile: divides the block and, for KIVI keys, the token group (one scale row per tile)."""
     t = tile or DEFAULT_TILE
     if not (pow2(t) and t >= 16):
@@ -31,7 +31,7 @@ def _tile(paged: PagedKV, tile: int | None = None) -> int:
 
 
 @triton.jit
-def _dequant_pool_tile(data_ptr, scale_ptr, zero_ptr, plane, t0, row_ok,
+def dequant_pool_tile(data_ptr, scale_ptr, zero_ptr, plane, t0, row_ok,
                        KEYS: tl.constexpr, B: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                        BITS: tl.constexpr, FP8: tl.constexpr, KIVI: tl.constexpr,
                        TILE: tl.constexpr, OUT: tl.constexpr):
@@ -78,7 +78,7 @@ def _dequant_pool_tile(data_ptr, scale_ptr, zero_ptr, plane, t0, row_ok,
 
 
 @triton.jit
-def _residual_tile(res_ptr, plane, t0, row_ok, B: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
+def residual_tile(res_ptr, plane, t0, row_ok, B: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
     """Rows ``t0 .. t0+TILE`` of one head of one sequence's residual (``plane = seq * H + head``)."""
     rows = t0 + tl.arange(0, TILE)
     ptrs = res_ptr + plane.to(tl.int64) * B * D + rows[:, None] * D + tl.arange(0, D)[None, :]
@@ -106,13 +106,13 @@ def _dequantize_kernel(kd, ks, kz, vd, vs, vz, rk_ptr, rv_ptr, table_ptr, lens_p
         ok = ok & (pos >= seq_len - window + 1)
     if (j + 1) * B <= length:  # a full block: in the pool
         blk = tl.maximum(tl.load(table_ptr + s * table_stride + j), 0)  # a dropped block: no row is ok
-        k = _dequant_pool_tile(kd, ks, kz, blk * H + h, t0, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
-        v = _dequant_pool_tile(vd, vs, vz, blk * H + h, t0, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+        k = dequant_pool_tile(kd, ks, kz, blk * H + h, t0, ok, True, B, D, G, BITS, FP8, KIVI, TILE, OUT)
+        v = dequant_pool_tile(vd, vs, vz, blk * H + h, t0, ok, False, B, D, G, BITS, FP8, KIVI, TILE, OUT)
         k = tl.where(ok[:, None], k, 0.0).to(OUT)  # KIVI keys' scales are read whatever the rows
         v = tl.where(ok[:, None], v, 0.0).to(OUT)
     else:  # the partial block (or past the end: zeros)
-        k = _residual_tile(rk_ptr, s * H + h, t0, ok, B, D, TILE).to(OUT)
-        v = _residual_tile(rv_ptr, s * H + h, t0, ok, B, D, TILE).to(OUT)
+        k = residual_tile(rk_ptr, s * H + h, t0, ok, B, D, TILE).to(OUT)
+        v = residual_tile(rv_ptr, s * H + h, t0, ok, B, D, TILE).to(OUT)
     out = ((s * H + h).to(tl.int64) * out_len + pos[:, None]) * D + tl.arange(0, D)[None, :]
     keep = (pos < out_len)[:, None]
     tl.store(ko_ptr + out, k, mask=keep)
@@ -130,7 +130,7 @@ def dequantize_cache(paged: PagedKV, seq_lens: torch.Tensor, length: int | None 
     out_v = paged.residual_v.new_empty(S, H, length, D)
     if length == 0 or S == 0:
         return out_k, out_v
-    TILE = _tile(paged)
+    TILE = tile_tokens(paged)
     kd, ks, kz = (placeholder(t, paged.k.data) for t in paged.k)
     vd, vs, vz = (placeholder(t, paged.v.data) for t in paged.v)
     c = scheme_constants(paged)
