@@ -61,7 +61,7 @@ def dot_case(kw, dtype: str, label: str, M: int, config, arch: str, x_tma: bool)
                       DEQUANT=dequant_type(kw.bits, TORCH_DTYPES[dtype], False), DEQUANT_ASM=True,
                       BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
                       STEP_TILES=config.step_tiles, X_TMA=x_tma,
-                      EVEN_N=kw.out_features % config.block_n == 0,  # as _launch passes them
+                      EVEN_N=kw.out_features % config.block_n == 0,  # as launch passes them
                       STEP_GROUP=128 % (kw.tile_k * config.step_tiles) == 0)
     steps = f" {config.step_tiles}tiles" if config.step_tiles > 1 else ""  # K tiles per main-loop iteration
     return KernelCase(

@@ -21,15 +21,14 @@ in the configuration that caused it.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
 from runtime import selfcheck_cases as cases
 from runtime.selfcheck_cases import Config
-
-ENV_SWITCH = "LOWBIT_SELF_CHECK"  # "0" skips the check in every process that reads it
+from runtime.tolerances import SELF_CHECK_ENV as ENV_SWITCH  # noqa: F401 (the CLI's --no-self-check sets it)
+from runtime.tolerances import Mismatch, checks_switched_off
 
 _OUTCOMES: dict[tuple, str | None] = {}  # configuration key -> None (passed) or what failed: once per process
 
@@ -40,7 +39,7 @@ class SelfCheckError(ValueError):
 
 def enabled(decoder=None) -> bool:
     """Whether the check runs: not switched off by the environment or for this decoder (``prepare``)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if checks_switched_off():
         return False
     return getattr(decoder, "self_check", True)
 
@@ -144,7 +143,7 @@ def describe_error(e: Exception, limit: int = 400) -> str:
     text = " ".join(str(e).split())
     if len(text) > limit:
         text = "..." + text[-limit:]
-    return f"{type(e).__name__}: {text}" if not isinstance(e, cases.Mismatch) else text
+    return f"{type(e).__name__}: {text}" if not isinstance(e, Mismatch) else text
 
 
 def device_name(config: Config) -> str:

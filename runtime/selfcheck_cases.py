@@ -17,16 +17,12 @@ from typing import Callable
 
 import torch
 
-from runtime.tolerances import REL_ERROR_BOUND, poison, rel_error
+from runtime.tolerances import compare, poison
 
 LINEAR_ROWS = (1, 5, 40, 65)  # an M per launch regime of matmul_configs.candidate_configs (65: a masked 128-row tile)
 CHECKED_OUTPUTS = 256  # output rows of a large Linear the reference computes, at each end
 CPU_ONLY = "kernels run on CUDA only; this device runs the reference"
 CPU_LINEAR = "kernels run on CUDA only; this device runs PyTorch's CPU weight-only kernel (runtime/cpu_linear.py)"
-
-
-class Mismatch(AssertionError):
-    """The kernel ran, and its result is not the reference's."""
 
 
 @dataclass
@@ -53,12 +49,6 @@ class Config:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    err, bound = rel_error(out, ref), REL_ERROR_BOUND[dtype]
-    if not err <= bound:
-        raise Mismatch(f"{what}: relative error {err:.2e} against the reference (bound {bound:.1e})")
 
 
 def random(shape, dtype, device, seed: int) -> torch.Tensor:

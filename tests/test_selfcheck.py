@@ -21,6 +21,7 @@ from runtime import selfcheck_cases as cases  # noqa: E402
 from runtime.kernels import attention as attention_kernels  # noqa: E402
 from runtime.kernels import quant_matmul, small_ops  # noqa: E402
 from runtime.kernels.weight_layout import reference_matmul  # noqa: E402
+from runtime.tolerances import Mismatch  # noqa: E402
 
 INT4 = "int4-g16-r16"
 GATE_UP = 320  # out_features of the joined gate/up Linear of the tiny model (2 x 160)
@@ -232,7 +233,7 @@ def test_a_large_linear_is_checked_at_both_ends_of_its_outputs(monkeypatch):
         return out
 
     monkeypatch.setattr(quant_matmul, "quant_matmul", last_tile_wrong)
-    with pytest.raises(cases.Mismatch, match="M=1 \\(GEMV"):
+    with pytest.raises(Mismatch, match="M=1 \\(GEMV"):
         cases.check_linear(layer, torch.float16, (1,), tuned=False)
 
 

@@ -57,8 +57,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
+from runtime.kernels import matmul_tuning
 from runtime.kernels.gemv import launch_gemv
 from runtime.kernels.matmul_configs import MatmulConfig, candidate_configs, m_bucket  # noqa: F401 (callers read them here too)
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
@@ -268,12 +268,14 @@ def quant_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = 
     config = config or choose_config(M, kw, x.dtype, x.device)
     if not config.use_dot and M != 1:
         raise ValueError(f"the GEMV configuration computes one row, got M={M}")
-    _launch(x2, kw, bias, out, config)
+    launch(x2, kw, bias, out, config)
     return out.reshape(*lead, N)
 
 
-def _launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor,
-            config: MatmulConfig) -> None:
+def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor,
+           config: MatmulConfig) -> None:
+    """One configuration's launch into ``out [M, N]``; ``x2 [M, K]`` has unit column stride and its
+    columns already in the weight's (act-order) order, as ``quant_matmul`` passes them."""
     if not config.use_dot:  # one row: runtime/kernels/gemv.py
         launch_gemv(x2, kw, bias, out, config.block_n, config.num_warps, config.split_k, interpreting())
         return
@@ -318,7 +320,8 @@ _TUNED: dict[tuple, MatmulConfig] = {}
 
 
 def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
-    """The tuned configuration for this shape, timing the candidates on first use.
+    """The tuned configuration for this shape, timed and checked against the reference on first use
+    (``runtime/kernels/matmul_tuning.py``).
 
     Not timed (the default candidate is used, and not cached) in the interpreter, on CPU, and
     during CUDA-graph capture: run each shape once before capturing so the graph holds the
@@ -331,23 +334,5 @@ def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.de
     candidates = candidate_configs(M, kw)
     if device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    _TUNED[key] = _time_candidates(m_bucket(M), kw, dtype, device, candidates)
+    _TUNED[key] = matmul_tuning.tune(m_bucket(M), kw, dtype, device, candidates, launch)
     return _TUNED[key]
-
-
-def _time_candidates(M: int, kw: KernelWeight, dtype, device, candidates: list[MatmulConfig]) -> MatmulConfig:
-    x = torch.randn(M, kw.in_features, dtype=dtype, device=device)
-    out = torch.empty(M, kw.out_features, dtype=dtype, device=device)
-    best, best_ms = None, float("inf")
-    for config in candidates:
-        try:
-            ms = triton.testing.do_bench(lambda: _launch(x, kw, None, out, config), warmup=10, rep=40,
-                                         return_mode="median")
-        except triton.runtime.errors.OutOfResources:
-            continue  # too many registers/shared memory for this GPU
-        if ms < best_ms:
-            best, best_ms = config, ms
-    if best is None:
-        raise RuntimeError(f"no kernel configuration fits this GPU for M={M}, {kw.out_features}x{kw.in_features}")
-    return best
-
