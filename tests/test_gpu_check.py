@@ -10,8 +10,13 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# packages the lent GPU image lacks (or that only calibration, lm-eval or interchange tests need)
-ABSENT_ON_GPU_MACHINE = ["greenlet", "gguf", "lm_eval", "compressed_tensors", "llmcompressor"]
+# packages the lent GPU image lacks (or that only calibration, lm-eval, interchange or serve tests need;
+# /work/.library/device/KINDS.md lists the image's packages)
+ABSENT_ON_GPU_MACHINE = ["greenlet", "gguf", "lm_eval", "compressed_tensors", "llmcompressor", "starlette", "uvicorn",
+                         "openai"]
+# What a device call carries: the tracked tree (plus untracked files and carried wheels) within 64 MiB
+# (the device tool's README); tracked files keep half of it, so wheels and a session's files fit too.
+DEVICE_TREE_LIMIT = 64 << 20
 
 
 def test_runtime_and_benches_import_without_calibration_packages():
@@ -29,6 +34,17 @@ def test_runtime_and_benches_import_without_calibration_packages():
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "{}"
+
+
+def test_the_tracked_tree_leaves_room_in_what_a_device_call_carries():
+    import pytest
+
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    assert size <= DEVICE_TREE_LIMIT // 2, f"tracked files take {size / 2**20:.1f} MiB of the device's 64 MiB"
 
 
 def test_smoke_runs_every_stage_and_records_each(tmp_path):
