@@ -117,6 +117,19 @@ def test_when_nothing_matches_the_reference_it_is_an_error(monkeypatch):
     assert "compile failed" in str(caught.value) and str(SLOW) in str(caught.value)
 
 
+def test_the_check_reads_the_last_rows_of_a_long_input():
+    """More rows than the reference computes (M=600, both ends of 256): a wrong last row still fails."""
+    kw = kernel_weight(n=48)
+
+    def last_row_wrong(x, kw, bias, out, config):
+        Candidates({FAST: 1.0}).launch(x, kw, bias, out, config)
+        out[-1] += 1.0
+
+    tuning.check(600, kw, torch.float16, torch.device("cpu"), FAST, Candidates({FAST: 1.0}).launch)
+    with pytest.raises(AssertionError, match="relative error"):
+        tuning.check(600, kw, torch.float16, torch.device("cpu"), FAST, last_row_wrong)
+
+
 def test_the_switch_skips_the_check_not_the_timing(monkeypatch):
     monkeypatch.setenv(SELF_CHECK_ENV, "0")
     stand_in = Candidates({FAST: 2.0, SLOW: 1.0}, wrong={SLOW})

@@ -4,12 +4,13 @@ check the winner against the reference before it is used.
 A tuned configuration may be one the load-time self-check (``runtime/selfcheck.py``) never ran:
 that check runs the untimed default of each M regime, and ``Model.generate`` tunes lazily, at the
 first call of each shape. So every timed winner is run once more here on the same shape against a
-float64 reference of its output columns (both ends, where the last tile's masking would hide a
-bug), within ``runtime.tolerances``. A winner that fails gives way to the next fastest that passes,
-with one warning naming the kernel, the shape, the configuration and the error. A candidate that
-fails to compile or launch (out of registers or shared memory, a compile or ptxas error, a driver
-error) is skipped with its reason kept; when no candidate runs, or none passes, the error names the
-kernel, the shape and every reason. ``LOWBIT_SELF_CHECK=0`` skips the check, not the timing.
+float64 reference of its output (the first and last 256 rows and columns, where the last tiles'
+masking would hide a bug), within ``runtime.tolerances``. A winner that fails gives way to the next
+fastest that passes, with one warning naming the kernel, the shape, the configuration and the
+error. A candidate that fails to compile or launch (out of registers or shared memory, a compile or
+ptxas error, a driver error) is skipped with its reason kept; when no candidate runs, or none
+passes, the error names the kernel, the shape and every reason. ``LOWBIT_SELF_CHECK=0`` skips the
+check, not the timing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from runtime.kernels.matmul_configs import MatmulConfig
 from runtime.kernels.weight_layout import KernelWeight, dequantize_kernel_weight, interleave_word_rows, word_rows
 from runtime.tolerances import checks_switched_off, compare
 
-CHECKED_COLUMNS = 256  # output columns the reference computes at each end of a large Linear
+CHECKED = 256  # rows and output columns the reference computes at each end of a large product
 
 Launch = Callable[[torch.Tensor, KernelWeight, torch.Tensor | None, torch.Tensor, MatmulConfig], None]
 
@@ -83,24 +84,25 @@ def tune(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device, can
 def check(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device, config: MatmulConfig,
           launch: Launch) -> None:
     """``config`` on a random input of ``M`` rows against float64 over the dequantized weight (its
-    first and last columns); raises ``runtime.tolerances.Mismatch``. The output starts as NaN, so an
-    element the kernel never writes fails."""
+    first and last rows and columns, where the last tiles' masking is); raises
+    ``runtime.tolerances.Mismatch``. The output starts as NaN, so an element never written fails."""
     x = torch.randn(M, kw.in_features, generator=torch.Generator().manual_seed(M)).to(device, dtype)
     out = torch.full((M, kw.out_features), float("nan"), dtype=dtype, device=device)
     launch(x, kw, None, out, config)
-    for a, b in checked_columns(kw.out_features):
+    rows = torch.cat([torch.arange(a, b) for a, b in checked_ranges(M)]).to(device)
+    for a, b in checked_ranges(kw.out_features):
         # the weight rounded to the activation dtype, as the kernel and the self-check's reference see
         # it; ``launch`` takes inputs in the weight's (act-order) column order, so no permutation here
         weight = dequantize_kernel_weight(columns(kw, a, b), dtype).double()
-        ref = x.double() @ weight.T
-        compare(out[:, a:b], ref, dtype, f"{config} at columns {a}..{b}")
+        ref = x.index_select(0, rows).double() @ weight.T
+        compare(out.index_select(0, rows)[:, a:b], ref, dtype, f"{config} at columns {a}..{b}")
 
 
-def checked_columns(n: int) -> list[tuple[int, int]]:
-    """All columns of a small Linear, else both ends."""
-    if n <= 2 * CHECKED_COLUMNS:
+def checked_ranges(n: int) -> list[tuple[int, int]]:
+    """All of ``n`` rows or columns when few, else both ends: bounds the reference's work and memory."""
+    if n <= 2 * CHECKED:
         return [(0, n)]
-    return [(0, CHECKED_COLUMNS), (n - CHECKED_COLUMNS, n)]
+    return [(0, CHECKED), (n - CHECKED, n)]
 
 
 def columns(kw: KernelWeight, a: int, b: int) -> KernelWeight:
