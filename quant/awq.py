@@ -9,7 +9,9 @@ fold ``1/s`` into the op and ``s`` into the Linears (exact in floating point).
 Then search, per group, how far to shrink each Linear's range, and clamp its
 weights there, so whatever rounds them next (RTN or GPTQ) sees the clipped
 range. The float Hessian of a scaled Linear's input transforms exactly:
-``H' = H / (s sᵀ)``.
+``H' = H / (s sᵀ)``. On a GGUF type (``quant.gguf_mix.GridScheme``, a recipe's ``gguf:`` target)
+both searches score the type's own quantizer: its grid fitted to the scaled (or clamped) weights,
+codes to nearest, dequantized as llama.cpp does (``quant.gguf_fit``).
 
 Across ranks (``quant.distributed``) each rank scores its own calibration rows; the input
 magnitudes, the grid's losses and the clipping errors are summed over the ranks before any
@@ -26,6 +28,7 @@ from torch import nn
 from quant import distributed
 from quant.affine import QuantScheme, choose_qparams, dequantize, fake_quantize, quantize
 from quant.architectures import Architecture
+from quant.gguf_mix import GridScheme
 from quant.sequential import LayerInputs, run_layer
 
 
@@ -115,7 +118,7 @@ def search_scale(layer, mapping: Mapping, plan: dict, xs: dict, kws: dict, confi
         for step in range(config.grid):
             s = scale(step)
             for lin, w, n in zip(linears, originals, mapping.linears):
-                lin.weight.data = (fake_quantize(w.float() * s, plan[n]) / s).to(w.dtype)
+                lin.weight.data = (_fake_quantize(w.float() * s, plan[n]) / s).to(w.dtype)
             out = run_layer(inspect, LayerInputs(inspect_in, kws[mapping.inspect]))
             losses[step] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
     finally:
@@ -141,7 +144,39 @@ def apply_scale(mapping: Mapping, layer, s: torch.Tensor) -> None:
         lin.weight.data = (lin.weight.data.float() * s).to(lin.weight.dtype)
 
 
-def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig) -> torch.Tensor:
+def _fake_quantize(w: torch.Tensor, scheme: QuantScheme | GridScheme) -> torch.Tensor:
+    """``w`` rounded to nearest on ``scheme`` and read back: lowbit's affine grid, or a GGUF type's
+    grid fitted to ``w`` (``quant.gguf_fit``, searched without data), dequantized as llama.cpp does."""
+    if isinstance(scheme, GridScheme):
+        from quant import gguf_fit  # imports the gguf package: only when a GGUF type is planned
+
+        return gguf_fit.round_to_nearest(w, scheme.type_name).dequantize(w.dtype)
+    return fake_quantize(w, scheme)
+
+
+def _clamped(wg: torch.Tensor, ratio, symmetric: bool) -> torch.Tensor:
+    """Groups ``wg`` [out, groups, g] clamped to ``ratio`` (a number or [out, groups]) of their range."""
+    if symmetric:
+        limit = wg.abs().amax(-1) * ratio
+        lo, hi = -limit, limit
+    else:
+        lo = wg.amin(-1).clamp(max=0) * ratio
+        hi = wg.amax(-1).clamp(min=0) * ratio
+    return torch.maximum(torch.minimum(wg, hi.unsqueeze(-1)), lo.unsqueeze(-1))
+
+
+def _clip_rounded(w: torch.Tensor, scheme: QuantScheme | GridScheme, ratio: float) -> torch.Tensor:
+    """``w`` [out, in] read back after rounding with each group's range shrunk to ``ratio``: on a GGUF
+    type, its grid fitted to the clamped weights (what the rounding after AWQ will see)."""
+    if isinstance(scheme, GridScheme):
+        g = scheme.group_len(w.shape[1])
+        return _fake_quantize(_clamped(w.view(w.shape[0], -1, g), ratio, scheme.symmetric).view_as(w), scheme)
+    scale, zero = choose_qparams(w, scheme, ratio)
+    return dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme, torch.float32)
+
+
+def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme | GridScheme,
+                config: AWQConfig) -> torch.Tensor:
     """Clamp each group of ``weight`` to the shrunk range that minimizes its output error on ``x``."""
     w = weight.float()
     out, cols = w.shape
@@ -152,20 +187,13 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, conf
     best_err = torch.full((out, cols // g), float("inf"))
     for step in range(int(config.clip_steps * config.clip_max_shrink) + 1):
         ratio = 1.0 - step / config.clip_steps
-        scale, zero = choose_qparams(w, scheme, ratio)
-        delta = (w - dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme, torch.float32)).view(out, -1, g)
+        delta = (w - _clip_rounded(w, scheme, ratio)).view(out, -1, g)
         # [out, groups], summed over every rank's rows (a sum, not a mean: the same choice, one scale fewer)
         err = distributed.current().sum_(torch.einsum("gnk,ogk->ogn", xg, delta).pow(2).sum(-1))
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
-    if scheme.symmetric:
-        limit = wg.abs().amax(-1) * best_ratio
-        lo, hi = -limit, limit
-    else:
-        lo = wg.amin(-1).clamp(max=0) * best_ratio
-        hi = wg.amax(-1).clamp(min=0) * best_ratio
-    return torch.maximum(torch.minimum(wg, hi.unsqueeze(-1)), lo.unsqueeze(-1)).view(out, cols).to(weight.dtype)
+    return _clamped(wg, best_ratio, scheme.symmetric).view(out, cols).to(weight.dtype)
 
 
 def apply_awq(layer: nn.Module, inputs: LayerInputs, plan: dict, config: AWQConfig, arch: Architecture) -> dict:

@@ -112,12 +112,27 @@ def tensor_types(shapes: dict[str, tuple[int, int]], mix: str, n_layers: int, n_
 @dataclass(frozen=True)
 class GridScheme:
     """A plan's scheme for a Linear stored as GGUF type ``type_name``: the rounding methods that
-    take it (``rtn``, ``gptq``) round onto the type's fitted grid (``quant.gguf_fit.round_linear``; this module imports no
-    ``gguf`` at the top, so the methods can name this class where the package is absent)."""
+    take it (``rtn``, ``gptq``) round onto the type's fitted grid (``quant.gguf_fit.round_linear``;
+    ``awq`` searches with it, ``signround`` learns on it; this module imports no ``gguf`` at the
+    top, so the methods can name this class where the package is absent)."""
 
     type_name: str
 
     def describe(self) -> str:
         return f"gguf {self.type_name}"
+
+    def _type(self):
+        from quant.gguf import gguf_type
+
+        return gguf_type(self.type_name)
+
+    def group_len(self, columns: int) -> int:
+        """Weights that share one scale (and offset): the type's sub-block, or its block (AWQ's groups)."""
+        t = self._type()
+        return t.sub_block or t.block
+
+    @property
+    def symmetric(self) -> bool:
+        return self._type().symmetric
 
 

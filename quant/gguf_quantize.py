@@ -3,9 +3,11 @@
 (``quant.gguf_fit``) through the ordinary calibration pipeline (``quant.quantize``), and the
 GGUF writer (``quant.gguf.write``) stores the fields.
 
-Methods on GGUF grids today: ``rtn`` (nearest rounding on a grid searched without data) and
-``gptq`` (grid searched with the calibration inputs' diag(H), codes by GPTQ). AWQ and SignRound
-fit their own affine groups and are refused here until they learn a GGUF grid.
+Methods on GGUF grids: ``rtn`` (nearest rounding on a grid searched without data), ``gptq`` (grid
+searched with the calibration inputs' diag(H), codes by GPTQ), ``awq`` (its scale and clipping
+searches score the type's own quantizer: ``quant.awq``; then rtn, gptq or signround round) and
+``signround`` (offsets and sub-block scales learnt through the type's dequantization:
+``quant.gguf_signround``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import torch
 from quant.architectures import decoder_config
 from quant.gguf_mix import GridScheme, check_mix, tensor_types
 
-METHODS = ("rtn", "gptq")  # the rounding methods that round onto a GGUF grid
+METHODS = ("rtn", "gptq", "awq", "signround")  # the methods that know a GGUF type's grid
 
 
-def check_methods(methods: list[str]) -> None:
-    """A ValueError naming what a GGUF target cannot take yet."""
-    others = [m for m in methods if m not in METHODS]
+def check_methods(methods, mix: str = "GGUF") -> None:
+    """A ValueError naming the methods a GGUF target cannot take and the type."""
+    from quant.methods import parse_names
+
+    others = [m for m in parse_names(methods) if m not in METHODS]
     if others:
-        raise ValueError(f"{', '.join(others)} cannot round onto a GGUF type's grid yet; a GGUF target takes "
-                         f"methods {' or '.join(METHODS)}")
+        raise ValueError(f"{', '.join(others)} cannot round onto {mix}'s grid: a GGUF target takes "
+                         f"methods {', '.join(METHODS)}")
 
 
 # recipe keys a GGUF target replaces: the mix decides every tensor's type and grid
@@ -37,7 +41,7 @@ def check_target(mix: str, methods: list[str], weights_keys=()) -> str:
     """A recipe's ``gguf:`` target, checked before any work: the mix (its name normalized), the
     methods, and no weight keys the mix would silently override (ValueError naming the problem)."""
     mix = check_mix(mix)
-    check_methods(methods)
+    check_methods(methods, mix)
     replaced = [k for k in REPLACED_KEYS if k in weights_keys]
     if replaced:
         raise ValueError(f"weights.{', weights.'.join(replaced)} do not apply to a GGUF target: llama.cpp's {mix} "
@@ -57,22 +61,27 @@ def plan_types(model: torch.nn.Module, mix: str, calibrated: bool) -> dict[str, 
 
 def quantize_gguf(model: torch.nn.Module, mix: str, methods: list[str], *, samples=None, settings=None,
                   device: str = "cpu", progress: bool = True, lazy=None) -> tuple[dict, dict]:
-    """The GGUF fields of every weight the mix quantizes (Hugging Face tensor name -> GGUFFields)
-    and the pipeline's per-Linear stats. Linears inside the decoder layers go through the
-    calibration pipeline; the embedding and head (no calibration statistics) are rounded to
-    nearest on their searched grid, as llama-quantize does (its Q8_0/Q6_K take no imatrix there
+    """The GGUF fields of every weight the mix quantizes (Hugging Face tensor name -> GGUFFields),
+    the decoder layers' 1-D tensors as the methods left them (float), and the pipeline's per-Linear
+    stats. Linears inside the decoder layers go through the calibration pipeline; the embedding and
+    head (no calibration statistics) are rounded to nearest on their searched grid, as llama-quantize
+    does (its Q8_0/Q6_K take no imatrix there
     for a tied embedding)."""
     from quant import gguf_fit
     from quant.quantize import quantize_model
 
-    check_methods(methods)
     mix = check_mix(mix)
+    check_methods(methods, mix)
     types = plan_types(model, mix, samples is not None)
     linears = {n: GridScheme(t) for n, t in types.items() if isinstance(model.get_submodule(n), torch.nn.Linear)
                and ".layers." in n}
     quantized, stats = quantize_model(model, linears, methods, samples=samples, device=device, progress=progress,
                                       lazy=lazy, **(settings or {}))
     fields = {f"{n}.weight": q.fields for n, q in quantized.items()}
+    # norms and biases inside the decoder layers as the layer steps left them (AWQ folds 1/s into
+    # them): the file must hold these, not the source's
+    fields.update({n: p.detach() for n, p in model.named_parameters()
+                   if p.dim() == 1 and ".layers." in n and not p.is_meta})
     for n, t in types.items():
         if n not in linears and not (n.endswith("lm_head") and model.config.tie_word_embeddings):
             weight = model.get_submodule(n).weight.detach()

@@ -164,8 +164,11 @@ def _rows(kwargs: dict, windows: int, idx: torch.Tensor) -> dict:
 
 def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, QuantScheme],
                    config: SignRoundConfig = SignRoundConfig(), scale_dtype: torch.dtype | None = None,
-                   where: str = "") -> tuple[dict[str, QuantizedWeight], dict]:
+                   where: str = "", parameters=None) -> tuple[dict[str, QuantizedWeight], dict]:
     """Quantize the Linears ``plan`` names in ``layer`` with learned offsets and ranges.
+
+    ``parameters(name, weight, scheme, scale_dtype, config)``: what is learnt for one Linear on a
+    grid other than lowbit's affine one (a GGUF type's: ``quant.gguf_signround.grid_parameters``).
 
     Leaves the layer's float weights as they were. Returns each Linear's quantized weight and
     one record for the layer: the loss (mean squared output error) at the first step and at
@@ -178,7 +181,8 @@ def learn_rounding(layer: torch.nn.Module, inputs: LayerInputs, plan: dict[str, 
     hidden, kwargs = _all_windows(inputs)
     windows = hidden.shape[0]
     linears = {n: layer.get_submodule(n) for n in plan}
-    rounding = {n: _Rounding(linears[n].weight, plan[n], scale_dtype or linears[n].weight.dtype, config) for n in plan}
+    make = parameters or (lambda n, weight, scheme, dtype, config: _Rounding(weight, scheme, dtype, config))
+    rounding = {n: make(n, linears[n].weight, plan[n], scale_dtype or linears[n].weight.dtype, config) for n in plan}
     lr = config.lr_scale / config.iters
     params = [p for r in rounding.values() for p in (r.params() if config.tune_range else [r.offset])]
     generator = torch.Generator().manual_seed(config.seed)

@@ -133,8 +133,8 @@ def test_recipe_gguf_target_validates_its_inputs():
     assert "gguf" not in parse_recipe({"model": "m"}).to_dict()
     with pytest.raises(RecipeError, match="gguf: unknown GGUF type 'Q9_K'.*Q4_K_M"):
         parse_recipe({"model": "m", "gguf": "Q9_K"})
-    with pytest.raises(RecipeError, match="gguf: awq cannot round onto a GGUF type's grid yet"):
-        parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"methods": ["awq", "gptq"]}})
+    # AWQ and SignRound on the type's grid: tests/test_gguf_methods.py
+    assert parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"methods": ["awq", "gptq"]}}).gguf == "Q4_K_M"
     with pytest.raises(RecipeError, match="gguf: weights.bits do not apply to a GGUF target"):
         parse_recipe({"model": "m", "gguf": "Q4_K_M", "weights": {"bits": 3}})
 
