@@ -1,5 +1,8 @@
 """`lowbit export --gguf`: what the file holds, read back with the gguf package (no llama.cpp needed)."""
 
+import json
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -164,6 +167,28 @@ def test_unsupported_family_is_named(tmp_path):
 
     model, tok = tiny_model("gemma2")
     path = save_model(model, tok, tmp_path / "gemma")
-    with pytest.raises(ValueError, match="GGUF export covers the families llama, mistral, qwen2, qwen3; this model is 'gemma2'"):
+    with pytest.raises(ValueError, match="GGUF export covers the families llama, mistral, qwen2, qwen3, phi3; "
+                                         "this model is 'gemma2'"):
         export(str(path), "F16", tmp_path / "g.gguf")
     assert not (tmp_path / "g.gguf").exists() and not (tmp_path / "g.gguf.partial").exists()
+
+
+def test_a_sliding_window_llama_cpp_ignores_is_said_and_partial_rotary_refused(tmp_path):
+    """llama.cpp's llama, qwen2 and phi3 graphs attend over the whole context: a window is warned about;
+    RoPE over part of a head (Phi-4-mini) is not written (lowbit's runtime does not run it either)."""
+    from lowbit_testing.tiny_models import save_model
+
+    tok = tiny_tokenizer(vocab_size=400)  # one with merges, as llama.cpp needs
+    path = save_model(tiny_model("mistral-sliding", vocab_size=len(tok))[0], tok, tmp_path / "mistral")
+    with pytest.warns(UserWarning, match=r"llama.cpp's llama graph ignores the sliding window \(8 tokens\)"):
+        export(str(path), "F16", tmp_path / "m.gguf")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*sliding window")
+        export(str(path), "F16", tmp_path / "m.gguf", overwrite=True)
+    phi = save_model(*tiny_model("phi3", partial_rotary_factor=0.5), tmp_path / "phi3")
+    with pytest.raises(ValueError, match="RoPE over the whole head; this model rotates a part of it "
+                                         r"\(partial_rotary_factor 0.5\)"):
+        export(str(phi), "F16", tmp_path / "p.gguf")
+    assert not (tmp_path / "p.gguf").exists()

@@ -112,8 +112,17 @@ def test_every_type_runs_in_llama_cpp_on_its_own_grid(llama_cpp, float_llama, tm
     assert rel_rms(ours, lowbit_logits(float_llama)) < {"Q2_K": 1.0, "Q3_K": 0.5}.get(gguf_type, 0.25)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_qwen_families_run_in_llama_cpp(llama_cpp, tmp_path, kind):
+# the families each run in llama.cpp by a test here (llama: the tests above; phi3: its own test below)
+FAMILIES_RUN = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+
+
+def test_every_family_the_writer_writes_is_run_here():
+    """The engine table's llama.cpp row names the writer's families (quant/engines.py): each is run above."""
+    assert set(ARCHES) == FAMILIES_RUN, "a family the GGUF writer writes needs its llama.cpp test in this file"
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
+def test_mistral_and_qwen_families_run_in_llama_cpp(llama_cpp, tmp_path, kind):
     tok = tiny_tokenizer(vocab_size=400)
     # a vocabulary padded past the tokenizer (as Qwen's is; transformers' Qwen2Tokenizer adds <|endoftext|>)
     model, _ = tiny_model(kind, vocab_size=len(tok) + 11)
@@ -123,6 +132,29 @@ def test_qwen_families_run_in_llama_cpp(llama_cpp, tmp_path, kind):
         export(str(float_dir), gguf_type, out)
         reference = model_from_gguf(float_dir, out, tmp_path / gguf_type)
         assert rel_rms(llama_logits(llama_cpp, out), lowbit_logits(reference)) < TOLERANCE, gguf_type
+
+
+def test_phi3_family_runs_in_llama_cpp(llama_cpp, tmp_path):
+    """Phi-3 / Phi-4: q/k/v and gate/up stored joined, written as llama.cpp's attn_qkv and ffn_up (its
+    SwiGLU takes the gate half first, as Hugging Face's): a float model fitted to Q8_0, and a W4 g32
+    checkpoint whose codes are copied (Q4_1), each within TOLERANCE of lowbit's runtime on the same grid."""
+    tok = tiny_tokenizer(vocab_size=400)
+    model, _ = tiny_model("phi3", vocab_size=len(tok))
+    # not named phi3: llama.cpp sets attributes of <unk> and <|endoftext|> in a file whose name says phi-3
+    # (llama-vocab.cpp), and the tiny vocabulary has neither
+    float_dir = save_model(model.float(), tok, tmp_path / "tiny-p")
+    export(str(float_dir), "Q8_0", tmp_path / "q8.gguf")
+    reference = model_from_gguf(float_dir, tmp_path / "q8.gguf", tmp_path / "q8")
+    assert rel_rms(llama_logits(llama_cpp, tmp_path / "q8.gguf"), lowbit_logits(reference)) < TOLERANCE
+    plan = plan_layers(model, QuantScheme(4, 32, False), ["lm_head"])
+    quantized, _ = quantize_model(model, plan, "rtn", progress=False)
+    ckpt = checkpoint_write.save(copy.deepcopy(model), quantized, tmp_path / "ckpt", tokenizer=tok)
+    report = export(str(ckpt), "exact", tmp_path / "w4.gguf")
+    assert len(report.exact) == len(quantized) == 8
+    assert report.types["blk.0.attn_qkv.weight"] == report.types["blk.1.ffn_up.weight"] == "Q4_1"
+    ours, theirs = lowbit_logits(ckpt), llama_logits(llama_cpp, tmp_path / "w4.gguf")
+    assert rel_rms(theirs, ours) < TOLERANCE
+    assert rel_rms(theirs, ours) < rel_rms(lowbit_logits(float_dir), ours) / 3  # the W4 grid itself
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from quant.architectures import decoder_config
+from quant.architectures import architecture, decoder_config
 from quant.gguf.layout import pack
 from quant.gguf.types import GGUFFields
 
@@ -33,6 +33,9 @@ ARCHES = {
     "mistral": (gguf.MODEL_ARCH.LLAMA, True),
     "qwen2": (gguf.MODEL_ARCH.QWEN2, False),
     "qwen3": (gguf.MODEL_ARCH.QWEN3, False),
+    # Phi-3 and Phi-4: q/k/v and gate/up stored joined, as llama.cpp's attn_qkv and ffn_up take them
+    # (rows q, k, v; gate then up, its SwiGLU's halves); NEOX rotary, as Hugging Face's
+    "phi3": (gguf.MODEL_ARCH.PHI3, False),
 }
 
 FLOAT_TYPES = {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16,
@@ -66,6 +69,14 @@ def gguf_arch(config: dict) -> tuple[gguf.MODEL_ARCH, bool]:
     if found is None:
         raise ValueError(f"GGUF export covers the families {', '.join(ARCHES)}; this model is "
                          f"{config.get('model_type')!r} (export it with llama.cpp's convert_hf_to_gguf.py instead)")
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"GGUF export writes RoPE over the whole head; this model rotates a part of it "
+                         f"(partial_rotary_factor {config['partial_rotary_factor']})")
+    layers, context = config["num_hidden_layers"], config.get("max_position_embeddings", math.inf)
+    windows = {w for w in architecture(config["model_type"]).sliding_windows(config, layers) if w and w < context}
+    if windows:  # these llama.cpp graphs (phi3's: disabled there) attend over the whole context
+        warnings.warn(f"llama.cpp's {gguf.MODEL_ARCH_NAMES[found[0]]} graph ignores the sliding window "
+                      f"({', '.join(map(str, sorted(windows)))} tokens): its outputs differ from lowbit's past it")
     return found
 
 
