@@ -219,12 +219,15 @@ def main():
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} is missing: run `make venv-vllm` first")
     provenance = versions()
+    load = {"start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         result = matrix(Path(tmp))
+    load["end"] = os.getloadavg()
     print(markdown(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": "python -m bench.vllm_interop", "device": device(),
-                                    "versions": provenance, "machine": "shared 2-core machine", **result}, indent=1))
+                                    "versions": provenance, "machine": "shared 2-core machine", "load_average": load,
+                                    **result}, indent=1))
     print(f"wrote {args.out}")
 
 
