@@ -60,7 +60,9 @@ def run_tool(bin_dir: Path, tool: str, *args, log: Path) -> str:
 def perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int, log: Path, base: Path) -> dict:
     """The float file's perplexity (its logits saved to ``base``), or a quantized file's scored
     against ``base`` when that exists: perplexity, ln(PPL/PPL(base)) and mean KL divergence."""
-    common = ("-m", model, "-c", ctx, "-b", ctx, "-t", threads, "--kl-divergence-base", base)
+    # --no-repack: no AMX/repacked weight buffers (on a VM whose CPU reports AMX tiles that fault,
+    # llama-perplexity dies of SIGILL on any quantized file); llama.cpp's plain CPU kernels instead
+    common = ("-m", model, "-c", ctx, "-b", ctx, "-t", threads, "--no-repack", "--kl-divergence-base", base)
     if not base.exists():
         out = run_tool(bin_dir, "llama-perplexity", *common, "-f", text, log=log)
         ppl = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
