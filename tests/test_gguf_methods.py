@@ -107,8 +107,9 @@ def output_error(model, reference) -> float:
     return float((ours - theirs).pow(2).mean() / theirs.pow(2).mean())
 
 
-# relative output error on held-out tokens, this method against nearest rounding on the same mix
-# (tiny Llama with outlier channels, 8 x 32 random calibration tokens): measured ... ; asserted below
+# relative output error of the decoder layer on held-out tokens, this method against nearest rounding on
+# the same mix (the one-layer tiny Llama with outlier channels, 32 x 32 random calibration tokens, fast
+# settings): asserted at least 10% lower
 @pytest.mark.parametrize("mix", ["Q2_K", "Q4_K_M"])
 @pytest.mark.parametrize("methods", [["awq"], ["signround"]])
 def test_each_method_lowers_the_output_error_below_nearest_rounding(mix, methods):
