@@ -156,9 +156,9 @@ def pre_tokenizer(tokenizer) -> str:
     return PRE_TOKENIZERS.get(digest, "default")
 
 
-def add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path, vocab_size: int) -> None:
+def add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path, vocab_size: int) -> list[str]:
     """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's ``gpt2`` model: tokens, their types,
-    merges and special tokens, as convert_hf_to_gguf.py writes them."""
+    merges and special tokens, as convert_hf_to_gguf.py writes them; returns the tokens."""
     import json
 
     from transformers import AutoTokenizer
@@ -196,6 +196,26 @@ def add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path, vocab_size: int)
     if not special.merges:  # llama.cpp refuses a BPE vocabulary without merges, and GGUF has no empty arrays
         raise ValueError(f"{spec} holds no BPE merges: llama.cpp cannot load a byte-level BPE vocabulary without them")
     special.add_to_gguf(writer, quiet=True)
+    return tokens
+
+
+# llama.cpp (llama-vocab.cpp) sets attributes of these tokens in a file whose name says phi-3, and fails to
+# load one whose vocabulary lacks any of them
+PHI3_NAMES, PHI3_TOKENS = ("phi-3", "phi3"), ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def loadable_name(name: str, tokens: list[str]) -> str:
+    """``name``, or (with a warning) ``name`` with its phi-3 spelt 'phi 3' where llama.cpp would fail on it."""
+    missing = [t for t in PHI3_TOKENS if t not in set(tokens)]
+    if not any(n in name.lower() for n in PHI3_NAMES) or not missing:
+        return name
+    safe = name
+    for n in PHI3_NAMES:
+        safe = safe.replace(n, "phi 3").replace(n.upper(), "PHI 3").replace(n.capitalize(), "Phi 3")
+    safe = safe if not any(n in safe.lower() for n in PHI3_NAMES) else "model"
+    warnings.warn(f"the file is named {safe!r}, not {name!r}: llama.cpp fails to load a file named phi-3 whose "
+                  f"vocabulary lacks {', '.join(missing)}")
+    return safe
 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, weight: Weight, float_type: torch.dtype | None) -> str:
@@ -228,9 +248,8 @@ def write_gguf(out: Path, config: dict, tokenizer_dir: Path, weights: Iterable[t
     staging = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(staging, gguf.MODEL_ARCH_NAMES[arch])
     try:
-        writer.add_name(name)
         shape = _hparams(writer, text)
-        add_tokenizer(writer, tokenizer_dir, text["vocab_size"])
+        writer.add_name(loadable_name(name, add_tokenizer(writer, tokenizer_dir, text["vocab_size"])))
         names = gguf.get_tensor_name_map(arch, text["num_hidden_layers"])
         types, tied = {}, text.get("tie_word_embeddings", False)
         if shape["rope"]["rope_type"] == "llama3":
