@@ -114,7 +114,7 @@ def layer_rows(args, float_model, samples, token_ids, save) -> None:
                     save({"layer": index, "mix": mix, "methods": spec, "quantize_cpu_s": round(seconds, 1),
                           "settings": {k: asdict(v) for k, v in settings.items()},
                           "types": {n: s.type_name for n, s in plan.items()},
-                          "relative_output_error": {k: round(v, 6) for k, v in errors.items()}})
+                          "relative_output_error": {k: float(f"{v:.4g}") for k, v in errors.items()}})
                     print(index, mix, spec, {k: round(v, 5) for k, v in errors.items()}, f"{seconds:.0f} s", flush=True)
 
 
