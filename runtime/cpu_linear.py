@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quant.affine import QuantScheme
@@ -42,6 +43,9 @@ FLOAT_WEIGHTS = torch.bfloat16  # a quantized model's float leftovers on CPU (Na
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu takes
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu refuses other output counts
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, crashes) otherwise
+# From this many activation rows (prefill) an int4 layer dequantizes its weight into a bf16 scratch
+# for one dense bf16 matmul: the weight-only kernel is slower than that there (bench/cpu_prefill.py)
+DEQUANTIZE_ROWS = 128
 
 
 def kernel_group(group: int) -> int | None:
@@ -105,8 +109,36 @@ class Int4Slots:
         a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
+        if a.shape[0] >= DEQUANTIZE_ROWS and self.scratch_ok:
+            y = F.linear(a, self.dequantized())  # the scratch weight is freed on return
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
         return _linear_out(y, x, bias)
+
+    @property
+    def scratch_ok(self) -> bool:
+        """Whether :meth:`dequantized` reads this layout (known, whole blocks of outputs)."""
+        layout = int4_layout()
+        return layout is not None and self.packed.shape[0] % layout.block_n == 0
+
+    def dequantized(self) -> torch.Tensor:
+        """The kernel's weight in bf16, [N, K] (its column order) as the transpose of a [K, N] buffer:
+        ``u * scale + (zero - 8 scale)`` per group computed in float32 and rounded once to bf16 on
+        store (equal to the kernel's weight, tests/test_cpu_linear.py). Works in the layout's block
+        order (each block of outputs is [K, block_n] nibbles), so no [N, K] transpose and no float
+        [N, K] temporary: reading the [N, K] nibbles first was 2-5x slower."""
+        layout, (n, half_k) = int4_layout(), self.packed.shape
+        k, blocks, bn = 2 * half_k, n // layout.block_n, layout.block_n
+        b = self.packed.view(blocks, k, bn // 2)
+        lo, hi = b & 15, b >> 4
+        u = torch.cat([lo, hi], 2) if layout.halves else torch.stack([lo, hi], 3).flatten(2)  # [blocks, K, bn]
+        sz = self.scale_zeros.float()  # [K / group, N, 2]
+        scale = sz[..., 0].view(k // self.group, 1, blocks, bn)
+        zero = (sz[..., 1] - 8 * sz[..., 0]).view(k // self.group, 1, blocks, bn)
+        out = torch.empty(k, n, dtype=ACTIVATIONS)
+        torch.addcmul(zero, u.view(blocks, k // self.group, self.group, bn).permute(1, 2, 0, 3), scale,
+                      out=out.view(k // self.group, self.group, blocks, bn))
+        return out.t()
 
     @property
     def codes_readable(self) -> bool:

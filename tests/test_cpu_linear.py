@@ -165,3 +165,34 @@ def test_a_loaded_checkpoint_runs_the_cpu_kernels_close_to_the_reference(tmp_pat
     assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
     tokens = [t for t in kernels.generate(ids[0].tolist(), max_new_tokens=4)]
     assert len(tokens) == 4
+
+
+@pytest.mark.parametrize("bits,symmetric", [(b, s) for b in (2, 3, 4) for s in (True, False)])
+@pytest.mark.parametrize("group", cpu_linear.INT4_GROUPS)
+def test_prefill_scratch_weight_is_the_kernels_weight(bits, symmetric, group):
+    """From DEQUANTIZE_ROWS rows an int4 layer runs a dense bf16 matmul on its dequantized weight: that
+    weight is the kernel's (read through an identity input) and both paths agree below and above."""
+    act_order = group == 64
+    layer = quant_layer(128, 512, QuantScheme(bits, group, symmetric, actorder="group" if act_order else None),
+                        seed=bits + group, bias=False, act_order=act_order)
+    layer.materialize(torch.float32)
+    slots = layer._cpu
+    assert (slots.perm is not None) == act_order
+    eye = torch.eye(512, dtype=torch.bfloat16)
+    through_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, slots.packed, slots.group, slots.scale_zeros)
+    torch.testing.assert_close(slots.dequantized(), through_kernel.t(), rtol=2 * BF16_EPS, atol=0)
+    for rows in (cpu_linear.DEQUANTIZE_ROWS - 1, cpu_linear.DEQUANTIZE_ROWS, 3 * cpu_linear.DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        a = x.bfloat16() if slots.perm is None else x.bfloat16().index_select(1, slots.perm)
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(a, slots.packed, slots.group, slots.scale_zeros).float()
+        torch.testing.assert_close(layer(x), kernel, rtol=0, atol=4 * BF16_EPS * float(kernel.abs().max()))
+
+
+def test_a_partial_block_of_outputs_keeps_the_kernel_at_prefill():
+    """80 outputs: a full block and a partial one, which the scratch path does not read."""
+    layer = quant_layer(80, 256, QuantScheme(4, 64, False), seed=9)
+    layer.materialize(torch.float32)
+    assert not layer._cpu.scratch_ok
+    x = torch.randn(cpu_linear.DEQUANTIZE_ROWS, 256)
+    ref = reference_out(layer, x)
+    torch.testing.assert_close(layer(x), ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
