@@ -45,7 +45,7 @@ INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu refuses other output
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, crashes) otherwise
 # From this many activation rows (prefill) an int4 layer dequantizes its weight into a bf16 scratch
 # for one dense bf16 matmul: the weight-only kernel is slower than that there (bench/cpu_prefill.py)
-DEQUANTIZE_ROWS = 128
+DEQUANTIZE_ROWS = 256
 
 
 def kernel_group(group: int) -> int | None:
