@@ -46,6 +46,8 @@ INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, cr
 # From this many activation rows (prefill) an int4 layer dequantizes its weight into a bf16 scratch
 # for one dense bf16 matmul: the weight-only kernel is slower than that there (bench/cpu_prefill.py)
 DEQUANTIZE_ROWS = 256
+INT8_DEQUANTIZE_ROWS = 128  # the same for 8-bit layers (a cast of the codes): the int8 kernel ran
+# 1.3-6x slower than the bf16 scratch matmul at M=128 and 512 on SmolLM2 and 1B shapes (1 thread)
 
 
 def kernel_group(group: int) -> int | None:
@@ -173,7 +175,10 @@ class Int8Channels:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
-        y = torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
+        if a.shape[0] >= INT8_DEQUANTIZE_ROWS:  # codes up to 128 are exact in bf16: the kernel's x @ q.T * s
+            y = F.linear(a, self.q.to(ACTIVATIONS)) * self.scales
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
         if self.zero_scales is not None:
             y = y.float() - a.float().sum(-1, keepdim=True) * self.zero_scales.float()
         return _linear_out(y, x, bias)

@@ -196,3 +196,17 @@ def test_a_partial_block_of_outputs_keeps_the_kernel_at_prefill():
     x = torch.randn(cpu_linear.DEQUANTIZE_ROWS, 256)
     ref = reference_out(layer, x)
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_prefill_scratch_agrees_with_the_kernel(symmetric):
+    layer = quant_layer(48, 256, QuantScheme(8, -1, symmetric), seed=11, bias=False)
+    layer.materialize(torch.float32)
+    w = layer._cpu
+    for rows in (cpu_linear.INT8_DEQUANTIZE_ROWS - 1, cpu_linear.INT8_DEQUANTIZE_ROWS, 2 * cpu_linear.INT8_DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        a = x.bfloat16()
+        kernel = torch.ops.aten._weight_int8pack_mm(a, w.q, w.scales).float()
+        if w.zero_scales is not None:
+            kernel = kernel - a.float().sum(-1, keepdim=True) * w.zero_scales.float()
+        torch.testing.assert_close(layer(x), kernel, rtol=0, atol=4 * BF16_EPS * float(kernel.abs().max()))
