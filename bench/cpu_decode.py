@@ -34,6 +34,7 @@ if __name__ == "__main__":  # as the lowbit CLI does, before torch loads (not wh
 
 import torch  # noqa: E402
 
+from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,10 +210,7 @@ def main():
         print(json.dumps(row), flush=True)
     for n, k in () if args.skip_linears else ((1536, 576), (8192, 2048), (2048, 8192)):
         result["linears"] += linear_times(n, k)
-    result["load_average_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.cpu_decode import SHAPES, random_model  # noqa: E402
+from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 from runtime import cpu_linear  # noqa: E402
 
@@ -129,10 +130,7 @@ def main():
         result["linears"] += linear_rows(shape, rows, args.repeats)
         if not args.skip_prefill:
             result["prefill"] += prefill_rows(shape, tokens, args.rounds)
-    result["load_average_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

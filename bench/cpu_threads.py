@@ -28,6 +28,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bench.cpu_decode import SHAPES, random_model, step_times  # noqa: E402
+from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,10 +93,7 @@ def main():
             print(json.dumps(row), flush=True)
             del model
             gc.collect()
-    result["load_average_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

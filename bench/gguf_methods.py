@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -28,6 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from bench.results_file import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gguf" / "methods-smollm2.json"
@@ -163,9 +164,7 @@ def main():
 
     def save(row: dict) -> None:
         result["rows"].append(row)
-        result["load_average_end"] = os.getloadavg()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)  # after every row: a long run keeps what it has measured
 
     if args.layers is not None:
         result["protocol"]["evaluation"] = (

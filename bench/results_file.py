@@ -1,0 +1,15 @@
+"""Writing a bench's raw result: the load average when it ended (the machine is shared, so every
+result says how busy it was), the folder made, indented JSON, and where it went."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_result(path: Path, result: dict) -> None:
+    result["load_average_end"] = os.getloadavg()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
