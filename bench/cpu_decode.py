@@ -112,6 +112,17 @@ def step_times(model, batch: int, prompt_len: int, steps: int, scheme=None) -> l
     return times
 
 
+def prefill_seconds(model, tokens: int, clock=time.perf_counter) -> float:
+    """Seconds of one forward of ``tokens`` prompt tokens into a fresh cache (batch 1) by ``clock``
+    (wall by default; ``time.process_time`` for process CPU time)."""
+    prompt = torch.randint(0, model.decoder.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(tokens + 1, 1)
+    with torch.inference_mode():
+        start = clock()
+        model.decoder(prompt, cache, 0, last_only=True)
+        return clock() - start
+
+
 def summary(seconds: list[float], prefix: str) -> dict:
     ordered = sorted(seconds)
     return {f"median_{prefix}_ms": 1e3 * statistics.median(ordered), f"p10_{prefix}_ms": 1e3 * ordered[len(ordered) // 10],

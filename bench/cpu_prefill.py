@@ -6,7 +6,7 @@ bf16 scratch weight and a dense bf16 matmul (``Int4Slots``' path from ``DEQUANTI
 Per Linear (the decoder's shapes, W4 g64, random codes): process CPU ms at 1 thread of the kernel,
 of the scratch path (dequantize + F.linear) and of a float32 F.linear, at M rows, medians of
 ``--repeats``. End to end: a prefill of ``--tokens`` at batch 1 (a forward filling a fresh cache,
-``bench.cpu_threads.prefill_seconds`` under process CPU time), W4 with the scratch path on
+``bench.cpu_decode.prefill_seconds`` under process CPU time), W4 with the scratch path on
 (``DEQUANTIZE_ROWS`` as shipped) and off (the kernel at every M), and the float32 model, alternating
 round by round; models as ``bench.cpu_decode.random_model`` builds them. Raw JSON with device,
 versions, commit and load averages under bench/results/cpu/.
@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.cpu_decode import SHAPES, random_model  # noqa: E402
+from bench.cpu_decode import SHAPES, prefill_seconds, random_model  # noqa: E402
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 from runtime import cpu_linear  # noqa: E402
@@ -72,12 +72,7 @@ def linear_rows(shape: str, rows: list[int], repeats: int) -> list[dict]:
 
 
 def prefill_cpu_seconds(model, tokens: int) -> float:
-    prompt = torch.randint(0, model.decoder.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
-    cache = model.new_cache(tokens + 1, 1)
-    with torch.inference_mode():
-        start = time.process_time()
-        model.decoder(prompt, cache, 0, last_only=True)
-        return time.process_time() - start
+    return prefill_seconds(model, tokens, clock=time.process_time)
 
 
 def prefill_rows(shape: str, tokens: list[int], rounds: int) -> list[dict]:

@@ -22,26 +22,15 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.cpu_decode import SHAPES, random_model, step_times  # noqa: E402
+from bench.cpu_decode import SHAPES, prefill_seconds, random_model, step_times  # noqa: E402
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def prefill_seconds(model, tokens: int) -> float:
-    """Wall seconds of one forward of ``tokens`` prompt tokens into a fresh cache (batch 1)."""
-    prompt = torch.randint(0, model.decoder.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
-    cache = model.new_cache(tokens + 1, 1)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        model.decoder(prompt, cache, 0, last_only=True)
-        return time.perf_counter() - start
 
 
 def measure(model, threads: list[int], rounds: int, steps: int, prefill: int) -> dict:
