@@ -1,0 +1,44 @@
+"""runtime.native: the C++ CPU kernels are optional; when one cannot be built, the caller is told
+once why and keeps its PyTorch path (None), and nothing is half-built into the cache."""
+
+import pytest
+
+from runtime import native
+
+
+@pytest.fixture(autouse=True)
+def fresh_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWBIT_NATIVE_CACHE", str(tmp_path / "cache"))
+    native._build.cache_clear()
+    yield
+    native._build.cache_clear()
+
+
+def test_switched_off_returns_none_without_building(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWBIT_NATIVE", "0")
+    assert native.load("does_not_matter") is None
+    assert not (tmp_path / "cache").exists()
+
+
+def test_no_compiler_is_named_once_and_falls_back(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-lowbit")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler .*no-such-compiler-lowbit.*PyTorch path"):
+        assert native.load("int4_weights") is None
+    assert native.load("int4_weights") is None  # cached: no second warning (pytest would not fail on one,
+    assert native._build.cache_info().hits == 1  # so the cache hit is what is asserted)
+
+
+def test_failed_build_names_the_error(monkeypatch, tmp_path):
+    bad = tmp_path / "src"
+    bad.mkdir()
+    (bad / "broken.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    monkeypatch.setattr(native, "SOURCES", bad)
+    with pytest.warns(RuntimeWarning, match="'broken' is not used: building it failed"):
+        assert native.load("broken") is None
+
+
+def test_build_directory_depends_on_torch_and_flags(monkeypatch):
+    first = native.build_directory()
+    monkeypatch.setattr(native, "flags", lambda: ["-O2"])
+    assert native.build_directory() != first
+    assert first.parent.name == "cache"
