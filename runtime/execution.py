@@ -105,19 +105,25 @@ def warm_matmul_tuning(decoder, largest_m: int) -> int:
     a decode batch, a packed prefill, its lm_head rows) now, so no request pays a tuning stall;
     returns how many (layer, bucket) pairs were asked (layers of one shape share a tuning). The
     buckets are ``quant_matmul.m_bucket``'s: every M up to its decode limit, then powers of two.
-    Nothing to do where the layers run the dense reference (CPU)."""
+    Nothing to do where the layers run the dense reference (CPU). A bucket with no configuration
+    that runs and matches the reference is left to the layers' forward, which runs the reference
+    for it with one warning (``QuantLinear.forward``)."""
     from runtime.linear import QuantLinear
 
     layers = [m for m in decoder.modules() if isinstance(m, QuantLinear) and m._kernel is not None]
     if not layers:
         return 0
+    from runtime.kernels.matmul_tuning import NoConfiguration
     from runtime.kernels.quant_matmul import choose_config, m_bucket
 
     buckets = sorted({m_bucket(M) for M in range(1, max(largest_m, 1) + 1)})
     dtype = next(decoder.parameters()).dtype
     for m in layers:
         for M in buckets:
-            choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
+            try:
+                choose_config(M, m._kernel, dtype, m._kernel.qweight.device)
+            except NoConfiguration:
+                continue
     return len(layers) * len(buckets)
 
 

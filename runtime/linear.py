@@ -14,6 +14,7 @@ from runtime.kernels import reference, weight_layout
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _REPORTED_CPU_REASONS: set[str] = set()  # why layers keep the dense reference on CPU, warned once each
+_REPORTED_UNTUNED: set[str] = set()  # shapes the GEMM tuning found no configuration for, warned once each
 
 
 def runs_kernels(x: torch.Tensor) -> bool:
@@ -154,13 +155,19 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The dispatch point: CUDA inputs go to the fused Triton kernels, CPU inputs to the CPU kernels
-        # when materialize chose them, everything else to the reference.
+        # when materialize chose them, everything else to the reference. Rows of a shape for which
+        # the GEMM tuning found no configuration that runs and matches the reference go to the
+        # reference too (the dense weight then sits beside the kernel's for the other row counts).
         if runs_kernels(x) and self.kernels_can_run(x.dtype):
             from runtime.kernels import quant_matmul  # imports triton: only where kernels run
+            from runtime.kernels.matmul_tuning import NoConfiguration
 
             if self._kernel is None or self._kernel.qweight.device != x.device:
                 self._kernel = self.kernel_weight()
-            return quant_matmul.quant_matmul(x, self._kernel, self.bias)
+            try:
+                return quant_matmul.quant_matmul(x, self._kernel, self.bias)
+            except NoConfiguration as e:
+                report_untuned(str(e))
         if self._cpu is not None and x.is_cpu:
             return self._cpu(x, self.bias)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
@@ -169,6 +176,15 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+
+def report_untuned(reason: str) -> None:
+    """One warning per shape the GEMM tuning found no configuration for (``reason`` names the
+    kernel, the shape and why each candidate failed), however many layers and calls meet it."""
+    if reason not in _REPORTED_UNTUNED:
+        _REPORTED_UNTUNED.add(reason)
+        warnings.warn(f"{reason}; layers of this shape run the dense reference (dequantize + matmul) for these rows "
+                      "instead (correct, slower)", stacklevel=3)
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:

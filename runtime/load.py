@@ -272,7 +272,10 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias.
 
     ``kv`` overrides the KV-cache scheme saved with the checkpoint (``"int4"``, ``"fp16"``, a KVScheme).
-    ``self_check=False`` skips the check of the kernels against the reference (``runtime/selfcheck.py``).
+    ``self_check=False`` skips this model's load-time and Engine start-up checks of the kernels against
+    the reference (``runtime/selfcheck.py``); a GEMM configuration tuned at first use is still checked
+    (it is kept per process for every model of its shape: ``runtime/kernels/matmul_tuning.py``). Only
+    ``LOWBIT_SELF_CHECK=0`` (``lowbit --no-self-check``) skips every check.
     ``cpu_kernels=False``: quantized Linears on CPU run the dense float reference (``prepare``).
     """
     path = models.resolve(path)

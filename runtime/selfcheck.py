@@ -13,7 +13,9 @@ with one warning naming the kernel, the configuration, the GPU, the Triton relea
 Where nothing runs on Triton (CPU) it does nothing. :func:`kernel_table` is what ``lowbit doctor``
 prints. Skipped by ``runtime.load(..., self_check=False)`` or ``LOWBIT_SELF_CHECK=0``.
 A GEMM configuration tuned later, at the first call of a shape (``Model.generate``), is checked
-where it is tuned (``runtime/kernels/matmul_tuning.py``) before its first use.
+where it is tuned (``runtime/kernels/matmul_tuning.py``) before its first use, whatever the
+model's ``self_check`` (only ``LOWBIT_SELF_CHECK=0`` skips that); a shape none passes runs the
+reference for those rows (``QuantLinear.forward``).
 
 One failure no fallback can undo: a launch that faults (an illegal address) leaves CUDA's context
 unusable for the whole process. The check then fails at load, naming the kernel, instead of in the

@@ -9,18 +9,22 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernel_device import DEVICE  # noqa: F401 (sets TRITON_INTERPRET before triton is imported)
 
 from quant.affine import QuantScheme, choose_qparams, quantize  # noqa: E402
 from quant.packing import pack  # noqa: E402
+from runtime import linear  # noqa: E402
 from runtime.kernels import matmul_tuning as tuning  # noqa: E402
 from runtime.kernels import quant_matmul as qm  # noqa: E402
 from runtime.kernels.matmul_configs import MatmulConfig, candidate_configs  # noqa: E402
 from runtime.kernels.weight_layout import dequantize_kernel_weight, make_kernel_weight  # noqa: E402
-from runtime.tolerances import SELF_CHECK_ENV  # noqa: E402
+from runtime.tolerances import SELF_CHECK_ENV, Mismatch, compare  # noqa: E402
+from test_selfcheck import IDS, checkpoint  # noqa: E402, F401 (a tiny W4 checkpoint: the fixture)
 
 N, K = 600, 128  # more outputs than the check reads (both ends of 256)
+qm_launch = qm.launch  # the real launch, for stand-ins that count launches and then run it
 FAST, MIDDLE, SLOW = MatmulConfig(16, 64), MatmulConfig(16, 32), MatmulConfig(32, 64)
 
 
@@ -167,3 +171,123 @@ def test_a_shape_is_tuned_through_the_check_once_per_process(monkeypatch):
     first = qm.choose_config(20, kw, torch.float16, gpu)
     assert first == candidate_configs(20, kw)[-1] and asked == [(32, qm.launch)]
     assert qm.choose_config(30, kw, torch.float16, gpu) is first and len(asked) == 1  # the same bucket
+
+
+
+# -- a shape with no configuration: its rows run the reference (runtime/linear.py decides) -----------
+
+
+@pytest.fixture
+def tuning_on_cpu(monkeypatch):
+    """``choose_config`` tunes CPU tensors (in the interpreter) as it tunes on a GPU, from empty
+    outcomes, and QuantLinear sends CPU tensors to the kernels; nothing injected outlives the test."""
+    monkeypatch.setattr(qm, "tunes_on", lambda device: True)
+    monkeypatch.setattr(qm, "_TUNED", {})
+    monkeypatch.setattr(qm, "_NO_CONFIGURATION", {})
+    monkeypatch.setattr(linear, "runs_kernels", lambda x: True)
+    monkeypatch.setattr(linear, "_REPORTED_UNTUNED", set())
+
+
+def failing_tuning(monkeypatch, how: str, failing_bucket: int) -> list[int]:
+    """The real ``tune`` for ``failing_bucket``, where every candidate fails (``how``: to launch, or
+    its check); the default configuration for other buckets. Returns the buckets asked, in order."""
+    asked, real_tune = [], tuning.tune
+
+    def launch_fails(fn):
+        raise RuntimeError("CUDA driver error: invalid argument")
+
+    def check_fails(M, kw, dtype, device, config, launch):
+        raise Mismatch(f"{config} at columns 0..48: relative error 1.00e+00 against the reference")
+
+    def tune(M, kw, dtype, device, candidates, launch):
+        asked.append(M)
+        return real_tune(M, kw, dtype, device, candidates, launch) if M == failing_bucket else candidates[0]
+
+    if how == "launch":
+        monkeypatch.setattr(tuning, "time_ms", launch_fails)
+    else:
+        monkeypatch.setattr(tuning, "time_ms", lambda fn: 1.0)
+        monkeypatch.setattr(tuning, "check", check_fails)
+    monkeypatch.setattr(tuning, "tune", tune)
+    return asked
+
+
+def quant_layer():
+    from test_kernels_linear import load_layer
+
+    return load_layer(QuantScheme(4, 32, symmetric=False), 48, 128, seed=3).half()
+
+
+def rows(M):
+    return torch.randn(M, 128, generator=torch.Generator().manual_seed(M)).to(DEVICE, torch.float16)
+
+
+@pytest.mark.parametrize("how, reason", [("launch", "CUDA driver error: invalid argument"),
+                                         ("check", "no configuration that ran matches the reference")])
+def test_a_shape_without_a_configuration_runs_the_reference_with_one_warning(tuning_on_cpu, monkeypatch, how,
+                                                                             reason):
+    asked = failing_tuning(monkeypatch, how, failing_bucket=5)
+    layer, x = quant_layer(), rows(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = layer(x)
+        again = layer(x)
+        quant_layer()(x)  # another layer of the shape: the same outcome, no second warning
+    assert asked == [5], "the shape is tuned once"
+    [message] = [str(w.message) for w in caught]
+    assert "quant_matmul (M=5, 128->48, W4 asymmetric g32, float16)" in message and reason in message
+    assert "run the dense reference (dequantize + matmul)" in message
+    expected = F.linear(x, layer.dequantized_weight(torch.float16), layer.bias)
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+
+
+def test_other_row_counts_of_that_layer_keep_the_kernels(tuning_on_cpu, monkeypatch):
+    asked = failing_tuning(monkeypatch, "launch", failing_bucket=5)
+    layer = quant_layer()
+    with pytest.warns(UserWarning, match="M=5"):
+        layer(rows(5))
+    launched = []
+    monkeypatch.setattr(qm, "launch", lambda *args: launched.append(args[-1]) or qm_launch(*args))
+    with torch.inference_mode():
+        one = layer(rows(1))
+    assert asked == [5, 1] and launched == [candidate_configs(1, layer._kernel)[0]]
+    reference = F.linear(rows(1).double(), layer.dequantized_weight(torch.float16).double(), layer.bias.detach().double())
+    compare(one, reference, torch.float16, "M=1 on the kernels")
+
+
+def test_the_engine_start_up_leaves_an_untuned_bucket_to_the_reference(tuning_on_cpu, monkeypatch):
+    """``warm_matmul_tuning`` and the Engine's check of its tuned GEMMs skip the bucket (the layer's
+    forward runs the reference for it) instead of failing the start-up or the whole layer."""
+    from runtime import selfcheck_cases
+    from runtime.execution import warm_matmul_tuning
+
+    asked = failing_tuning(monkeypatch, "launch", failing_bucket=5)
+    layer = quant_layer()
+    layer._kernel = layer.kernel_weight()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the forward warns, at first use, not the start-up
+        assert warm_matmul_tuning(torch.nn.Sequential(layer), 5) == 5
+        selfcheck_cases.check_linear(layer, torch.float16, (5,), tuned=True)
+    assert asked == [1, 2, 3, 4, 5]
+    with pytest.warns(UserWarning, match="dense reference"):
+        layer(rows(5))
+
+
+def test_load_without_the_self_check_still_checks_what_is_tuned(checkpoint, monkeypatch):
+    """``runtime.load(..., self_check=False)`` skips the model's load-time check, not the check of a
+    configuration tuned at first use (kept per process for every model of the shape); only
+    ``LOWBIT_SELF_CHECK=0`` skips that."""
+    import runtime
+
+    checked = []
+    for switched_off in (False, True):
+        if switched_off:
+            monkeypatch.setenv(SELF_CHECK_ENV, "0")
+        for name, value in (("tunes_on", lambda device: True), ("_TUNED", {}), ("_NO_CONFIGURATION", {})):
+            monkeypatch.setattr(qm, name, value)
+        monkeypatch.setattr(linear, "runs_kernels", lambda x: True)
+        monkeypatch.setattr(tuning, "time_ms", lambda fn: 1.0)
+        monkeypatch.setattr(tuning, "check", lambda M, kw, *rest: checked.append((switched_off, M)))
+        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, self_check=False, cpu_kernels=False)
+        model.logits(IDS)
+    assert {M for off, M in checked if not off} == {len(IDS[0])} and not [c for c in checked if c[0]]

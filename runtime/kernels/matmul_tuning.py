@@ -9,8 +9,14 @@ masking would hide a bug), within ``runtime.tolerances``. A winner that fails gi
 fastest that passes, with one warning naming the kernel, the shape, the configuration and the
 error. A candidate that fails to compile or launch (out of registers or shared memory, a compile or
 ptxas error, a driver error) is skipped with its reason kept; when no candidate runs, or none
-passes, the error names the kernel, the shape and every reason. ``LOWBIT_SELF_CHECK=0`` skips the
-check, not the timing.
+passes, :class:`NoConfiguration` names the kernel, the shape and every reason: ``choose_config``
+keeps it for the shape and ``QuantLinear`` runs the dense reference (dequantize + matmul) for those
+rows instead, with one warning.
+
+Only the process-wide switch ``LOWBIT_SELF_CHECK=0`` (``lowbit --no-self-check``) skips the check,
+not the timing. ``runtime.load(..., self_check=False)`` does not: it skips one model's load-time and
+Engine start-up checks (``runtime/selfcheck.py``), while a tuned configuration is kept per process
+and serves every model of that shape, so it is checked whichever model tuned it.
 """
 
 from __future__ import annotations

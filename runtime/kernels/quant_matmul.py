@@ -317,22 +317,37 @@ def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: t
 # -- choosing a configuration -----------------------------------------------------------------------
 
 _TUNED: dict[tuple, MatmulConfig] = {}
+_NO_CONFIGURATION: dict[tuple, str] = {}  # shapes tuning found no configuration for: why (not tuned again)
 
 
 def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
     """The tuned configuration for this shape, timed and checked against the reference on first use
     (``runtime/kernels/matmul_tuning.py``).
 
-    Not timed (the default candidate is used, and not cached) in the interpreter, on CPU, and
-    during CUDA-graph capture: run each shape once before capturing so the graph holds the
-    tuned launch.
+    Not timed (the default candidate is used, and not cached) where ``tunes_on`` says no. When no
+    candidate runs and matches the reference, every call for the shape raises
+    ``matmul_tuning.NoConfiguration`` (tuned once: the outcome is kept); ``QuantLinear`` then runs
+    the dense reference for those rows.
     """
     key = (m_bucket(M), kw.out_features, kw.in_features, kw.bits, kw.group_len, kw.zeros is None,
            dtype, str(device))
     if key in _TUNED:
         return _TUNED[key]
+    if key in _NO_CONFIGURATION:
+        raise matmul_tuning.NoConfiguration(_NO_CONFIGURATION[key])  # a new error: no traceback piles up
     candidates = candidate_configs(M, kw)
-    if device.type != "cuda" or interpreting() or torch.cuda.is_current_stream_capturing():
+    if not tunes_on(device):
         return candidates[0]
-    _TUNED[key] = matmul_tuning.tune(m_bucket(M), kw, dtype, device, candidates, launch)
+    try:
+        _TUNED[key] = matmul_tuning.tune(m_bucket(M), kw, dtype, device, candidates, launch)
+    except matmul_tuning.NoConfiguration as e:
+        _NO_CONFIGURATION[key] = str(e)
+        raise
     return _TUNED[key]
+
+
+def tunes_on(device: torch.device) -> bool:
+    """Whether ``choose_config`` times the candidates: on CUDA with the compiled kernels, not in the
+    interpreter, and not during CUDA-graph capture (run each shape once before capturing so the
+    graph holds the tuned launch). The seam tests replace to tune in the interpreter."""
+    return device.type == "cuda" and not interpreting() and not torch.cuda.is_current_stream_capturing()
