@@ -16,7 +16,6 @@ read by lm-eval as local jsonl (``dataset_path: json``), one per request type:
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import random
@@ -24,6 +23,7 @@ import re
 from pathlib import Path
 
 from evals.texts import load_text
+from quant.names import close_names
 
 OFFLINE_GROUP = "lowbit_offline"
 OFFLINE_TASKS = ("lowbit_persuasion_ppl", "lowbit_persuasion_cloze", "lowbit_persuasion_gen")
@@ -132,7 +132,7 @@ def check_task_names(names: list[str], manager) -> None:
         return
     parts = []
     for name in unknown:
-        close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+        close = close_names(name, known, n=5)
         parts.append(f"{name!r}" + (f" (close matches: {', '.join(close)})" if close else " (no close match)"))
     raise TaskError(f"lm-eval does not know the task {'; '.join(parts)}. Offline, '{OFFLINE_GROUP}' runs on the "
                     "bundled text; `lm-eval ls tasks` lists the rest")

@@ -7,7 +7,6 @@ bits budget, ``serve_with``, ``gguf``, ``kv_cache``) is checked before any work.
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import asdict, fields, replace
 
@@ -18,6 +17,7 @@ from quant import engines
 from quant import methods as registry
 from quant.affine import SUPPORTED_BITS
 from quant.budget import DEFAULT_BITS, MAX_TARGET_BITS, Candidate
+from quant.names import did_you_mean
 from quant.plan import Override
 
 
@@ -35,8 +35,7 @@ class _Checker:
             self.fail(path, f"expected a mapping, got {type(value).__name__}")
         for key in value:
             if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
+                hint = did_you_mean(key, known, otherwise=f" (known keys: {', '.join(known)})")
                 self.fail(f"{path}.{key}" if path else str(key), f"unknown key{hint}")
         return value
 

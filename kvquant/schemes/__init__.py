@@ -29,12 +29,12 @@ plus kernel branches (``kernels``, ``kernel_constants``) only when it needs the 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
 import re
 
 from kvquant.schemes.base import KVFamily
+from quant.names import did_you_mean
 
 SUFFIX = r"(?:-g(?P<g>\d+))?(?:-r(?P<r>\d+))?"  # every name may set group_size and residual
 
@@ -67,9 +67,7 @@ _discover()
 
 def get(name: str) -> KVFamily:
     if name not in REGISTRY:
-        close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown KV cache family {name!r}{hint}; known families: {', '.join(REGISTRY)}")
+        raise ValueError(f"unknown KV cache family {name!r}{did_you_mean(name, REGISTRY)}; known families: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 

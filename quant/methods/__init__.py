@@ -30,11 +30,12 @@ A recipe lists methods in order, layer steps first and at most one rounding meth
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
+
+from quant.names import did_you_mean
 
 STAGES = ("layer", "round")  # the order steps run in
 
@@ -99,9 +100,7 @@ DEFAULT_ROUNDING = "rtn"  # rounds when a list names no rounding method
 
 def get(name: str) -> Method:
     if name not in REGISTRY:
-        close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise MethodError(f"unknown method {name!r}{hint}; known methods: {', '.join(sorted(REGISTRY))}")
+        raise MethodError(f"unknown method {name!r}{did_you_mean(name, REGISTRY)}; known methods: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
 
 
