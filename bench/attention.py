@@ -38,7 +38,6 @@ raw numbers, and issue 15's targets evaluated on them (``TARGETS``, ``TARGET_BW_
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -49,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.results_file import write_result
 from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,14 +283,12 @@ def main(argv=None):
         "rows": rows, "targets": [] if args.smoke else evaluate_targets(rows, copy_bw),
     }
     out = args.out or ROOT / "bench" / "results" / "gpu" / f"attention-{device_slug(device_name)}-{code_version}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result)
     if args.smoke:
         print("SMOKE RUN: the Triton interpreter on CPU; these times say nothing about speed")
     print(table(rows, copy_bw))
     for t in result["targets"]:
         print(f"{'met' if t['met'] else 'NOT met'}: {t['target']} (measured {t['measured']})")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

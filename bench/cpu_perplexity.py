@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from evals.provenance import commit, cpu_name, versions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,9 +53,7 @@ def main():
         print(json.dumps(row), flush=True)
     result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "versions": versions(),
               "protocol": protocol.describe() + ", bundled default text", "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.results_file import write_result
 from bench.scoring import commit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,14 +129,13 @@ def main() -> None:
         **provenance(),
     }
     out = args.out or ROOT / "bench" / "results" / "distributed" / f"calibration-ranks-{commit()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
+    write_result(out, record)
     for run in runs:
         ranks = ", ".join(f"rank {r['rank']}: comm {100 * r['comm_share']:.1f}%, peak {r['peak_rss'] / 2**20:.0f} MiB"
                           for r in run["per_rank"])
         print(f"{run['ranks']} rank(s), batches of {run['batch_size']}: {run['wall_s']:.1f} s ({ranks}); "
               f"ppl {run['ppl']}")
-    print(f"speed-up with 2 ranks: {record['speedup_2_ranks']:.2f}x; wrote {out}")
+    print(f"speed-up with 2 ranks: {record['speedup_2_ranks']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from bench.results_file import write_result
 from evals.provenance import commit, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,9 +110,7 @@ def main():
             result["tiny"][kind] = quality(kind, Path(d) / kind)
             print(kind, json.dumps(result["tiny"][kind]), flush=True)
     result.update(provenance("cpu"), commit=code_version)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

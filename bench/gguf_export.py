@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from bench.gguf_vs_llamacpp import LLAMA_BIN, SDIST, eval_texts, run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,9 +151,7 @@ def main():
         "commit": commit(),
         "command": "python -m bench.gguf_export " + " ".join(sys.argv[1:]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 def llama_cpp_version(work: Path) -> str:

@@ -28,7 +28,6 @@ plain launches. Results go to
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.results_file import write_result
 from bench.gpu import device_slug, l2_bytes, median_seconds_per_call, refuse_without_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,9 +332,7 @@ def main(argv=None):
         print("smoke run: nothing written (its timings mean nothing)")
         return record
     out = args.out or ROOT / "bench" / "results" / "gpu" / f"kernels-{device_slug(name)}-{code_version}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2, default=str))
-    print(f"wrote {out}")
+    write_result(out, record)
     for t in record["targets"]:
         m = t["measured"]
         print(f"  {t['target']:<32} {t['shape']:>11}: {'n/a' if m is None else f'{m:.2f}'} "

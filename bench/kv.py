@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from bench.kv_memory import ModelShape, capacity_table, format_bytes, memory_row
+from bench.results_file import write_result
 from evals.kv import ChunkProtocol, NewSession, Step, kv_perplexity, runtime_session
 from evals.perplexity import Protocol, tokenize_text
 from evals.provenance import commit, provenance
@@ -185,10 +186,9 @@ def finish(args, model, rows, protocol, chunks, token_ids, code_version):
         "commit": code_version,
         "peer_versions": peer_versions(),
     }
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     print(markdown(result))
-    print(f"wrote {args.out}")
 
 
 def peer_versions() -> dict:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
+from bench.results_file import write_result
 from evals.provenance import commit, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,9 +66,8 @@ def main():
         **provenance("cpu"),
         "commit": code_version,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"best: keys {best['key_ratio']} values {best['value_ratio']} ({best['delta_ppl_pct']:+.2f}%); wrote {args.out}")
+    write_result(args.out, result)
+    print(f"best: keys {best['key_ratio']} values {best['value_ratio']} ({best['delta_ppl_pct']:+.2f}%)")
 
 
 if __name__ == "__main__":

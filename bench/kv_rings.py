@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from evals import planner
 from evals.provenance import provenance
 from kvquant import parse_kv
@@ -105,9 +106,7 @@ def main(argv=None) -> None:
                   f"at {args.context:,} tokens")
     result = {"bench": "kv_rings", "context": args.context, **provenance("cpu"), "shapes": shapes,
               "protocol": __doc__.split("\n\n", 2)[2]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from evals.kv import ChunkProtocol, kv_perplexity, runtime_session
 from evals.perplexity import Protocol, tokenize_text
 from evals.provenance import commit, provenance
@@ -81,11 +82,9 @@ def main():
         **provenance("cpu"),
         "commit": code_version,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     print(markdown(result))
-    print(f"wrote {args.out}")
 
 
 def markdown(result: dict) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from bench.scoring import commit, parse_texts, score_texts
 from evals.provenance import versions
 from evals.texts import load_text
@@ -105,8 +106,7 @@ def main() -> None:
     record = {"commit": commit(), "device": "cpu", "versions": versions(), "checkpoint": str(args.checkpoint),
               "recipe": manifest.get("recipe"), "text": args.text, **result}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        write_result(args.out, record)
     print(json.dumps(result["drift"]["calibration"][9:16], indent=None))
 
 

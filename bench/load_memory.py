@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from bench.cpu_decode import SCHEME, SHAPES  # noqa: E402
 from bench.memory import PeakSampler, rss  # noqa: E402
+from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 from evals.serving import LLAMA3_8B  # noqa: E402
 
@@ -165,9 +166,7 @@ def main():
         row["w4"]["load_own"] = row["w4"]["peak"] - row["w4"]["rss_before"]
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

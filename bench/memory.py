@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.results_file import write_result
 from bench.scoring import commit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,8 +164,7 @@ def main():
     result = {"commit": code_version, "device": f"cpu ({os.cpu_count()} cores)", "samples": args.samples,
               "seq_len": 512, "method": "gptq w4 g64 asym, actorder weight",
               "loading": "decoder layers read from the safetensors one at a time (quant.models.load_lazily)", "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     gb = 1e9
     print("| glibc mmap threshold | layers | layer weights GB | RSS before GB | peak GB | working set GB | seconds |")
     print("|---|---|---|---|---|---|---|")

@@ -12,11 +12,11 @@ tokens the router sent each expert. Deterministic; CPU.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from evals.provenance import commit
 from quant.affine import QuantScheme
 from quant.moe import routed_counts, unfuse_experts
@@ -109,12 +109,11 @@ def main() -> None:
     import transformers
 
     out = Path(__file__).parent / "results" / "moe" / f"expert-statistics-{code_version}.json"
-    out.write_text(json.dumps({
+    write_result(out, {
         "protocol": __doc__.split("\n\n")[1].replace("\n", " "), "scheme": SCHEME.describe(),
         "model": "tiny mixtral: hidden 128, expert width 128, 2 layers, 8 experts top 2, router skewed",
         "held_out_tokens": list(held_out.shape), "commit": code_version, "device": "cpu",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "rows": rows}, indent=1))
-    print(out)
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__}, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ JSON keeps the raw numbers, protocols, versions, machine and commit.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 import time
 from pathlib import Path
 
+from bench.results_file import write_result
 from bench.scoring import PROTOCOLS
 from evals import size
 from evals.perplexity import Protocol, perplexity, tokenize_text
@@ -87,8 +87,7 @@ def main():
         "versions": pipeline.versions(),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"\nProtocols: {'; '.join(p.describe() for p in protocols.values())}; commit {result['commit']}\n")
     print("| recipe | perplexity (sliding) | Δ | perplexity (BOS) | Δ | bits/weight | bytes on disk |\n"
           "|---|---|---|---|---|---|---|")

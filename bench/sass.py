@@ -48,7 +48,6 @@ imported (this module unsets it before importing triton).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -64,6 +63,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from bench.results_file import write_result  # noqa: E402
 from bench.sass_cases import KernelCase, ctas_per_sm  # noqa: E402
 from bench.sass_dataflow import Instruction, dequant_report, parse_sass  # noqa: E402
 
@@ -334,9 +334,7 @@ def main(argv=None) -> None:
         ptxas = subprocess.run([str(BIN_DIR / "ptxas"), "--version"], capture_output=True, text=True).stdout
         result = {"commit": code_version, "triton": triton.__version__, "ptxas": ptxas.strip().splitlines()[-1],
                   "reports": reports}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":

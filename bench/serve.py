@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import re
@@ -30,6 +29,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from bench.results_file import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,9 +219,7 @@ def main(argv=None) -> None:
     if out is None:
         slug = re.sub(r"[^a-z0-9]+", "-", record["device"]["name"].lower()).strip("-")
         out = ROOT / "bench" / "results" / "serve" / f"http-overhead-{slug}-{record['commit']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(out, record)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ each count covers. Rows: the fused small ops on (what ``runtime.load`` picks on 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch  # noqa: E402
 
 import runtime  # noqa: E402
 from runtime import Engine, SamplingParams  # noqa: E402
+from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit  # noqa: E402
 from lowbit_testing.counting import decode_step_counts, generate_step_counts  # noqa: E402
 
@@ -90,12 +90,11 @@ def main() -> None:
     record = dict(what="one engine decode step on the CUDA path, counted on CPU (lowbit_testing/counting.py)",
                   commit=commit(), torch=torch.__version__, layers=args.layers, rows=rows)
     out = args.json or ROOT / "bench" / "results" / "engine" / f"step-counts-{record['commit']}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    write_result(out, record)
     for r in rows:
         print(f"{r['runner']:>14} {r['kv']:>14} batch {r['batch']:>2} fused={r['fused_small_ops']!s:5}  "
               f"syncs {r['syncs']}  copies {r['input_copies']}  launches/layer {r['launches_per_layer_no_fill']:>2} "
               f"({r['launches_per_layer_block_fills']:>2} when a block fills)  /step {r['launches_per_step']}")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

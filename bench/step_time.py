@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import json
 import re
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from evals.provenance import commit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,13 +168,12 @@ def main() -> None:
         main_thread_over_worker_thread=paired(rounds, "after_main_thread", "after_worker_thread"),
         one_intra_op_thread_over_default_worker_thread=paired(rounds, "after", "after_worker_thread"))
     out = args.json or ROOT / "bench" / "results" / "engine" / f"step-time-{record['commit']}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    write_result(out, record)
     print(f"decode step, batch {args.batch}: after/before {record['decode_after_over_before']:.3f} (1 intra-op "
           f"thread), {record['decode_after_over_before_worker_thread']:.3f} (worker thread, default threads)")
     print(f"prefill of {args.batch} prompts: after/before {record['prefill_after_over_before']:.3f} (1 intra-op thread)")
     print(f"main thread/worker thread, default intra-op threads: {record['main_thread_over_worker_thread']:.3f}; "
           f"1 intra-op thread/default (worker): {record['one_intra_op_thread_over_default_worker_thread']:.3f}")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
