@@ -165,7 +165,10 @@ class WholeCache(Batch):
             end = cache.prepare_write(layer, self.start, k, v)
             cache.store(layer, range(cache.batch), self.start, k, v)
             cache.finish_write(layer, end)
-            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, [end] * cache.batch, window, softcap)
+            lengths = [end] * cache.batch
+            if in_residual(cache, lengths, window, q):
+                return residual_attention(cache, layer, slice(None), lengths, q, softcap)
+            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, lengths, window, softcap)
         keys, values = self.cache.update(layer, self.start, k, v)
         return sdpa(q, keys, values, mask, softcap)
 
@@ -214,10 +217,11 @@ class SequenceBatch(Batch):
             return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
                                     self.max_seq_len, start, self.lengths, write)
         if k.shape[2] == 1 and self.cache.folded_decode:  # a decode step: every row over its stored codes
-            for i, start in enumerate(self.starts):
-                self.cache.store_sequence(layer, self.first + i, start, k[i], v[i])
-            paged = ref.PagedKV.from_cache(self.cache, layer, self._rows())
-            return decode_attention(paged, q, [start + 1 for start in self.starts], window, softcap)
+            self.cache.store_decode(layer, self.first, self.starts, k, v)
+            lengths = [start + 1 for start in self.starts]
+            if in_residual(self.cache, lengths, window, q):
+                return residual_attention(self.cache, layer, self._rows(), lengths, q, softcap)
+            return decode_attention(ref.PagedKV.from_cache(self.cache, layer, self._rows()), q, lengths, window, softcap)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window, softcap) for i in range(self.count)])
 
@@ -342,6 +346,28 @@ def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, w
     mask = None if start is None else attention_mask(k.shape[2], start + k.shape[2], window, q.device)
     return ref.paged_attention(paged, starts, q, k, v, mask, window, ops, max_seq_len=max_seq_len,
                                start=start, lengths=lengths)
+
+
+def in_residual(cache, lengths: list[int], window: int | None, q) -> bool:
+    """Whether a CPU decode step over sequences of ``lengths`` positions (the new one stored) can
+    attend over the residual block alone: every position still there (fewer than a block: no block
+    quantized yet, the first ``block_size - 1`` tokens of every sequence), none out of the window,
+    float32 queries (the stored floats as ``decode_attention`` reads them, in its precision)."""
+    return (q.dtype == torch.float32 and max(lengths) < cache.block_size
+            and (window is None or max(lengths) <= window))
+
+
+def residual_attention(cache, layer: int, rows: slice, lengths: list[int], q, softcap=None):
+    """:func:`in_residual`'s attention: one SDPA over views of the residual block (no gather, no
+    copy), the positions past a shorter sequence's length masked. ``decode_attention`` computes
+    the same from the same floats in some 40 small ops per layer against SDPA's one: a short
+    context's decode step is dispatch-bound (bench/results/cpu/NOTES.md)."""
+    end = max(lengths)
+    keys, values = cache.residual_k[layer][rows, :, :end], cache.residual_v[layer][rows, :, :end]
+    mask = None
+    if min(lengths) != end:  # [S, 1, 1, end]: True where a sequence holds the position
+        mask = (torch.arange(end, device=q.device) < torch.tensor(lengths, device=q.device)[:, None])[:, None, None]
+    return sdpa(q, keys, values, mask, softcap)
 
 
 def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k, v, window, softcap=None):

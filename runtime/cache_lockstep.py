@@ -51,6 +51,8 @@ class LockstepCache(PagedCache):
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
         g = self.slots.group_of(layer)
+        if self.groups.windows[g] is None and start // self.block_size == end // self.block_size:
+            return end  # no ring and no block filled: no page to give back or take (a decode step, mostly)
         earliest = min(self.lengths[i] for i in self.groups.layers[g])  # a group's pages serve all its layers
         self._apply(*self.slots.place(range(self.batch), [g], [earliest] * self.batch, end))
         return end

@@ -27,17 +27,20 @@ def twin_caches(cls, spec: str, batch: int, max_len: int, windows=None, dtype=to
 
 @pytest.fixture
 def folded_calls(monkeypatch):
-    """Counts the decode steps that took the folded path (so a test cannot pass by comparing the
-    reference with itself)."""
+    """Counts the decode steps that took the folded path, or while every position is still in the
+    residual block its SDPA shortcut (so a test cannot pass by comparing the reference with itself)."""
     import runtime.attention
 
     calls = []
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return decode_attention(*args, **kwargs)
+    def counting(f):
+        def counted(*args, **kwargs):
+            calls.append(f.__name__)
+            return f(*args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(runtime.attention, "decode_attention", counted)
+    for name in ("decode_attention", "residual_attention"):
+        monkeypatch.setattr(runtime.attention, name, counting(getattr(runtime.attention, name)))
     return calls
 
 

@@ -1,0 +1,123 @@
+"""The CPU decode step's shortcuts (bench/results/cpu/NOTES.md, the per-step overhead): attention
+over the residual block alone while every position is still there, and the engine's one write of
+a decode step's keys and values, each against the path it short-cuts."""
+
+import pytest
+import torch
+
+from kvquant import parse_kv
+from runtime.attention import SequenceBatch, WholeCache
+from runtime.cache import KVCache
+from runtime.cache_lockstep import LockstepCache
+
+H, HQ, D = 2, 6, 64
+TOL = dict(rtol=1e-4, atol=1e-5)  # float32, summation order differs
+
+
+@pytest.fixture
+def shortcut_calls(monkeypatch):
+    import runtime.attention
+
+    calls = []
+    original = runtime.attention.residual_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.attention, "residual_attention", counted)
+    return calls
+
+
+def filled_caches(spec: str, lengths: list[int], window=None):
+    """A cache on the fast path and one on the reference (read back + SDPA per sequence), rows
+    holding the same random keys and values."""
+    caches = [KVCache(1, len(lengths), H, D, 128, torch.float32, "cpu", parse_kv(spec),
+                      windows=None if window is None else [window]) for _ in "ab"]
+    caches[1].folded_decode = False
+    for cache in caches:
+        for slot, n in enumerate(lengths):
+            cache.add_sequence(slot)
+            k, v = (torch.randn(H, n, D, generator=torch.Generator().manual_seed(slot)) for _ in range(2))
+            cache.write_sequence(0, slot, 0, k, v)
+            cache.advance(slot, n)
+    return caches
+
+
+@pytest.mark.parametrize("spec", ["fp16-r32", "int4-g16-r32"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 30.0)])
+def test_rows_within_the_residual_match_reference(spec, window, softcap, shortcut_calls):
+    """Engine rows at different lengths, all shorter than a block: one masked SDPA over the
+    residual views gives the reference's attention; from the first filled block on, the usual path."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 17, 9]
+    caches = filled_caches(spec, lengths, window)
+    for step in range(16):  # the longest row fills its first block (32) at step 14
+        starts = [n + step for n in lengths]
+        q = torch.randn(len(lengths), HQ, 1, D, generator=g)
+        k, v = (torch.randn(len(lengths), H, 1, D, generator=g) for _ in range(2))
+        out = []
+        for cache in caches:
+            for slot, start in enumerate(starts):
+                cache.reserve(slot, start + 1)
+            out.append(SequenceBatch(cache, 0, starts, False).attend(0, q, k, v, window, softcap))
+            for slot in range(len(lengths)):
+                cache.advance(slot, 1)
+        torch.testing.assert_close(out[0], out[1], **TOL)
+    # every step while the longest row is under a block (and its window) took the shortcut
+    assert len(shortcut_calls) == (7 if window else 14)
+
+
+def test_lockstep_rows_within_the_residual_match_reference(shortcut_calls):
+    g = torch.Generator().manual_seed(1)
+    caches = [LockstepCache(1, 2, H, D, 64, torch.float32, "cpu", parse_kv("fp16-r32")) for _ in "ab"]
+    caches[1].folded_decode = False
+    k, v = (torch.randn(2, H, 20, D, generator=g) for _ in range(2))
+    for cache in caches:
+        WholeCache(cache, 0, 20, False).attend(0, torch.randn(2, HQ, 20, D), k, v, None)
+    for position in range(20, 36):  # the block fills at 32
+        q = torch.randn(2, HQ, 1, D, generator=g)
+        k, v = (torch.randn(2, H, 1, D, generator=g) for _ in range(2))
+        out = [WholeCache(c, position, 1, False).attend(0, q, k, v, None) for c in caches]
+        torch.testing.assert_close(out[0], out[1], **TOL)
+    assert len(shortcut_calls) == 11  # positions 20 .. 30: lengths 21 .. 31
+
+
+@pytest.mark.parametrize("spec", ["fp16-r32", "int8-r32"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_store_decode_equals_a_store_per_sequence(spec, window):
+    """``KVCache.store_decode`` (one write for the rows; rows at the same or different places in
+    their blocks; a row filling a block; a sliding layer) leaves the cache as a
+    ``store_sequence`` per row does: residuals, pool, block table and lengths."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [5, 30, 5, 62]
+    caches = filled_caches(spec, lengths, window)
+    for step in range(4):  # row 1 fills a block at step 1, row 3 at step 1 too (64)
+        starts = [n + step for n in lengths]
+        k, v = (torch.randn(len(lengths), H, 1, D, generator=g) for _ in range(2))
+        for cache in caches:
+            for slot, start in enumerate(starts):
+                cache.reserve(slot, start + 1)
+        caches[0].store_decode(0, 0, starts, k, v)
+        for slot, start in enumerate(starts):
+            caches[1].store_sequence(0, slot, start, k[slot], v[slot])
+        for cache in caches:
+            for slot in range(len(lengths)):
+                cache.advance(slot, 1)
+        a, b = caches
+        assert torch.equal(a.residual_k[0], b.residual_k[0]) and torch.equal(a.residual_v[0], b.residual_v[0])
+        assert torch.equal(a.block_table, b.block_table) and a.seq_lengths == b.seq_lengths
+        for x, y in zip(a.pool.layer(0), b.pool.layer(0)):
+            assert all(torch.equal(p, q) for p, q in zip(x, y) if p is not None)
+
+
+def test_store_decode_refuses_what_store_sequence_refuses():
+    cache = filled_caches("fp16-r32", [5, 7])[0]
+    k = torch.zeros(2, H, 1, D)
+    with pytest.raises(ValueError, match="holds 7 positions"):
+        cache.store_decode(0, 0, [5, 6], k, k)
+    with pytest.raises(ValueError, match="new keys and values"):
+        cache.store_decode(0, 0, [5, 7], torch.zeros(2, H + 1, 1, D), torch.zeros(2, H + 1, 1, D))
+    cache.free_sequence(1)
+    with pytest.raises(ValueError, match="holds no sequence"):
+        cache.store_decode(0, 0, [5, 7], k, k)
