@@ -1,0 +1,56 @@
+"""lowbit's int4 weight-only matmul for few activation rows on CPU (decode, short prompts), on the
+weights of :class:`runtime.cpu_linear.Int4Slots` as they are: the same packed nibbles and
+``scale_zeros`` as ``aten._weight_int4pack_mm_for_cpu``, no second copy.
+
+The aten kernel turns every weight into a float (``(u - 8) * scale + zero``) before multiplying it
+by each row: compute-bound, its time grows almost linearly with the rows (bench/cpu_int4_gemm.py).
+This one (runtime/native/int4_gemm.cpp) applies scale and zero once per group on the sums,
+``y = sum_g s_g (a_g . u_g) + (z_g - 8 s_g) sum(a_g)``, with the nibbles as exact bf16 values:
+
+* ``amx``: Sapphire Rapids' tile unit multiplies up to 16 rows at the cost of one, so time barely
+  grows with rows;
+* ``avx512``: AVX512-BF16 dot products (CPUs with AVX512-BF16 and no AMX, e.g. Zen 4);
+* ``portable``: a plain loop the compiler vectorizes (other CPUs, and a partial last block of
+  outputs on every CPU); slower than aten's kernel, so :func:`matmul` runs it only when asked.
+
+:func:`matmul` returns None where it does not take a case, and the caller keeps the aten kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime import native
+
+PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
+MAX_ROWS = 64  # rows per call the kernel takes (the rows measured, bench/cpu_int4_gemm.py)
+
+
+def best_path() -> str | None:
+    """The fastest path on this CPU, or None when the kernel cannot be built here."""
+    module = native.load("int4_gemm")
+    return None if module is None else PATHS[module.best_path()]
+
+
+def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor, layout,
+           path: str | None = None) -> torch.Tensor | None:
+    """``aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zeros)`` (bf16 [M, N]) for
+    ``a`` bf16 [M, K] with 1 <= M <= :data:`MAX_ROWS`, or None where the kernel does not take the
+    case (another dtype or shape of ``a``, no compiler, an unknown ``layout``, only the portable
+    path here). ``layout``: the :class:`runtime.cpu_linear.Int4Layout` of ``packed``
+    (``int4_layout()``). ``path`` forces one of :data:`PATHS` (tests, benches); it must run here."""
+    if layout is None or a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
+        return None
+    module = native.load("int4_gemm")
+    if module is None:
+        return None
+    best = module.best_path()
+    if path is None:
+        if best == 0:
+            return None  # the portable loop is slower than aten's kernel
+        chosen = best
+    elif path not in PATHS or PATHS.index(path) > best:
+        raise ValueError(f"int4 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
+    else:
+        chosen = PATHS.index(path)
+    return module.int4_matmul(a.contiguous(), packed, group, scale_zeros, layout.block_n, layout.halves, chosen)

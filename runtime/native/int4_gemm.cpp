@@ -1,0 +1,400 @@
+// A CPU int4 weight-only matmul for few activation rows (decode at batch 1-8, short prompts), reading
+// the weights of runtime/cpu_linear.py's Int4Slots as they are (no second copy): y = a @ w.T.
+//
+// Why: aten._weight_int4pack_mm_for_cpu dequantizes every weight to float (w = (u - 8) s + z) and
+// then multiplies it by each row: compute-bound, 6.8 GB/s of packed bytes at one row and 1.8 GB/s at
+// eight on a Sapphire Rapids core, where a dense bf16 mv reads 16 GB/s. Here the scale and zero
+// are applied once per group on the accumulators instead of once per weight:
+//     y[m, n] = sum_g s[g, n] * (a[m, g] . u[g, n]) + (z[g, n] - 8 s[g, n]) * sum(a[m, g])
+// where u (0..15) is exact in bf16, so the inner loop is one bf16 dot product (vdpbf16ps: two inputs
+// per float lane) per 16 outputs, two inputs and row, after two byte shuffles and two word table
+// lookups per 64 outputs and two inputs have turned nibbles into bf16 values.
+//
+// Input: `a` bf16 [M, K] contiguous; `packed` uint8 [N, K/2] as _convert_weight_to_int4pack_for_cpu
+// lays it out (outputs in blocks of `block_n`, each block stored [K, block_n/2] bytes, the last block
+// possibly partial; byte j of a full block holds outputs j (low nibble) and j + block_n/2 (high) when
+// `halves`, else 2j and 2j+1, as a partial block always does); `scale_zeros` bf16 [K/group, N, 2].
+// Output: bf16 [M, N], float32 sums rounded once to nearest even, as aten's.
+//
+// Paths: AVX512-BF16 + VBMI (chosen at run time, compiled with target attributes so the file builds
+// with the flags runtime/native gives every file) for full blocks of 64 with `halves`; a portable
+// loop (auto-vectorized for the build's flags) for everything else, partial blocks included.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LOWBIT_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;    // rows per call (the caller splits larger M)
+constexpr int64_t kMaxBlock = 64;   // outputs per block the portable path holds
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// c10's round_to_nearest_even (NaN kept a quiet NaN)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(f != f ? 0x7FC0u : rounded);
+}
+
+struct Problem {
+  const uint16_t* a;      // bf16 [M, K]
+  const float* a_float;   // [M, K] (portable path)
+  const float* row_sums;  // [M, K / group]: sum of a over each group
+  const uint8_t* packed;
+  const uint16_t* scale_zeros;  // [K / group, N, 2]
+  uint16_t* out;          // bf16 [M, N]
+  int64_t m, n, k, group;
+};
+
+// ---------------------------------------------------------------- portable path (any block)
+
+// Outputs [n0, n0 + size) of the block whose bytes start at `bytes` ([K, size / 2]).
+void block_portable(const Problem& p, const uint8_t* bytes, int64_t n0, int64_t size, bool halves) {
+  const int64_t groups = p.k / p.group, half = size / 2;
+  std::vector<float> total(p.m * kMaxBlock, 0.0f), acc(p.m * kMaxBlock);
+  float u[kMaxBlock];
+  for (int64_t g = 0; g < groups; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
+      const uint8_t* row = bytes + kk * half;
+      for (int64_t j = 0; j < half; ++j) {
+        if (halves) {
+          u[j] = static_cast<float>(row[j] & 15);
+          u[half + j] = static_cast<float>(row[j] >> 4);
+        } else {
+          u[2 * j] = static_cast<float>(row[j] & 15);
+          u[2 * j + 1] = static_cast<float>(row[j] >> 4);
+        }
+      }
+      for (int64_t r = 0; r < p.m; ++r) {
+        const float x = p.a_float[r * p.k + kk];
+        float* __restrict c = acc.data() + r * kMaxBlock;
+        for (int64_t j = 0; j < size; ++j) c[j] += x * u[j];
+      }
+    }
+    const uint16_t* sz = p.scale_zeros + (g * p.n + n0) * 2;
+    for (int64_t j = 0; j < size; ++j) {
+      const float s = bf16_to_float(sz[2 * j]), offset = bf16_to_float(sz[2 * j + 1]) - 8.0f * s;
+      for (int64_t r = 0; r < p.m; ++r) {
+        total[r * kMaxBlock + j] += s * acc[r * kMaxBlock + j] + offset * p.row_sums[r * groups + g];
+      }
+    }
+  }
+  for (int64_t r = 0; r < p.m; ++r) {
+    for (int64_t j = 0; j < size; ++j) p.out[r * p.n + n0 + j] = float_to_bf16(total[r * kMaxBlock + j]);
+  }
+}
+
+// ---------------------------------------------------------------- AVX512-BF16 path (blocks of 64)
+#ifdef LOWBIT_X86
+#define LOWBIT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma")))
+
+// Rows per pass: 4 accumulators (64 outputs) per row stay in registers beside the shuffle constants.
+constexpr int kTileRows = 4;
+
+// Rows m0 .. m0 + ROWS of one full block (outputs n0 .. n0 + 63). Per pair of inputs (k, k + 1) the
+// block holds 64 contiguous bytes: row k's 32 then row k + 1's. vpermb picks, for outputs j..j+15,
+// byte j of each row into the low byte of alternating words (k, k+1, k, k+1, ...: the pairs
+// vdpbf16ps multiplies); vpermw maps a word's low 5 bits through a table of bf16(i & 15), which
+// reads the low nibble directly and the high one after a shift by 4.
+template <int ROWS>
+LOWBIT_AVX512BF16 void block64_avx512(const Problem& p, const uint8_t* bytes, int64_t n0, int64_t m0) {
+  alignas(64) static const uint16_t kTable[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  alignas(64) static const uint8_t kPick[2][64] = {
+      {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0,
+       6, 0, 38, 0, 7, 0, 39, 0, 8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0,
+       12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
+      {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0,
+       22, 0, 54, 0, 23, 0, 55, 0, 24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0,
+       28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
+  const __m512i table = _mm512_load_si512(kTable);
+  const __m512i pick0 = _mm512_load_si512(kPick[0]), pick1 = _mm512_load_si512(kPick[1]);
+  const __mmask64 low_bytes = 0x5555555555555555ULL;
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t groups = p.k / p.group;
+
+  __m512 total[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) total[r][j] = _mm512_setzero_ps();
+
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t kk = g * p.group; kk < (g + 1) * p.group; kk += 2) {
+      const __m512i v = _mm512_loadu_si512(bytes + kk * 32);
+      const __m512i words0 = _mm512_maskz_permutexvar_epi8(low_bytes, pick0, v);  // outputs 0-15, 32-47
+      const __m512i words1 = _mm512_maskz_permutexvar_epi8(low_bytes, pick1, v);  // outputs 16-31, 48-63
+      __m512i w[4];
+      w[0] = _mm512_permutexvar_epi16(words0, table);
+      w[1] = _mm512_permutexvar_epi16(words1, table);
+      w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words0, 4), table);
+      w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words1, 4), table);
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t pair;  // a[m, kk] and a[m, kk + 1], one bf16 pair
+        std::memcpy(&pair, p.a + (m0 + r) * p.k + kk, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], x);
+      }
+    }
+    // total += s * acc + (z - 8 s) * sum(a over the group), (scale, zero) one bf16 pair per output
+    const uint16_t* sz = p.scale_zeros + (g * p.n + n0) * 2;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i pairs = _mm512_loadu_si512(sz + 32 * j);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 sums = _mm512_set1_ps(p.row_sums[(m0 + r) * groups + g]);
+        total[r][j] = _mm512_fmadd_ps(offset, sums, _mm512_fmadd_ps(s, acc[r][j], total[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) {
+      const __m256bh y = _mm512_cvtneps_pbh(total[r][j]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + (m0 + r) * p.n + n0 + 16 * j), (__m256i)y);
+    }
+}
+
+LOWBIT_AVX512BF16 void block64_all_rows(const Problem& p, const uint8_t* bytes, int64_t n0) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kTileRows) {
+    switch (std::min<int64_t>(kTileRows, p.m - m0)) {
+      case 1: block64_avx512<1>(p, bytes, n0, m0); break;
+      case 2: block64_avx512<2>(p, bytes, n0, m0); break;
+      case 3: block64_avx512<3>(p, bytes, n0, m0); break;
+      default: block64_avx512<4>(p, bytes, n0, m0); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AMX path (blocks of 64)
+// Sapphire Rapids' tile unit: one TDPBF16PS multiplies up to 16 rows of 32 inputs by 16 outputs at
+// a fixed cost, so rows beyond the first are nearly free. Per block and group, the nibbles become
+// bf16 B tiles ([16 input pairs][16 outputs][2], the pairs the vpermb/vpermw steps above build) in
+// an L1 buffer once; each chunk of up to 16 rows then loads its A tile straight from `a`.
+#define LOWBIT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,amx-tile,amx-bf16")))
+
+constexpr int64_t kMaxGroup = 256;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The bf16 weights of one group of one block: B tile (step s, outputs 16 j..16 j+15) at
+// out + (s * 4 + j) * 1024 bytes, row = input pair within the step.
+LOWBIT_AMX void convert_group(const uint8_t* bytes, int64_t k0, int64_t group, uint8_t* out) {
+  alignas(64) static const uint16_t kTable[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  alignas(64) static const uint8_t kPick[2][64] = {
+      {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0,
+       6, 0, 38, 0, 7, 0, 39, 0, 8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0,
+       12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
+      {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0,
+       22, 0, 54, 0, 23, 0, 55, 0, 24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0,
+       28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
+  const __m512i table = _mm512_load_si512(kTable);
+  const __m512i pick0 = _mm512_load_si512(kPick[0]), pick1 = _mm512_load_si512(kPick[1]);
+  const __mmask64 low_bytes = 0x5555555555555555ULL;
+  for (int64_t pair = 0; pair < group / 2; ++pair) {
+    const __m512i v = _mm512_loadu_si512(bytes + (k0 + 2 * pair) * 32);
+    const __m512i words0 = _mm512_maskz_permutexvar_epi8(low_bytes, pick0, v);
+    const __m512i words1 = _mm512_maskz_permutexvar_epi8(low_bytes, pick1, v);
+    uint8_t* row = out + (pair / 16) * 4096 + (pair % 16) * 64;
+    _mm512_store_si512(row, _mm512_permutexvar_epi16(words0, table));
+    _mm512_store_si512(row + 1024, _mm512_permutexvar_epi16(words1, table));
+    _mm512_store_si512(row + 2048, _mm512_permutexvar_epi16(_mm512_srli_epi16(words0, 4), table));
+    _mm512_store_si512(row + 3072, _mm512_permutexvar_epi16(_mm512_srli_epi16(words1, 4), table));
+  }
+}
+
+// total[r][0..63] += s * sums[r] + (z - 8 s) * row_sums[r, g] for the `rows` rows from `m0`.
+LOWBIT_AMX void fold_group(const Problem& p, const float* sums, int64_t rows, int64_t m0, int64_t g, int64_t n0,
+                           float* total) {
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t groups = p.k / p.group;
+  const uint16_t* sz = p.scale_zeros + (g * p.n + n0) * 2;
+  for (int j = 0; j < 4; ++j) {
+    const __m512i pairs = _mm512_loadu_si512(sz + 32 * j);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s,
+                                           _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words)));
+    for (int64_t r = 0; r < rows; ++r) {
+      float* t = total + (m0 + r) * 64 + 16 * j;
+      const __m512 x = _mm512_set1_ps(p.row_sums[(m0 + r) * groups + g]);
+      _mm512_storeu_ps(t, _mm512_fmadd_ps(offset, x, _mm512_fmadd_ps(s, _mm512_loadu_ps(sums + r * 64 + 16 * j),
+                                                                      _mm512_loadu_ps(t))));
+    }
+  }
+}
+
+// Full blocks b0..b1 for all rows; `a` padded to a multiple of `tile_rows` rows (a_rows of them).
+LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* a, int64_t tile_rows, int64_t b0, int64_t b1) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = static_cast<uint8_t>(tile_rows);  // tmm0-3 sums, tmm4 activations
+    config.colsb[t] = 64;
+  }
+  for (int t = 5; t < 7; ++t) {
+    config.rows[t] = 16;  // tmm5-6 weights
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) uint8_t weights[kMaxGroup / 32 * 4096];
+  alignas(64) float sums[16 * 64];
+  std::vector<float> total(p.m * 64);
+  const int64_t groups = p.k / p.group, stride = p.k * 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * 64;
+    const uint8_t* bytes = p.packed + n0 * p.k / 2;
+    std::fill(total.begin(), total.end(), 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      convert_group(bytes, g * p.group, p.group, weights);
+      for (int64_t m0 = 0; m0 < p.m; m0 += tile_rows) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t step = 0; step < p.group / 32; ++step) {
+          _tile_loadd(4, a + m0 * p.k + g * p.group + step * 32, stride);
+          const uint8_t* w = weights + step * 4096;
+          _tile_loadd(5, w, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, w + 1024, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, w + 2048, 64);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, w + 3072, 64);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, sums, 256);
+        _tile_stored(1, sums + 16, 256);
+        _tile_stored(2, sums + 32, 256);
+        _tile_stored(3, sums + 48, 256);
+        fold_group(p, sums, std::min(tile_rows, p.m - m0), m0, g, n0, total.data());
+      }
+    }
+    for (int64_t r = 0; r < p.m; ++r)
+      for (int j = 0; j < 4; ++j) {
+        const __m256bh y = _mm512_cvtneps_pbh(_mm512_loadu_ps(total.data() + r * 64 + 16 * j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + r * p.n + n0 + 16 * j), (__m256i)y);
+      }
+  }
+  _tile_release();
+}
+
+// AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission to use the tile state (Linux).
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return tile && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+bool cpu_has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+}
+#else
+bool cpu_has_avx512_bf16() { return false; }
+bool amx_usable() { return false; }
+#endif
+
+// ---------------------------------------------------------------- entry
+
+enum Path : int64_t { kPortable = 0, kAvx512 = 1, kAmx = 2 };
+
+// The fastest path this CPU and OS allow for full blocks of 64 with `halves` (kPortable otherwise).
+int64_t best_path() {
+  if (!cpu_has_avx512_bf16()) return kPortable;
+  return amx_usable() ? kAmx : kAvx512;
+}
+
+torch::Tensor int4_matmul(const torch::Tensor& a, const torch::Tensor& packed, int64_t group,
+                          const torch::Tensor& scale_zeros, int64_t block_n, bool halves, int64_t path) {
+  TORCH_CHECK(a.dtype() == torch::kBFloat16 && a.dim() == 2 && a.is_contiguous(), "a: a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: a contiguous uint8 [N, K/2] tensor");
+  const int64_t m = a.size(0), n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(a.size(1) == k, "a has ", a.size(1), " inputs, the weight ", k);
+  TORCH_CHECK(m >= 1 && m <= kMaxRows, "rows must be 1..", kMaxRows, ", got ", m);
+  TORCH_CHECK(block_n > 0 && block_n <= kMaxBlock && block_n % 2 == 0 && n % 2 == 0, "block_n and N must be even, block_n <= 64");
+  TORCH_CHECK(group >= 2 && group % 2 == 0 && k % group == 0, "group must be even and divide K = ", k);
+  TORCH_CHECK(scale_zeros.dtype() == torch::kBFloat16 && scale_zeros.is_contiguous() &&
+                  scale_zeros.sizes() == torch::IntArrayRef({k / group, n, 2}),
+              "scale_zeros: a contiguous bf16 [K/group, N, 2] tensor");
+  TORCH_CHECK(path >= kPortable && path <= best_path(), "path ", path, " cannot run here (best: ", best_path(), ")");
+  if (!(block_n == 64 && halves)) path = kPortable;
+  if (path == kAmx && (group % 32 || group > kMaxGroup)) path = kAvx512;
+  torch::Tensor a_float = a.to(torch::kFloat32);
+  torch::Tensor row_sums = a_float.view({m, k / group, group}).sum(-1).contiguous();
+  torch::Tensor out = torch::empty({m, n}, a.options());
+  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr()), a_float.data_ptr<float>(),
+                  row_sums.data_ptr<float>(), packed.data_ptr<uint8_t>(),
+                  reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr()),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k, group};
+  const int64_t blocks = (n + block_n - 1) / block_n, full = path == kPortable ? 0 : n / block_n;
+  // AMX: chunks of up to 16 rows, the activations zero-padded to whole chunks
+  const int64_t tile_rows = std::min<int64_t>(m, 16);
+  torch::Tensor a_tiles = a;
+  if (path == kAmx && m % tile_rows) {
+    a_tiles = torch::zeros({(m + tile_rows - 1) / tile_rows * tile_rows, k}, a.options());
+    a_tiles.narrow(0, 0, m).copy_(a);
+  }
+  const auto* a_padded = reinterpret_cast<const uint16_t*>(a_tiles.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+#ifdef LOWBIT_X86
+    const int64_t vector_end = std::min(b1, full);
+    if (path == kAmx && b0 < vector_end) blocks_amx(p, a_padded, tile_rows, b0, vector_end);
+    if (path == kAvx512)
+      for (int64_t b = b0; b < vector_end; ++b) block64_all_rows(p, p.packed + b * 64 * k / 2, b * 64);
+    b0 = std::max(b0, full);
+#endif
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * block_n;
+      block_portable(p, p.packed + n0 * k / 2, n0, b < n / block_n ? block_n : n - n0, b < n / block_n && halves);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_matmul", &int4_matmul, "a @ w.T for Int4Slots' packed weight, bf16 [M, N]", py::arg("a"),
+        py::arg("packed"), py::arg("group"), py::arg("scale_zeros"), py::arg("block_n"), py::arg("halves"),
+        py::arg("path"));
+  m.def("best_path", &best_path, "the fastest path here: 0 portable, 1 AVX512-BF16, 2 AMX");
+}
