@@ -31,6 +31,13 @@ Everything is float32 (the stored float16 scales widened), so results equal the 
 float32 rounding (summation order differs; tests/test_cpu_attention.py). Which schemes take this
 path: :func:`grids` (integer families: int8, kivi, kv-split); FP8 and the unquantized cache keep
 the reference.
+
+The same algebra runs compiled (``runtime/native/kv_attention.cpp``, :func:`_native_kernel` says
+when: float32 models, the default int8/int4 layouts and the unquantized cache): one pass per (KV
+head x sequence) row, in parallel, reading codes, scales and zero points from the pool's pages
+through the block table (nothing gathered, no float codes written: a token's codes are widened
+in registers). The PyTorch code below is its reference and the fallback (no compiler,
+``LOWBIT_NATIVE=0``, the layouts it does not walk).
 """
 
 from __future__ import annotations
@@ -92,6 +99,9 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
     in ``q``'s dtype."""
     S, Hq, _, D = q.shape
     H, B = paged.residual_k.shape[1], paged.block_size
+    kernel = _native_kernel(paged, q)
+    if kernel is not None:
+        return _native_attention(kernel, paged, q, lengths, window, softcap)
     nq, R = Hq // H, H * S
     # rows r = h * S + s: [R, nq, D]; query head h * nq + i reads KV head h (as SDPA's GQA); heads
     # lead, so each head's gathered tokens are one contiguous run
@@ -120,6 +130,53 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
         out[rows] = _attend_rows(qf[rows], keys, values, residual_k, residual_v,
                                  None if mask is None else mask[rows], grid, softcap)
     return out.view(H, S, nq, D).transpose(0, 1).reshape(S, Hq, 1, D).to(q.dtype)
+
+
+def _native_kernel(paged, q: torch.Tensor):
+    """The compiled kernel (``runtime/native/kv_attention.cpp``) when it serves this call, else None:
+    float32 model, head_dim and block size multiples of 16 (head_dim <= 256), key groups of whole
+    16-token tiles, a token's codes whole 16-byte chunks, value channel groups of whole chunks; the
+    float (unquantized) pool and every integer scheme :func:`grids` accepts that fits."""
+    D, B = q.shape[-1], paged.block_size
+    if q.dtype != torch.float32 or paged.dtype != torch.float32 or D % 16 or D > 256 or B % 16:
+        return None
+    grid = grids(paged.scheme, D)
+    if grid is None and (paged.scheme.quantized or paged.k.data.dtype != torch.float32):
+        return None
+    if grid is not None:
+        keys, values = grid
+        groups = 1 if values.group is None else D // values.group
+        chunks = D * values.bits // 128  # 16-byte chunks of a token's value codes
+        if (keys.over_tokens and keys.group % 16) or D * keys.bits % 128 or chunks % groups or not chunks or B * groups > 4096:
+            return None
+    from runtime import native
+
+    return native.load("kv_attention")
+
+
+def _native_attention(kernel, paged, q: torch.Tensor, lengths: list[int], window: int | None,
+                      softcap: float | None) -> torch.Tensor:
+    """:func:`decode_attention` by the compiled kernel: one pass per (KV head x sequence) row over
+    the pool's pages through the block table (nothing gathered, no float codes written)."""
+    S, Hq, _, D = q.shape
+    H = paged.residual_k.shape[1]
+    key_grid, value_grid = grids(paged.scheme, D) or (None, None)
+    qs = (q.reshape(S, H, Hq // H, D) * D ** -0.5).contiguous()  # the softmax scale folded into q
+    firsts = [0 if window is None else max(n - window, 0) for n in lengths]
+
+    def side(part, grid):
+        if grid is None:
+            return part.data.contiguous(), None, None, 32
+        return part.data.contiguous(), part.scale.contiguous(), part.zero.contiguous(), grid.bits
+
+    k_data, k_scale, k_zero, k_bits = side(paged.k, key_grid)
+    v_data, v_scale, v_zero, v_bits = side(paged.v, value_grid)
+    out = kernel.decode_attention(
+        qs, paged.block_table.contiguous(), torch.tensor(lengths), torch.tensor(firsts),
+        k_data, k_scale, k_zero, k_bits, key_grid.group if key_grid is not None and key_grid.over_tokens else 0,
+        v_data, v_scale, v_zero, v_bits, paged.residual_k.contiguous(), paged.residual_v.contiguous(),
+        float(softcap or 0.0))
+    return out.view(S, Hq, 1, D)
 
 
 def _gather(pool: torch.Tensor, heads: slice, pages: torch.Tensor, rows: int) -> torch.Tensor:

@@ -137,3 +137,96 @@ def test_rows_in_chunks_match_one_chunk(spec, monkeypatch):
     whole = decode_attention(paged, q, lengths)
     monkeypatch.setattr(cpu_attention, "CHUNK_FLOATS", 1)  # one row per chunk
     torch.testing.assert_close(decode_attention(paged, q, lengths), whole, rtol=0, atol=0)
+
+
+# ------------------------------------------------- the compiled kernel (runtime/native/kv_attention.cpp)
+
+NATIVE = ["fp16-r32", "int8-r32", "int4-g32-r64", "int4-g64-r64", "int2-g64-r64", "k2v8-g16-r32", "k8v4-g32-r32"]
+
+
+def native_kernel():
+    from runtime import native
+
+    kernel = native.load("kv_attention")
+    if kernel is None:
+        pytest.skip("the native kernel cannot be built here (no compiler or ninja)")
+    return kernel
+
+
+def filled_cache(spec: str, lengths: list[int], head_dim: int = D, window=None, seed: int = 4) -> KVCache:
+    """An engine cache whose rows hold ``lengths`` positions of random keys and values (offset
+    channels, as keys have)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(1, len(lengths), H, head_dim, max(lengths) + 8, torch.float32, "cpu", parse_kv(spec),
+                    windows=None if window is None else [window])
+    for slot, n in enumerate(lengths):
+        cache.add_sequence(slot)
+        k, v = (torch.randn(H, n, head_dim, generator=g) * 2 + torch.randn(1, 1, head_dim, generator=g)
+                for _ in range(2))
+        cache.write_sequence(0, slot, 0, k, v)
+        cache.advance(slot, n)
+    return cache
+
+
+@pytest.mark.parametrize("spec", NATIVE)
+@pytest.mark.parametrize("window, softcap", [(None, None), (45, None), (None, 30.0)])
+@pytest.mark.parametrize("query_heads", [HQ, 5 * H])  # 3 and 5 query heads per KV head (past 4: two passes)
+def test_native_matches_reference(spec, window, softcap, query_heads):
+    """The kernel reads pages through the block table at ragged lengths (inside the first 16-token
+    tile, a block boundary, the residual alone, 16-token tails), with a window starting mid-tile,
+    GQA and soft-capping: equal to dequantize + SDPA (or, with soft-capping, to the PyTorch
+    folded path) to float32 rounding."""
+    from runtime.cpu_attention import _native_attention, _native_kernel
+    from runtime.kernels.kv_reference import PagedKV
+    from runtime.kernels.kv_reference import decode_attention as reference
+
+    kernel = native_kernel()
+    lengths = [3, 64, 31, 97, 130, 16]
+    paged = PagedKV.from_cache(filled_cache(spec, lengths, window=window), 0)
+    q = torch.randn(len(lengths), query_heads, 1, D, generator=torch.Generator().manual_seed(5))
+    assert _native_kernel(paged, q) is kernel
+    got = _native_attention(kernel, paged, q, lengths, window, softcap)
+    if softcap is None:
+        expected = reference(q[:, :, 0], paged, torch.tensor(lengths), window)[:, :, None]
+    else:
+        import runtime.cpu_attention as cpu_attention
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cpu_attention, "_native_kernel", lambda *_: None)
+            expected = decode_attention(paged, q, lengths, window, softcap)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("spec", ["int4-g32-r64", "int8-r32", "fp16-r32"])
+def test_native_head_dim_128(spec):
+    """Eight chunks of 16 channels a row; int4 g32 values: four channel groups, one per byte chunk."""
+    from runtime.cpu_attention import _native_attention, _native_kernel
+    from runtime.kernels.kv_reference import PagedKV
+    from runtime.kernels.kv_reference import decode_attention as reference
+
+    kernel = native_kernel()
+    lengths = [70, 129]
+    paged = PagedKV.from_cache(filled_cache(spec, lengths, head_dim=128), 0)
+    q = torch.randn(len(lengths), HQ, 1, 128, generator=torch.Generator().manual_seed(6))
+    assert _native_kernel(paged, q) is kernel
+    expected = reference(q[:, :, 0], paged, torch.tensor(lengths))[:, :, None]
+    torch.testing.assert_close(_native_attention(kernel, paged, q, lengths, None, None), expected, **TOL)
+
+
+def test_which_calls_take_the_native_kernel(monkeypatch):
+    """Served: float32 models whose layout the kernel walks; the rest keep the PyTorch path, as
+    everything does with LOWBIT_NATIVE=0."""
+    from runtime.cpu_attention import _native_kernel
+    from runtime.kernels.kv_reference import PagedKV
+
+    native_kernel()
+    q = torch.randn(1, HQ, 1, D)
+    for spec in NATIVE:
+        assert _native_kernel(PagedKV.from_cache(filled_cache(spec, [40]), 0), q) is not None, spec
+    # values in groups smaller than a 16-byte chunk of codes; key groups of fewer than 16 tokens
+    for spec in ["int4-g16-r32", "k4v2-g32-r32", "int4-g8-r32"]:
+        assert _native_kernel(PagedKV.from_cache(filled_cache(spec, [40]), 0), q) is None, spec
+    bf16 = KVCache(1, 1, H, D, 64, torch.bfloat16, "cpu", parse_kv("int4-g32-r64"))
+    assert _native_kernel(PagedKV.from_cache(bf16, 0), q.bfloat16()) is None
+    monkeypatch.setenv("LOWBIT_NATIVE", "0")
+    assert _native_kernel(PagedKV.from_cache(filled_cache("int8-r32", [40]), 0), q) is None

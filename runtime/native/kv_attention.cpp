@@ -1,0 +1,505 @@
+// Decode attention over the paged KV cache's stored codes, on CPU: runtime/cpu_attention.py's algebra
+// (scales and zero points folded; read its docstring) in one pass per (KV head x sequence) row,
+// reading packed codes, scales and zero points from the pool through the block table (no gather copy,
+// no float codes of the history written: a token's codes are widened in registers and used there).
+//
+// Per row: scores of every query head of the group over positions first..n (keys: pool blocks, then
+// the float residual), softmax (scale folded into the query; optional soft-capping; positions before
+// the window or past the length masked), then p.v (values: pool, then residual). Keys are scored 16
+// tokens at a time: each token's partial products stay 16 lanes wide and one transposing tree of adds
+// turns 16 of them into 16 scores (no horizontal sum per token).
+//
+// Layout (runtime/cache.py, kvquant/schemes/integer.py): pool tensors [N, H, ...] per page; data
+// [N, H, B, D*bits/32] int32 (value i of a token in bits i*bits.. of its little-endian words, stored
+// unsigned), or [N, H, B, D] float32 unquantized; keys per token: scale, zero [N, H, B, 1]; keys per
+// channel over groups of G tokens (KIVI): [N, H, B/G, D]; values per token over channel groups:
+// [N, H, B, groups]; float16 each. x = (u - z') * s with z' = zero + 2**(bits-1).
+// Codes are widened 16 bytes at a time and each field f of a byte (bits f*b..) taken with one shift
+// and mask: a row's values come out in field order (entry f*D/F + j is channel j*F + f, F = 8/bits),
+// so queries are permuted into that order and outputs back.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int L = 16;          // floats per vector, tokens per score tile
+constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
+constexpr int MAX_BLOCK = 4096;  // block size x value channel groups
+
+#ifdef __AVX512F__
+struct V {
+  __m512 x;
+  static V zero() { return {_mm512_setzero_ps()}; }
+  static V all(float a) { return {_mm512_set1_ps(a)}; }
+  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V halves(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+  void store(float* p) const { _mm512_storeu_ps(p, x); }
+};
+inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
+inline V sub(V a, V b) { return {_mm512_sub_ps(a.x, b.x)}; }
+inline V mul(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
+
+// field f of 16 bytes at p, as 16 floats (unsigned codes, exact)
+template <int BITS>
+inline void widen(const uint8_t* p, V* out, int stride) {
+  __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  if constexpr (BITS == 8) {
+    out[0] = {_mm512_cvtepi32_ps(w)};
+  } else {
+    const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+    for (int f = 0; f < 8 / BITS; ++f)
+      out[f * stride] = {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, f * BITS), mask))};
+  }
+}
+
+// p[t] summed over its lanes, for 16 tokens t: one vector of 16 sums (a transposing tree of adds)
+inline V sums16(const V* p) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i].x, p[2 * i + 1].x), _mm512_unpackhi_ps(p[2 * i].x, p[2 * i + 1].x));
+  for (int i = 0; i < 4; ++i) {
+    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+}
+
+// exp of 16 floats <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp); below
+// -103 (and -inf: masked) gives 0
+inline V exp16(V v) {
+  __m512 x = _mm512_max_ps(v.x, _mm512_set1_ps(-103.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  __m512 e = _mm512_scalef_ps(p, n);
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(v.x, _mm512_set1_ps(-103.f), _CMP_LT_OQ), e, _mm512_setzero_ps())};
+}
+#else  // plain loops (the compiler vectorizes them for what this CPU has)
+struct V {
+  float x[L];
+  static V zero() { return all(0.f); }
+  static V all(float a) { V v; for (int i = 0; i < L; ++i) v.x[i] = a; return v; }
+  static V load(const float* p) { V v; for (int i = 0; i < L; ++i) v.x[i] = p[i]; return v; }
+  static V halves(const at::Half* p) { V v; for (int i = 0; i < L; ++i) v.x[i] = float(p[i]); return v; }
+  void store(float* p) const { for (int i = 0; i < L; ++i) p[i] = x[i]; }
+};
+inline V fma(V a, V b, V c) { for (int i = 0; i < L; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]); return c; }
+inline V sub(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] -= b.x[i]; return a; }
+inline V mul(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] *= b.x[i]; return a; }
+template <int BITS>
+inline void widen(const uint8_t* p, V* out, int stride) {
+  for (int f = 0; f < 8 / BITS; ++f)
+    for (int i = 0; i < L; ++i) out[f * stride].x[i] = float((p[i] >> (f * BITS)) & ((1 << BITS) - 1));
+}
+inline V sums16(const V* p) {
+  V out;
+  for (int t = 0; t < L; ++t) { float s = 0.f; for (int i = 0; i < L; ++i) s += p[t].x[i]; out.x[t] = s; }
+  return out;
+}
+inline V exp16(V v) { for (int i = 0; i < L; ++i) v.x[i] = std::exp(v.x[i]); return v; }
+#endif
+
+// n float16 values at p as floats at out (vectors of 16, then one by one)
+inline void widen_halves(const at::Half* p, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + L <= n; i += L) V::halves(p + i).store(out + i);
+  for (; i < n; ++i) out[i] = float(p[i]);
+}
+
+// One side (keys or values) of one layer's pool. bits 32: float32 floats as stored.
+struct Side {
+  const uint8_t* data;
+  const at::Half* scale;
+  const at::Half* zero;
+  int bits, G;      // G: tokens per key group (over tokens), 0: per token
+  int groups;       // values: channel groups per token (1: the whole head)
+  int64_t row;      // bytes per token
+  float offset;     // 2**(bits-1): z' = zero + offset
+};
+
+struct Problem {
+  const float* q;          // [S, H, nq, D], the softmax scale folded in
+  const int32_t* table;    // [S, M]
+  const int64_t* lengths;  // [S]
+  const int64_t* firsts;   // [S]
+  const float* res_k;      // [S, H, B, D]
+  const float* res_v;
+  Side k, v;
+  int64_t S, H, nq, D, B, M;
+  float softcap;  // 0: none
+  float* out;     // [S, H, nq, D]
+};
+
+// the float codes (or floats) of one token, D values (in field order for codes) as D/16 vectors
+template <int BITS>
+inline void token(const uint8_t* p, int D, V* u) {
+  if constexpr (BITS == 32) {
+    for (int c = 0; c < D / L; ++c) u[c] = V::load((const float*)p + c * L);
+  } else {
+    const int J = D * BITS / 8 / L;  // 16-byte chunks per token
+    for (int j = 0; j < J; ++j) widen<BITS>(p + j * L, u + j, J);
+  }
+}
+
+// Channel c's entry in field order for bits (identity for 8 and 32).
+inline int field_index(int c, int bits, int D) {
+  if (bits >= 8) return c;
+  const int F = 8 / bits;
+  return (c % F) * (D / F) + c / F;
+}
+
+// Scores [nq][16] of 16 consecutive tokens (rows at p, stride row bytes) for queries qv [nq][D/16]:
+// raw sums q.u per token, then per-token keys' scale and zero, or the group's bias (over tokens).
+template <int BITS>
+void tile_scores(const Problem& P, const uint8_t* p, int64_t row, const V* qv, const float* bias,
+                 const at::Half* scale, const at::Half* zero, const float* qsum, float* out, int64_t stride) {
+  const int C = P.D / L;
+  V parts[8 * L];  // [nq][16] partial vectors (nq <= 8 per call)
+  for (int64_t h0 = 0; h0 < P.nq; h0 += 8) {
+    const int nh = std::min<int64_t>(8, P.nq - h0);
+    for (int t = 0; t < L; ++t) {
+      V u[MAX_CHUNKS];
+      token<BITS>(p + t * row, P.D, u);
+      for (int h = 0; h < nh; ++h) {
+        const V* qh = qv + (h0 + h) * C;
+        V acc = mul(qh[0], u[0]);
+        for (int c = 1; c < C; ++c) acc = fma(qh[c], u[c], acc);
+        parts[h * L + t] = acc;
+      }
+    }
+    for (int h = 0; h < nh; ++h) {
+      V s = sums16(parts + h * L);
+      if (scale != nullptr && P.k.G == 0) {  // per token: (sum - z' * sum q) * s
+        V zt = fma(V::halves(zero), V::all(1.f), V::all(P.k.offset));
+        s = mul(sub(s, mul(zt, V::all(qsum[h0 + h]))), V::halves(scale));
+      } else if (bias != nullptr) {
+        s = sub(s, V::all(bias[h0 + h]));
+      }
+      s.store(out + (h0 + h) * stride);
+    }
+  }
+}
+
+// Queries in field order (qv), their sums (per-token keys), or scaled by a key group's channel scales
+// with that group's bias sum_c q_c s_c z'_c (over tokens).
+void group_queries(const Problem& P, const float* q, const at::Half* scale, const at::Half* zero, V* qv,
+                   float* bias) {
+  alignas(64) float buf[MAX_CHUNKS * L], sf[MAX_CHUNKS * L], zf[MAX_CHUNKS * L];
+  if (scale != nullptr) {
+    widen_halves(scale, P.D, sf);
+    widen_halves(zero, P.D, zf);
+  }
+  for (int64_t h = 0; h < P.nq; ++h) {
+    const float* qh = q + h * P.D;
+    float b = 0.f;
+    for (int c = 0; c < P.D; ++c) {
+      float x = qh[c];
+      if (scale != nullptr) {
+        x *= sf[c];
+        b += x * (zf[c] + P.k.offset);
+      }
+      buf[field_index(c, P.k.bits, P.D)] = x;
+    }
+    if (bias != nullptr) bias[h] = b;
+    for (int c = 0; c < P.D / L; ++c) qv[h * (P.D / L) + c] = V::load(buf + c * L);
+  }
+}
+
+template <int KB>
+void key_scores(const Problem& P, int64_t s, int64_t h, int64_t t0, int64_t n, float* sc, int64_t stride) {
+  const int C = P.D / L;
+  const float* q = P.q + (s * P.H + h) * P.nq * P.D;
+  std::vector<V> qv(P.nq * C), fv(P.nq * C);
+  std::vector<float> bias(P.nq), qsum(P.nq);
+  group_queries(P, q, nullptr, nullptr, qv.data(), nullptr);
+  if (P.k.bits != 32) {  // the residual's floats take the queries in channel order
+    Problem natural = P;
+    natural.k.bits = 32;
+    group_queries(natural, q, nullptr, nullptr, fv.data(), nullptr);
+  } else {
+    fv = qv;
+  }
+  for (int64_t i = 0; i < P.nq; ++i) {
+    float t = 0.f;
+    for (int c = 0; c < P.D; ++c) t += q[i * P.D + c];
+    qsum[i] = t;
+  }
+  const int64_t stored = n / P.B * P.B;
+  int64_t group = -1;
+  std::vector<V> qg(P.nq * C);
+  for (int64_t t = t0; t < stored; t += L) {
+    const int64_t page = std::max<int32_t>(P.table[s * P.M + t / P.B], 0), tb = t % P.B;
+    const int64_t base = page * P.H + h;
+    const uint8_t* rows = P.k.data + (base * P.B + tb) * P.k.row;
+    if (P.k.G) {  // per channel over groups of G tokens: the group's scales into the queries
+      if (t / P.k.G != group) {
+        group = t / P.k.G;
+        const int64_t at = (base * (P.B / P.k.G) + tb / P.k.G) * P.D;
+        group_queries(P, q, P.k.scale + at, P.k.zero + at, qg.data(), bias.data());
+      }
+      tile_scores<KB>(P, rows, P.k.row, qg.data(), bias.data(), nullptr, nullptr, nullptr, sc + (t - t0), stride);
+    } else {
+      const bool quantized = P.k.scale != nullptr;
+      tile_scores<KB>(P, rows, P.k.row, qv.data(), nullptr, quantized ? P.k.scale + base * P.B + tb : nullptr,
+                      quantized ? P.k.zero + base * P.B + tb : nullptr, qsum.data(), sc + (t - t0), stride);
+    }
+  }
+  const float* res = P.res_k + (s * P.H + h) * P.B * P.D;  // the newest n - stored positions, float
+  for (int64_t t = std::max(t0, stored); t < n; t += L)
+    tile_scores<32>(P, (const uint8_t*)(res + (t - stored) * P.D), P.D * 4, fv.data(), nullptr, nullptr, nullptr,
+                    nullptr, sc + (t - t0), stride);
+}
+
+// Softmax over sc[h][0..T) in place (positions before `first - t0` and from `n - t0` on masked):
+// returns each query head's sum of weights (unnormalized exp).
+void softmax(const Problem& P, float* sc, int64_t stride, int64_t lo, int64_t hi, float* total) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < P.nq; ++h) {
+    float* x = sc + h * stride;
+    for (int64_t t = 0; t < lo; ++t) x[t] = -inf;
+    for (int64_t t = hi; t < stride; ++t) x[t] = -inf;
+    if (P.softcap > 0)
+      for (int64_t t = lo; t < hi; ++t) x[t] = std::tanh(x[t] / P.softcap) * P.softcap;
+    float top = -inf;
+    for (int64_t t = lo; t < hi; ++t) top = std::max(top, x[t]);
+    V sum = V::zero();
+    for (int64_t t = 0; t < stride; t += L) {
+      V e = exp16(sub(V::load(x + t), V::all(top)));
+      e.store(x + t);
+      sum = fma(e, V::all(1.f), sum);
+    }
+    alignas(64) float lanes[L];
+    sum.store(lanes);
+    float s = 0.f;
+    for (float l : lanes) s += l;
+    total[h] = s;
+  }
+}
+
+// Chunk c (16 values, field order for codes) of one token's row at p.
+template <int BITS>
+inline V chunk(const uint8_t* p, int c, int D) {
+  if constexpr (BITS == 32) {
+    return V::load((const float*)p + c * L);
+  } else {
+    const int J = D * BITS / 8 / L;  // 16-byte chunks per token; chunk c is field c / J of chunk c % J
+    V u[8 / BITS];
+    widen<BITS>(p + (c % J) * L, u, 1);
+    return u[c / J];
+  }
+}
+
+// out[h * C + i] += sum_t w[h * stride + t] * chunk c + i of token t (rows at p + t * row), for NH query
+// heads and NC chunks: their sums stay in registers over the tokens, each row read once.
+template <int BITS, int NH, int NC>
+void chunk_sums(const uint8_t* p, int64_t row, int c, int D, const float* w, int64_t stride, int64_t count, V* out) {
+  V acc[NH][NC];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < NC; ++i) acc[h][i] = V::zero();
+  for (int64_t t = 0; t < count; ++t) {
+    V u[NC];
+    for (int i = 0; i < NC; ++i) u[i] = chunk<BITS>(p + t * row, c + i, D);
+    for (int h = 0; h < NH; ++h) {
+      const V wt = V::all(w[h * stride + t]);
+      for (int i = 0; i < NC; ++i) acc[h][i] = fma(wt, u[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < NC; ++i) out[h * (D / L) + i] = fma(acc[h][i], V::all(1.f), out[h * (D / L) + i]);
+}
+
+// chunk_sums for nh <= 4 heads and chunks c .. c + nc (nc <= 4, the chunks of one weight row)
+template <int BITS>
+void chunk_sums(int nh, int nc, const uint8_t* p, int64_t row, int c, int D, const float* w, int64_t stride,
+                int64_t count, V* out) {
+  using Fn = void (*)(const uint8_t*, int64_t, int, int, const float*, int64_t, int64_t, V*);
+#define LOWBIT_ROW(h) chunk_sums<BITS, h, 1>, chunk_sums<BITS, h, 2>, chunk_sums<BITS, h, 3>, chunk_sums<BITS, h, 4>
+  static constexpr Fn fns[16] = {LOWBIT_ROW(1), LOWBIT_ROW(2), LOWBIT_ROW(3), LOWBIT_ROW(4)};
+#undef LOWBIT_ROW
+  fns[(nh - 1) * 4 + nc - 1](p, row, c, D, w, stride, count, out);
+}
+
+// acc [nq][D/16] += sum_t w[h][t] * value_t over `count` tokens (rows at p): for codes, w * s of each
+// channel group folded into the weights (ws [groups][nq][count]) and w * s * z' summed into zsum.
+template <int VB>
+void value_sums(const Problem& P, const uint8_t* p, int64_t row, const at::Half* scale, const at::Half* zero,
+                const float* w, int64_t stride, int64_t count, V* acc, float* zsum, float* ws) {
+  const int C = P.D / L, groups = P.v.groups;
+  const int J = VB == 32 ? C : C * VB / 8;  // byte chunks per token: chunk c reads byte chunk c % J
+  if (scale != nullptr) {
+    alignas(64) float sf[MAX_BLOCK], zf[MAX_BLOCK];  // [groups][count]
+    widen_halves(scale, count * groups, sf);
+    widen_halves(zero, count * groups, zf);
+    for (int g = 0; g < groups; ++g)
+      for (int64_t h = 0; h < P.nq; ++h) {
+        float* wg = ws + (g * P.nq + h) * count;
+        float z = 0.f;
+        for (int64_t t = 0; t < count; ++t) {
+          wg[t] = w[h * stride + t] * sf[t * groups + g];
+          z += wg[t] * (zf[t * groups + g] + P.v.offset);
+        }
+        zsum[h * groups + g] += z;
+      }
+  }
+  // chunks c.. of one channel group (the same weights), at most 4 at a time
+  const int run = std::min(4, groups == 1 ? C : J / groups);
+  for (int c = 0; c < C; c += run) {
+    const float* wc = scale == nullptr ? w : ws + (c % J) / (J / groups) * P.nq * count;
+    const int64_t wstride = scale == nullptr ? stride : count;
+    for (int64_t h0 = 0; h0 < P.nq; h0 += 4)
+      chunk_sums<VB>(int(std::min<int64_t>(4, P.nq - h0)), std::min(run, C - c), p, row, c, P.D, wc + h0 * wstride,
+                     wstride, count, acc + h0 * C + c);
+  }
+}
+
+template <int VB>
+void values(const Problem& P, int64_t s, int64_t h, int64_t t0, int64_t first, int64_t n, const float* sc,
+            int64_t stride, const float* total) {
+  const int C = P.D / L;
+  std::vector<V> acc(P.nq * C, V::zero()), facc(P.nq * C, V::zero());
+  std::vector<float> zsum(P.nq * P.v.groups, 0.f), ws(P.v.groups * P.nq * P.B);
+  const int64_t stored = n / P.B * P.B;
+  for (int64_t t = first; t < stored;) {  // block by block
+    const int64_t page = std::max<int32_t>(P.table[s * P.M + t / P.B], 0), tb = t % P.B;
+    const int64_t count = std::min(stored, (t / P.B + 1) * P.B) - t, base = page * P.H + h;
+    const bool quantized = P.v.scale != nullptr;
+    value_sums<VB>(P, P.v.data + (base * P.B + tb) * P.v.row, P.v.row,
+                   quantized ? P.v.scale + (base * P.B + tb) * P.v.groups : nullptr,
+                   quantized ? P.v.zero + (base * P.B + tb) * P.v.groups : nullptr, sc + (t - t0), stride, count,
+                   acc.data(), zsum.data(), ws.data());
+    t += count;
+  }
+  const int64_t from = std::max(first, stored);
+  if (from < n)
+    value_sums<32>(P, (const uint8_t*)(P.res_v + ((s * P.H + h) * P.B + from - stored) * P.D), P.D * 4, nullptr,
+                   nullptr, sc + (from - t0), stride, n - from, facc.data(), nullptr, nullptr);
+  // back to channel order; minus the zero points' sums; divided by the softmax's total
+  alignas(64) float buf[MAX_CHUNKS * L], fbuf[MAX_CHUNKS * L];
+  const int J = P.v.bits >= 8 ? C : C * P.v.bits / 8;
+  for (int64_t i = 0; i < P.nq; ++i) {
+    for (int c = 0; c < C; ++c) {
+      acc[i * C + c].store(buf + c * L);
+      facc[i * C + c].store(fbuf + c * L);
+    }
+    float* o = P.out + ((s * P.H + h) * P.nq + i) * P.D;
+    for (int c = 0; c < P.D; ++c) {
+      const int at = field_index(c, P.v.bits, P.D);
+      float x = buf[at];
+      if (P.v.scale != nullptr) x -= zsum[i * P.v.groups + (at / L % J) / (J / P.v.groups)];
+      o[c] = (x + fbuf[c]) / total[i];
+    }
+  }
+}
+
+template <int KB, int VB>
+void attend_row(const Problem& P, int64_t r) {
+  const int64_t s = r % P.S, h = r / P.S, n = P.lengths[s], first = P.firsts[s];
+  float* o = P.out + (s * P.H + h) * P.nq * P.D;
+  if (n <= first) {
+    std::fill(o, o + P.nq * P.D, 0.f);
+    return;
+  }
+  const int64_t t0 = first / L * L, stride = (n - t0 + L - 1) / L * L;
+  std::vector<float> sc(P.nq * stride), total(P.nq);
+  key_scores<KB>(P, s, h, t0, n, sc.data(), stride);
+  softmax(P, sc.data(), stride, first - t0, n - t0, total.data());
+  values<VB>(P, s, h, t0, first, n, sc.data(), stride, total.data());
+}
+
+template <int KB, int VB>
+void attend(const Problem& P) {
+  at::parallel_for(0, P.S * P.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) attend_row<KB, VB>(P, r);
+  });
+}
+
+using Attend = void (*)(const Problem&);
+template <int KB>
+Attend pick(int vb) {
+  switch (vb) {
+    case 32: return attend<KB, 32>;
+    case 8: return attend<KB, 8>;
+    case 4: return attend<KB, 4>;
+    case 2: return attend<KB, 2>;
+  }
+  TORCH_CHECK(false, "value bits must be 32, 8, 4 or 2, got ", vb);
+}
+
+Side side(const torch::Tensor& data, const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& zero,
+          int64_t bits, int64_t G, int64_t D) {
+  TORCH_CHECK(data.is_contiguous() && scale.has_value() == (bits != 32), "pool data must be contiguous, scales iff codes");
+  TORCH_CHECK(bits == 32 ? data.scalar_type() == at::kFloat : data.scalar_type() == at::kInt, "pool data dtype");
+  Side out{(const uint8_t*)data.data_ptr(), nullptr, nullptr, (int)bits, (int)G, 1, bits == 32 ? D * 4 : D * bits / 8,
+           bits == 32 ? 0.f : float(1 << (bits - 1))};
+  if (scale) {
+    TORCH_CHECK(scale->scalar_type() == at::kHalf && zero->scalar_type() == at::kHalf && scale->is_contiguous() &&
+                zero->is_contiguous(), "scales and zero points must be contiguous float16");
+    out.scale = (const at::Half*)scale->data_ptr();
+    out.zero = (const at::Half*)zero->data_ptr();
+    out.groups = G ? 1 : (int)scale->size(-1);
+  }
+  return out;
+}
+
+}  // namespace
+
+// q [S, H, nq, D] float32 (the softmax scale applied), block_table [S, M] int32, lengths and firsts [S]
+// int64 (positions held, the new one included; first position read), pools as stored (bits 32: float32
+// floats), residuals [S, H, B, D] float32; softcap 0: none. Returns [S, H, nq, D] float32.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor block_table, torch::Tensor lengths, torch::Tensor firsts,
+                               torch::Tensor k_data, c10::optional<torch::Tensor> k_scale,
+                               c10::optional<torch::Tensor> k_zero, int64_t k_bits, int64_t k_group,
+                               torch::Tensor v_data, c10::optional<torch::Tensor> v_scale,
+                               c10::optional<torch::Tensor> v_zero, int64_t v_bits, torch::Tensor residual_k,
+                               torch::Tensor residual_v, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [S, H, nq, D] float32");
+  const int64_t S = q.size(0), H = q.size(1), nq = q.size(2), D = q.size(3), B = residual_k.size(2);
+  TORCH_CHECK(D % L == 0 && D <= L * MAX_CHUNKS && B % L == 0, "head_dim and block size must be multiples of 16");
+  TORCH_CHECK(residual_k.scalar_type() == at::kFloat && residual_k.is_contiguous() && residual_v.is_contiguous() &&
+              residual_v.scalar_type() == at::kFloat, "residuals must be contiguous float32");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.size(0) == S,
+              "block table must be [S, M] int32");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && firsts.scalar_type() == at::kLong, "lengths must be int64");
+  TORCH_CHECK(!k_group || (k_group % L == 0 && B % k_group == 0), "key groups must be multiples of 16 dividing B");
+  auto out = torch::empty_like(q);
+  Problem P{q.data_ptr<float>(), block_table.data_ptr<int32_t>(), lengths.data_ptr<int64_t>(),
+            firsts.data_ptr<int64_t>(), residual_k.data_ptr<float>(), residual_v.data_ptr<float>(),
+            side(k_data, k_scale, k_zero, k_bits, k_group, D), side(v_data, v_scale, v_zero, v_bits, 0, D),
+            S, H, nq, D, B, block_table.size(1), float(softcap), out.data_ptr<float>()};
+  const int J = v_bits == 32 ? 0 : int(D * v_bits / 8 / L);
+  TORCH_CHECK(v_bits == 32 || (J >= 1 && J % P.v.groups == 0 && B * P.v.groups <= MAX_BLOCK),
+              "value channel groups must cover whole 16-byte chunks (at most 4096 scales a block)");
+  TORCH_CHECK(k_bits == 32 || D * k_bits / 8 % L == 0, "a token's key codes must be whole 16-byte chunks");
+  Attend run;
+  switch (k_bits) {
+    case 32: run = pick<32>(v_bits); break;
+    case 8: run = pick<8>(v_bits); break;
+    case 4: run = pick<4>(v_bits); break;
+    case 2: run = pick<2>(v_bits); break;
+    default: TORCH_CHECK(false, "key bits must be 32, 8, 4 or 2, got ", k_bits);
+  }
+  run(P);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache's stored codes");
+}
