@@ -56,7 +56,7 @@ def facts(kernel) -> dict:
         "mma_sync": "mma.sync" in ptx,
         # where wgmma reads its first operand (the dequantized weight) from
         "wgmma_first_operand": sorted({"registers" if d.startswith("tensor") else "shared" for d in dots}),
-        # the packed 16-bit dequantization (inline assembly in _scaled_difference)
+        # the packed 16-bit dequantization (inline assembly in scaled_difference)
         "packed_half_fma": len(re.findall(r"fma\.rn\.b?f16x2", ptx)),
         # activation tiles by TMA (the X_TMA path)
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.packed_pairs import _byte_pairs, _fma_pair, _halves_to_f32, _magic, _magic_pairs, _neg_offset_pair
+from runtime.kernels.packed_pairs import byte_pairs, fma_pair, halves_to_f32, magic_pairs, magic_value, neg_offset_pair
 
 _SUBTILE = tl.constexpr(16)  # word rows per K tile (weight_layout.SUBTILE_K)
 
@@ -142,7 +142,7 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
     ONE_GROUP: tl.constexpr = GROUP % (16 * PACK) == 0  # the whole tile shares one scale and zero
     k0 = t * TILE_K  # [warps, 1]
     half: tl.constexpr = 1 << (BITS - 1)
-    magic = _magic(PAIR)
+    magic = magic_value(PAIR)
     if ONE_GROUP:
         s, z = _field_params(s_ptr, z_ptr, k0, cols, N, K, HAS_ZERO, GROUP)
     total = tl.zeros(cols.shape, tl.float32) + tl.zeros(k0.shape, tl.float32)
@@ -157,27 +157,27 @@ def _tile_packed(x_ptr, words, s_ptr, z_ptr, t, cols, N, K, masks,
                 s, z = _field_params(s_ptr, z_ptr, k_pair, cols, N, K, HAS_ZERO, GROUP)
             scales = scales + (s,)
             if IN_PLACE and j % 2 == 1:
-                nofs = nofs + (_neg_offset_pair(z, z, magic / 16 + half, 1.0 / (1 << LOG), PAIR),)
+                nofs = nofs + (neg_offset_pair(z, z, magic / 16 + half, 1.0 / (1 << LOG), PAIR),)
             else:
-                nofs = nofs + (_neg_offset_pair(z, z, magic + half, 1.0 / (1 << LOG), PAIR),)
+                nofs = nofs + (neg_offset_pair(z, z, magic + half, 1.0 / (1 << LOG), PAIR),)
             xps = xps + (_x_pairs(x_ptr, k_pair, K, EVEN_K, ASM),)
         for b in tl.static_range(4):
             w = words[4 * a + b]
             new = ()
             for j in tl.static_range(SLOTS):
                 if IN_PLACE:  # pairs 0, 1 from the word, 2, 3 from the word >> 8
-                    v = _magic_pairs(w >> (8 * (j // 2)), masks[j % 2], PAIR, ASM)
+                    v = magic_pairs(w >> (8 * (j // 2)), masks[j % 2], PAIR, ASM)
                 elif BITS == 8 and PAIR == tl.float16:  # bytes j and j + 2 under two 0x64 bytes
-                    v = _byte_pairs(w, masks[2], j, ASM)
+                    v = byte_pairs(w, masks[2], j, ASM)
                 else:
-                    v = _magic_pairs(w >> (BITS * j), masks[0], PAIR, ASM)
-                new = new + (_fma_pair(accs[j], v, nofs[j], xps[j][b], PAIR,
+                    v = magic_pairs(w >> (BITS * j), masks[0], PAIR, ASM)
+                new = new + (fma_pair(accs[j], v, nofs[j], xps[j][b], PAIR,
                                        0x1C00 if IN_PLACE and j % 2 == 1 else STEP, ASM),)
             accs = new
         # chains of 16 rows when the tile is one group (scaled once, below), else of 4 rows
         if a == 3 or not ONE_GROUP:
             for j in tl.static_range(SLOTS):
-                lo, hi = _halves_to_f32(accs[j], PAIR, ASM)
+                lo, hi = halves_to_f32(accs[j], PAIR, ASM)
                 if ONE_GROUP:
                     total += lo + hi
                 else:
@@ -213,7 +213,7 @@ def _tile_fields(x_ptr, words, s_ptr, z_ptr, t, cols, N, K,
             chain = tl.zeros_like(total)
             for b in tl.static_range(4):
                 w = words[4 * a + b]
-                xs = _halves_to_f32(xps[b], tl.bfloat16, ASM)  # x[k_pair + 2 b + p], p = 0, 1
+                xs = halves_to_f32(xps[b], tl.bfloat16, ASM)  # x[k_pair + 2 b + p], p = 0, 1
                 for p in tl.static_range(2):
                     field = (w >> (BITS * (p * Q + q))) & ((1 << BITS) - 1)
                     v = (field | 0x4B000000).to(tl.float32, bitcast=True)

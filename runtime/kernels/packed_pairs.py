@@ -11,17 +11,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _magic(PAIR: tl.constexpr):
+def magic_value(PAIR: tl.constexpr):
     """``magic`` of the ``magic + u`` trick in PAIR, as an fp32 scalar: 1024 in fp16 (10 mantissa
     bits: 1024 + u is exact for u < 1024), 128 in bf16 (7 bits: u < 128)."""
     return tl.full((), 1024.0 if PAIR == tl.float16 else 128.0, tl.float32)
 
 
 @triton.jit
-def _magic_pairs(fields, masks, PAIR: tl.constexpr, ASM: tl.constexpr):
+def magic_pairs(fields, masks, PAIR: tl.constexpr, ASM: tl.constexpr):
     """``(fields & masks) | magic's exponent bits`` in both 16-bit halves: integers ``u`` sitting
     in the low mantissa bits of each half become the PAIR values ``magic + u`` exactly (see
-    _magic), with no integer-to-float conversion. One LOP3 with the exponent bits as its immediate
+    magic_value), with no integer-to-float conversion. One LOP3 with the exponent bits as its immediate
     (left to itself, the compiler picks the masks as immediates and re-materializes the
     exponent bits in a register)."""
     if not ASM:
@@ -36,7 +36,7 @@ def _magic_pairs(fields, masks, PAIR: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
+def fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
     """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits;
     1 in bf16) is exact on the small integers ``v`` holds."""
     if not ASM:  # the interpreter: each half in fp32, rounded to PAIR as the packed fma rounds
@@ -81,7 +81,7 @@ def _rounded_bits(v, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _byte_pairs(w, magic, high, ASM: tl.constexpr):
+def byte_pairs(w, magic, high, ASM: tl.constexpr):
     """fp16 pairs ``(1024 + byte h, 1024 + byte h + 2)`` of ``w`` (``h = high``, 0 or 1, per
     element): one byte permute, no shift, no mask (``magic`` holds 0x64 in every byte; a
     register: as a literal, ptxas re-materializes it per use)."""
@@ -95,7 +95,7 @@ def _byte_pairs(w, magic, high, ASM: tl.constexpr):
 
 
 @triton.jit
-def _halves_to_f32(acc, PAIR: tl.constexpr, ASM: tl.constexpr):
+def halves_to_f32(acc, PAIR: tl.constexpr, ASM: tl.constexpr):
     """The two 16-bit sums of a packed accumulator, in fp32 (exact)."""
     if not ASM:
         lo = _half(acc, 0, PAIR)
@@ -112,7 +112,7 @@ def _halves_to_f32(acc, PAIR: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _neg_offset_pair(z_lo, z_hi, bias, step: tl.constexpr, PAIR: tl.constexpr):
+def neg_offset_pair(z_lo, z_hi, bias, step: tl.constexpr, PAIR: tl.constexpr):
     """``-(bias + zero) * step`` for the two halves of a pair (exact: an integer below 2048 times
     a power of two), as the int32 bits of a packed PAIR."""
     lo = _exact_bits(-(bias + z_lo) * step, PAIR)

@@ -34,8 +34,8 @@ fixed order, so results are deterministic. The configuration (tile sizes, split,
 Dequantization follows ``quant.affine``: ``w = (q - zero) * scale`` with ``q`` signed. Stored
 values are ``u = q + 2**(bits-1)``. No integer-to-float conversion instruction (a
 low-throughput one) runs per weight: the kernel works in the activation dtype, two weights per
-instruction (``_scaled_difference``): ``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and
-fewer; ``packed_pairs._magic_pairs``) from one LOP3 per pair (in fp16
+instruction (``scaled_difference``): ``1024 + u`` in fp16 (``128 + u`` in bf16, 4 bits and
+fewer; ``packed_pairs.magic_pairs``) from one LOP3 per pair (in fp16
 ``1024 + u * 2**r`` for a field at bit r of its byte: one shift per byte), then packed
 ``fma.rn.f16x2``/``bf16x2`` for ``(v * 2**-r - offset) * scale``, which rounds ``(q - zero) * scale`` to
 the activation dtype once, exactly as ``quant.affine.dequantize(...).to(dtype)`` does (with the
@@ -62,7 +62,7 @@ from runtime.kernels import matmul_tuning
 from runtime.kernels.gemv import launch_gemv
 from runtime.kernels.matmul_configs import MatmulConfig, candidate_configs, m_bucket  # noqa: F401 (callers read them here too)
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
-from runtime.kernels.weight_tile import _group_rows, _integer_tile, _scaled_difference, _tile_groups
+from runtime.kernels.weight_tile import group_rows, integer_tile, scaled_difference, tile_groups
 
 try:  # host-side TMA descriptors (Triton 3.4 and later)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -100,15 +100,15 @@ def _tile_step(acc, k0, k_group, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    g = _tile_groups(k_group, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
-    scale = _group_rows(s_ptr, g, offs_n, n_mask, N).to(DEQUANT)
-    v, unit, offset = _integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
+    g = tile_groups(k_group, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
+    scale = group_rows(s_ptr, g, offs_n, n_mask, N).to(DEQUANT)
+    v, unit, offset = integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
     x = _activation_tile(x_tile, m0, k0, K, TILE_K, MASK_K, X_TMA)
     # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
     if DEQUANT == tl.float32:
         wq = (v - offset) * scale
     else:
-        wq = _scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
+        wq = scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
     # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
     # are only renamed, the values already sit where the tensor-core operand wants them
     w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)

@@ -4,7 +4,7 @@ The layout is ``weight_layout``'s (its docstring): a tile is 16 word rows of ``p
 ``p Q + q`` of row ``4 a + b`` holding input ``8 (a Q + q) + 2 b + p`` (``Q = pack / 2``). Values are
 handled as ``[Q, 4, 4, BLOCK_N, 2]`` tensors ``(q, a, b, n, p)``: the last dimension is the pair of
 inputs ``k, k + 1`` that a tensor-core register holds, which the layout keeps 16 bits apart in one
-word, so one shift and one AND/OR of a word make the pair (``_integer_tile``), and a permutation
+word, so one shift and one AND/OR of a word make the pair (``integer_tile``), and a permutation
 that only renames registers puts the tile in input order (``quant_matmul._tile_step``).
 """
 
@@ -13,22 +13,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.packed_pairs import _byte_pairs, _magic, _magic_pairs
+from runtime.kernels.packed_pairs import byte_pairs, magic_pairs, magic_value
 from runtime.kernels.weight_layout import SUBTILE_K
 
 _SUBTILE_K = tl.constexpr(SUBTILE_K)  # jit functions read module globals only as constexpr
 
 
 @triton.jit
-def _group_rows(ptr, g_rows, offs_n, n_mask, N):
-    """Rows ``g_rows`` (shaped ``[Q or 1, 4 or 1, 1]``, see _tile_groups) of a ``[groups, N]``
-    tensor (scales, zero points), shaped to broadcast to _integer_tile's values."""
+def group_rows(ptr, g_rows, offs_n, n_mask, N):
+    """Rows ``g_rows`` (shaped ``[Q or 1, 4 or 1, 1]``, see tile_groups) of a ``[groups, N]``
+    tensor (scales, zero points), shaped to broadcast to integer_tile's values."""
     return tl.load(ptr + g_rows[:, :, :, None, None] * N + offs_n[None, None, None, :, None],
                    mask=n_mask[None, None, None, :, None], other=0)
 
 
 @triton.jit
-def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+def integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                   HALF: tl.constexpr, ASM: tl.constexpr):
     """``(v, unit, offset)`` with ``v * unit - offset == q - zero`` (exact) for inputs
     ``k0 .. k0 + tile_k`` and outputs ``offs_n``; ``v`` is shaped ``[Q, 4, 4, BLOCK_N, 2]``, element
@@ -51,14 +51,14 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
         unit = tl.full((1, 1, 1, 1, 1), 1.0, tl.float32)
         offset = 8388608.0 + (1 << (BITS - 1)) + tl.zeros((1, 1, 1, 1, 1), dtype=tl.float32)
     else:
-        # The same in 16 bits (packed_pairs._magic_pairs): both values of a pair (p = 0, 1: 16 bits
+        # The same in 16 bits (packed_pairs.magic_pairs): both values of a pair (p = 0, 1: 16 bits
         # apart) come out of one shift and one LOP3 on the whole word, as one 32-bit register
         # holding the 16-bit pair magic + u (exact: the caller keeps 8-bit weights in fp32 for
         # bf16); split and joined below only to name its halves (the compiled code keeps the
         # register as it is). In fp16 a field is taken where it sits in its byte (bit r):
         # 1024 + u * 2**r stays exact below 2048, so one shift serves every field of a byte, and
         # unit = 2**-r scales it back in the fma.
-        magic = _magic(HALF).to(HALF)
+        magic = magic_value(HALF).to(HALF)
         if HALF == tl.float16:
             r = field_bit % 8
             unit = ((127 - r) << 23).to(tl.float32, bitcast=True).to(HALF)  # 2**-r, exactly
@@ -70,23 +70,23 @@ def _integer_tile(qw_ptr, z_ptr, k0, g_rows, offs_n, n_mask, N, BITS: tl.constex
         if HALF == tl.float16 and BITS == 8:  # bytes q, q + 2 under two 0x64 bytes: one PRMT, no shift
             # (4.31 -> 4.19 SASS instructions per weight, W8 16x64 on sm_90a; an opaque register for
             # the magic bytes, as the GEMV keeps one, made the compiler re-lay the tile through shared memory)
-            pairs = _byte_pairs(words, tl.full((1, 1, 1, 1), 0x64646464, tl.int32), field_bit // 8, ASM)
+            pairs = byte_pairs(words, tl.full((1, 1, 1, 1), 0x64646464, tl.int32), field_bit // 8, ASM)
         else:
             fields = words >> (field_bit - r)
-            pairs = _magic_pairs(fields, (((1 << BITS) - 1) * 0x10001) << r, HALF, ASM)
+            pairs = magic_pairs(fields, (((1 << BITS) - 1) * 0x10001) << r, HALF, ASM)
         low = (pairs & 0xFFFF).to(tl.int16).to(HALF, bitcast=True)
         high = (pairs >> 16).to(tl.int16).to(HALF, bitcast=True)
         v = tl.join(low, high)
         unit = unit[:, :, :, :, None]
         offset = offset[:, :, :, :, None]
     if HAS_ZERO:  # int8 zero points, one row per group: g_rows broadcasts to [Q, 4, 1]
-        zero = _group_rows(z_ptr, g_rows, offs_n, n_mask, N)
+        zero = group_rows(z_ptr, g_rows, offs_n, n_mask, N)
         offset = offset + zero.to(v.dtype)
     return v, unit, offset
 
 
 @triton.jit
-def _scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
+def scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
     """``(v * unit - offset) * scale`` in v's 16-bit float type, rounded once, two values per
     instruction.
 
@@ -106,7 +106,7 @@ def _scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
                 " fma.rn.f16x2 $0, $1, $2, $3; fma.rn.f16x2 $0, $0, $4, z;}",
                 "=r,r,r,r,r", [v, unit, neg_offset, scale], dtype=tl.float16, is_pure=True, pack=2)
         else:
-            out = tl.inline_asm_elementwise(  # unit is 1 in bf16 (see _integer_tile)
+            out = tl.inline_asm_elementwise(  # unit is 1 in bf16 (see integer_tile)
                 "{.reg .b32 m, z; mov.b32 m, 0x3F803F80; mov.b32 z, 0x80008000;"
                 " fma.rn.bf16x2 $0, $1, m, $3; fma.rn.bf16x2 $0, $0, $4, z;}",
                 "=r,r,r,r,r", [v, unit, neg_offset, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
@@ -117,7 +117,7 @@ def _scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
+def tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
     """Group row of each scale the tile needs, broadcastable to ``[Q, 4, 4]`` ``(q, a, b)``: one when
     the tile lies in one group, else one per 16-input field ``(q, a)`` (the 16 inputs from 16 f are
     the fields with a Q + q = 2 f, 2 f + 1; groups are multiples of 16). Fields past K (padding)
