@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.budget_estimators import estimates, parse_candidates, round_to
+from bench.results_file import write_result
 from bench.scoring import commit, parse_texts, score_texts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,10 +89,10 @@ def main():
             # the pass's own estimate of the mean loss, nats/token: set beside the measured log ratios
             "estimated_fisher": sum(fisher[n][k] for n, k in chosen.items()) / (2 * weighed["tokens"]),
             "scores": scores})
-        args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+        write_result(args.out, result)  # after every row: a cut-short run keeps what it measured
         print(name, {p: {t: round(s["ppl"], 3) for t, s in d.items()} for p, d in scores.items()}, flush=True)
     result["seconds"] = time.perf_counter() - start
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from bench.scoring import PROTOCOLS, commit, parse_texts, protocols, score_texts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,7 +249,7 @@ def main():
         row["calibration_loss"] = mean_loss(model, check) if args.check_samples else None
         row["scores"] = score_texts(hf_logits_fn(model), tok, texts)
         result["rows"].append(row)
-        args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+        write_result(args.out, result)  # after every row: a cut-short run keeps what it measured
         print(row["row"], {p: {t: round(s["ppl"], 3) for t, s in d.items()} for p, d in row["scores"].items()},
               flush=True)
 

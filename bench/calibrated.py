@@ -42,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.results_file import write_result
 from bench.scoring import PROTOCOLS, TEXTS, commit, parse_texts, peak_rss_bytes, protocols, score_texts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,11 +196,10 @@ def main():
         result = json.loads(args.out.read_text())
         result.setdefault("appended", []).append({"commit": code_version, "methods": args.methods,
                                                   "load_average_at_start": os.getloadavg()})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for job in jobs:
         result["rows"].append(run_child(job))
         print(json.dumps(result["rows"][-1]), flush=True)
-        args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+        write_result(args.out, result)  # after every row: a cut-short run keeps what it measured
     for name in PROTOCOLS:
         print(f"\n{name}:\n{table([r for r in result['rows'] if 'quantize_s' in r], name)}")
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.calibrated import method_settings
+from bench.results_file import write_result
 from bench.scoring import commit
 from evals.provenance import versions
 from evals.texts import load_text
@@ -124,7 +125,7 @@ def main():
                        "wall_s": wall, "cpu_s": cpu, "load_average": os.getloadavg()}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-                args.out.write_text(json.dumps(result, indent=2))
+                write_result(args.out, result)  # after every row: a cut-short run keeps what it measured
 
 
 if __name__ == "__main__":
