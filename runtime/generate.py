@@ -49,23 +49,42 @@ class Token:
 class TextStream:
     """Incremental detokenization: the new text each token completes, for streaming.
 
-    Decodes the whole output and diffs against what was already given out: a token can end
-    mid-character (byte-level BPE), so an incomplete multi-byte character is held back until a
-    later token completes it. With ``stop`` strings, text that could be the start of one is held
-    back too, and the output ends before the first one that appears (``stopped``).
+    Diffs the decoded output against what was already given out: a token can end mid-character
+    (byte-level BPE), so an incomplete multi-byte character is held back until a later token
+    completes it. With ``stop`` strings, text that could be the start of one is held back too, and
+    the output ends before the first one that appears (``stopped``).
+
+    The output's text is the decoded text of the ids up to a settled point (where it ended on a
+    whole character) plus a short window of ids decoded with the ids before it as context (as
+    vLLM's detokenizer does), not the whole output decoded again for every token: that cost
+    grows with the output (SmolLM2's tokenizer: 0.25 ms at 512 tokens, 1.2 ms at 2,048, per
+    sequence and step). Where the window's text does not extend its context's, the whole output
+    is decoded.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
         self.text = ""  # given out so far
         self.stopped = False
+        self._settled, self._context, self._read = "", 0, 0  # decode(ids[:_read]); the window's first id
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def full_text(self, ids: list[int]) -> str:
+        """``decode(ids)``, from the settled text and the window ``ids[_context:]``."""
+        context, window = self.decode(ids[self._context:self._read]), self.decode(ids[self._context:])
+        # the context must give text (special tokens alone give none: a SentencePiece decode would
+        # then drop the window's first space) that the window's text extends
+        trusted = not self._context or (context and window.startswith(context))
+        full = self._settled + window[len(context):] if trusted else self.decode(ids)
+        if not full.endswith("\ufffd"):  # a whole character: the next window starts after these ids
+            self._settled, self._context, self._read = full, self._read, len(ids)
+        return full
+
     def push(self, ids: list[int], done: bool) -> str:
         """The next piece of text, given all output ``ids`` so far (``done``: no more will come)."""
-        full = self.decode(ids)
+        full = self.full_text(ids)
         cut = self._stop_at(full)
         if cut is not None:
             self.stopped = True

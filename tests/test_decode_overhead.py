@@ -121,3 +121,44 @@ def test_store_decode_refuses_what_store_sequence_refuses():
     cache.free_sequence(1)
     with pytest.raises(ValueError, match="holds no sequence"):
         cache.store_decode(0, 0, [5, 7], k, k)
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2, Mistral, Gemma: words begin with '▁', a decode
+    drops its text's first space): a window decoded alone would lose that space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lowbit_testing.tiny_models import TEXT
+
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=[f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator([TEXT], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("make", ["byte-level", "metaspace"])
+def test_text_stream_pieces_are_the_whole_decode_from_short_windows(make):
+    """Streamed pieces join to the whole output's decode (multi-byte characters split over tokens,
+    special tokens, random ids), while each push decodes only the ids since the last settled
+    point and the ones before them, not the whole output."""
+    from runtime.generate import TextStream
+    from tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer() if make == "byte-level" else metaspace_tokenizer()
+    text = "Anne Elliot walked to Kellynch, ünïcødé 日本語 🎉 and back. " * 6
+    g = torch.Generator().manual_seed(3)
+    outputs = [tok(text).input_ids, torch.randint(0, len(tok), (300,), generator=g).tolist()]
+    for ids in outputs:
+        lengths, decode = [], tok.decode
+        tok.decode = lambda part, **kw: lengths.append(len(part)) or decode(part, **kw)
+        stream = TextStream(tok)
+        pieces = [stream.push(ids[:i], i == len(ids)) for i in range(1, len(ids) + 1)]
+        del tok.decode
+        assert "".join(pieces) == stream.text == tok.decode(ids, skip_special_tokens=True)
+        # short windows, not the whole output (which a context of special tokens alone, or a
+        # replacement character at the end, still sends back to now and then)
+        assert sorted(lengths)[len(lengths) * 9 // 10] < 20 < len(ids)
