@@ -183,8 +183,8 @@ def report_untuned(reason: str) -> None:
     kernel, the shape and why each candidate failed), however many layers and calls meet it."""
     if reason not in _REPORTED_UNTUNED:
         _REPORTED_UNTUNED.add(reason)
-        warnings.warn(f"{reason}; layers of this shape run the dense reference (dequantize + matmul) for these rows "
-                      "instead (correct, slower)", stacklevel=3)
+        warnings.warn(f"{reason}; layers of this shape run the dense reference (dequantize + matmul) for inputs of "
+                      "this row count (its M bucket) instead (correct, slower)", stacklevel=3)
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
