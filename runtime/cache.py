@@ -345,44 +345,40 @@ class KVCache(PagedCache):
         self.store(layer, range(slot, slot + 1), start, k[None], v[None])
 
     def store_decode(self, layer: int, first: int, starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """One new token of each sequence in rows ``first ..`` at ``starts`` (``k, v`` [n, H, 1, D]):
-        :meth:`store_sequence` for each, as one write into the residual when the layer does not
-        slide and no sequence fills a block (then nothing is placed: the engine reserves a block
-        before a step fills it), which is every decode step but one in ``block_size``."""
-        B, n = self.block_size, len(starts)
-        if self.window(layer) is not None or any((s + 1) % B == 0 for s in starts) or k.shape[:1] + k.shape[2:3] != (n, 1):
-            for i, start in enumerate(starts):
+        """:meth:`store_sequence` of one new token for each sequence in rows ``first ..`` at ``starts``
+        (``k, v`` [n, H, 1, D]), as one write into the residual when all is in order, the layer does
+        not slide and no sequence fills a block (nothing to place: the engine reserves a block
+        before a step fills it): every decode step but one in ``block_size``."""
+        B, n, rows = self.block_size, len(starts), range(first, first + len(starts))
+        if (not 0 <= layer < self.num_layers or self.window(layer) is not None or k.shape != v.shape
+                or tuple(k.shape) != (n, self.kv_heads, 1, self.head_dim) or not 0 <= first <= self.batch - n
+                or starts != self.seq_lengths[first:first + n] or max(starts) >= self.max_len
+                or any(self.slots.is_free(slot) for slot in rows) or any((s + 1) % B == 0 for s in starts)):
+            for i, start in enumerate(starts):  # each sequence's own checks (and errors) and pages
                 self.store_sequence(layer, first + i, start, k[i], v[i])
             return
-        for i, start in enumerate(starts):
-            self._check_write(layer, first + i, start, k.shape[1:], v.shape[1:])
-        offsets = [s % B for s in starts]
-        at = (slice(first, first + n), slice(None), offsets[0])
-        if len(set(offsets)) > 1:  # sequences at different places in their blocks
-            at = (torch.arange(first, first + n, device=self.device), slice(None), torch.tensor(offsets, device=self.device))
+        at = (slice(first, first + n), slice(None), starts[0] % B)
+        if any(s % B != starts[0] % B for s in starts):  # sequences at different places in their blocks
+            at = (torch.arange(first, first + n, device=self.device), slice(None),
+                  torch.tensor([s % B for s in starts], device=self.device))
         self.residual_k[layer][at] = k[:, :, 0]
         self.residual_v[layer][at] = v[:, :, 0]
 
     def _place_sequence(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A sequence write's checks, and its pages placed."""
-        end = self._check_write(layer, slot, start, k.shape, v.shape)
-        self._apply(*self.slots.place([slot], [self.slots.group_of(layer)], self.slots.lengths, end))
-
-    def _check_write(self, layer: int, slot: int, start: int, k_shape, v_shape) -> int:
-        """Clear errors for a sequence write of keys and values shaped ``[H, T, D]``; its end."""
         self._check_slot(slot)
         if start != self.seq_lengths[slot]:
             raise ValueError(f"sequence {slot} of the KV cache holds {self.seq_lengths[slot]} positions; new ones "
                              f"must follow them (got start={start})")
-        if not 0 <= layer < self.num_layers or len(k_shape) != 3 or k_shape != v_shape or (k_shape[0], k_shape[2]) != (
+        if not 0 <= layer < self.num_layers or k.ndim != 3 or k.shape != v.shape or (k.shape[0], k.shape[2]) != (
                 self.kv_heads, self.head_dim):
             raise ValueError(f"a sequence's new keys and values are [H={self.kv_heads}, T, D={self.head_dim}] for one "
-                             f"of {self.num_layers} layers; got layer {layer}, keys {tuple(k_shape)}, values "
-                             f"{tuple(v_shape)}")
-        end = start + k_shape[1]
+                             f"of {self.num_layers} layers; got layer {layer}, keys {tuple(k.shape)}, values "
+                             f"{tuple(v.shape)}")
+        end = start + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
-        return end
+        self._apply(*self.slots.place([slot], [self.slots.group_of(layer)], self.slots.lengths, end))
 
     def read_sequence(self, layer: int, slot: int, length: int):
         """Keys and values [H, length, D] of sequence ``slot``, dequantized; ``length`` is all it holds

@@ -118,6 +118,8 @@ def test_store_decode_refuses_what_store_sequence_refuses():
         cache.store_decode(0, 0, [5, 6], k, k)
     with pytest.raises(ValueError, match="new keys and values"):
         cache.store_decode(0, 0, [5, 7], torch.zeros(2, H + 1, 1, D), torch.zeros(2, H + 1, 1, D))
+    with pytest.raises(ValueError, match="for one of 1 layers"):
+        cache.store_decode(1, 0, [5, 7], k, k)
     cache.free_sequence(1)
     with pytest.raises(ValueError, match="holds no sequence"):
         cache.store_decode(0, 0, [5, 7], k, k)
