@@ -100,8 +100,9 @@ for mix in MIXES:
         row = {"mix": mix, "variant": v, **{g: round(totals[v][g] / base[g], 4) for g in evals}}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
+from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, versions  # noqa: E402
 
 out.update(commit=commit(), versions=versions(), load_average=os.getloadavg(), protocol=__doc__)
 path = Path(__file__).resolve().parent / "results" / "gguf" / "levers-layers.json"
-path.write_text(json.dumps(out, indent=1))
+write_result(path, out)

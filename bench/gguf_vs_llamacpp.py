@@ -40,6 +40,8 @@ import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
+from bench.results_file import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_BIN = ROOT / ".llama-cpp" / "build" / "bin"
 SDIST = ROOT / ".llama-cpp" / "llama_cpp_python-0.3.36"
@@ -310,7 +312,7 @@ def main():
                                    work / f"float-logits-{name}.kld")
         with written:
             result["rows"].append(row)
-            args.out.write_text(json.dumps(result, indent=2))  # after every row: a cut-short run keeps what it measured
+            write_result(args.out, result)  # after every row: a cut-short run keeps what it measured
             print(label, {n: row[n]["ppl"] for n in texts}, "bpw", row[TEXTS[0]]["bpw"], flush=True)
 
     def score_lowbit(mix: str, future) -> None:
@@ -333,8 +335,7 @@ def main():
             d.result()
     pool.shutdown()
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     if tmp is not None:
         tmp.cleanup()
 

@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.results_file import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -327,15 +329,13 @@ def main():
         results.append(bench(shape, batches, args.prompt_len, args.output_len, args.repeats, cores,
                              args.lowbit.split(","), ROOT / "out" / "vllm-bench" / "logs"))
         print(table(results[-1]), flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"protocol": PROTOCOL, "device": device(), "versions": provenance, "cores": cores,
-                               "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
-                               "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
-                               "note": "2-core machine shared with other helpers (tests, compiles, their own timings "
-                                       "outside the lock) during the run; engines take turns request by request; an idle "
-                                       "vLLM worker process polls (~4% of a core, measured)",
-                               "results": results}, indent=1))
-    print(f"wrote {out}")
+    write_result(out, {"protocol": PROTOCOL, "device": device(), "versions": provenance, "cores": cores,
+                   "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
+                   "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
+                   "note": "2-core machine shared with other helpers (tests, compiles, their own timings "
+                           "outside the lock) during the run; engines take turns request by request; an idle "
+                           "vLLM worker process polls (~4% of a core, measured)",
+                   "results": results})
 
 
 if __name__ == "__main__":

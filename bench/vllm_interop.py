@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_file import write_result
 from bench.vllm_cpu import VLLM_PYTHON, device, versions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,11 +225,9 @@ def main():
         result = matrix(Path(tmp))
     load["end"] = os.getloadavg()
     print(markdown(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python -m bench.vllm_interop", "device": device(),
-                                    "versions": provenance, "machine": "shared 2-core machine", "load_average": load,
-                                    **result}, indent=1))
-    print(f"wrote {args.out}")
+    write_result(args.out, {"command": "python -m bench.vllm_interop", "device": device(),
+                        "versions": provenance, "machine": "shared 2-core machine", "load_average": load,
+                        **result})
 
 
 if __name__ == "__main__":
