@@ -47,6 +47,9 @@ struct V {
 inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
 inline V sub(V a, V b) { return {_mm512_sub_ps(a.x, b.x)}; }
 inline V mul(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
+inline V vmax(V a, V b) { return {_mm512_max_ps(a.x, b.x)}; }
+inline float lanes_sum(V a) { return _mm512_reduce_add_ps(a.x); }
+inline float lanes_max(V a) { return _mm512_reduce_max_ps(a.x); }
 
 // field f of 16 bytes at p, as 16 floats (unsigned codes, exact)
 template <int BITS>
@@ -104,6 +107,9 @@ struct V {
 inline V fma(V a, V b, V c) { for (int i = 0; i < L; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]); return c; }
 inline V sub(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] -= b.x[i]; return a; }
 inline V mul(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] *= b.x[i]; return a; }
+inline V vmax(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] = std::max(a.x[i], b.x[i]); return a; }
+inline float lanes_sum(V a) { float s = 0.f; for (float x : a.x) s += x; return s; }
+inline float lanes_max(V a) { float s = a.x[0]; for (float x : a.x) s = std::max(s, x); return s; }
 template <int BITS>
 inline void widen(const uint8_t* p, V* out, int stride) {
   for (int f = 0; f < 8 / BITS; ++f)
@@ -133,6 +139,7 @@ struct Side {
   int groups;       // values: channel groups per token (1: the whole head)
   int64_t row;      // bytes per token
   float offset;     // 2**(bits-1): z' = zero + offset
+  int16_t order[MAX_CHUNKS * L];  // channel c's entry in field order
 };
 
 struct Problem {
@@ -198,28 +205,34 @@ void tile_scores(const Problem& P, const uint8_t* p, int64_t row, const V* qv, c
   }
 }
 
-// Queries in field order (qv), their sums (per-token keys), or scaled by a key group's channel scales
-// with that group's bias sum_c q_c s_c z'_c (over tokens).
+// Queries in field order (qv; the softmax scale folded in), or scaled by a key group's channel scales
+// with that group's bias sum_c q_c s_c z'_c (over tokens): scale and zero permuted once per group.
 void group_queries(const Problem& P, const float* q, const at::Half* scale, const at::Half* zero, V* qv,
                    float* bias) {
+  const int C = P.D / L;
   alignas(64) float buf[MAX_CHUNKS * L], sf[MAX_CHUNKS * L], zf[MAX_CHUNKS * L];
   if (scale != nullptr) {
-    widen_halves(scale, P.D, sf);
-    widen_halves(zero, P.D, zf);
+    alignas(64) float sn[MAX_CHUNKS * L], zn[MAX_CHUNKS * L];
+    widen_halves(scale, P.D, sn);
+    widen_halves(zero, P.D, zn);
+    for (int c = 0; c < P.D; ++c) {
+      const int at = P.k.order[c];
+      sf[at] = sn[c];
+      zf[at] = sn[c] * (zn[c] + P.k.offset);
+    }
   }
   for (int64_t h = 0; h < P.nq; ++h) {
-    const float* qh = q + h * P.D;
-    float b = 0.f;
-    for (int c = 0; c < P.D; ++c) {
-      float x = qh[c];
+    for (int c = 0; c < P.D; ++c) buf[P.k.order[c]] = q[h * P.D + c];
+    V b = V::zero();
+    for (int c = 0; c < C; ++c) {
+      V x = V::load(buf + c * L);
       if (scale != nullptr) {
-        x *= sf[c];
-        b += x * (zf[c] + P.k.offset);
+        b = fma(x, V::load(zf + c * L), b);
+        x = mul(x, V::load(sf + c * L));
       }
-      buf[field_index(c, P.k.bits, P.D)] = x;
+      qv[h * C + c] = x;
     }
-    if (bias != nullptr) bias[h] = b;
-    for (int c = 0; c < P.D / L; ++c) qv[h * (P.D / L) + c] = V::load(buf + c * L);
+    if (bias != nullptr) bias[h] = lanes_sum(b);
   }
 }
 
@@ -232,7 +245,7 @@ void key_scores(const Problem& P, int64_t s, int64_t h, int64_t t0, int64_t n, f
   group_queries(P, q, nullptr, nullptr, qv.data(), nullptr);
   if (P.k.bits != 32) {  // the residual's floats take the queries in channel order
     Problem natural = P;
-    natural.k.bits = 32;
+    for (int c = 0; c < P.D; ++c) natural.k.order[c] = int16_t(c);
     group_queries(natural, q, nullptr, nullptr, fv.data(), nullptr);
   } else {
     fv = qv;
@@ -278,19 +291,16 @@ void softmax(const Problem& P, float* sc, int64_t stride, int64_t lo, int64_t hi
     for (int64_t t = hi; t < stride; ++t) x[t] = -inf;
     if (P.softcap > 0)
       for (int64_t t = lo; t < hi; ++t) x[t] = std::tanh(x[t] / P.softcap) * P.softcap;
-    float top = -inf;
-    for (int64_t t = lo; t < hi; ++t) top = std::max(top, x[t]);
+    V most = V::all(-inf);
+    for (int64_t t = 0; t < stride; t += L) most = vmax(most, V::load(x + t));
+    const float top = lanes_max(most);
     V sum = V::zero();
     for (int64_t t = 0; t < stride; t += L) {
       V e = exp16(sub(V::load(x + t), V::all(top)));
       e.store(x + t);
       sum = fma(e, V::all(1.f), sum);
     }
-    alignas(64) float lanes[L];
-    sum.store(lanes);
-    float s = 0.f;
-    for (float l : lanes) s += l;
-    total[h] = s;
+    total[h] = lanes_sum(sum);
   }
 }
 
@@ -351,8 +361,15 @@ void value_sums(const Problem& P, const uint8_t* p, int64_t row, const at::Half*
     for (int g = 0; g < groups; ++g)
       for (int64_t h = 0; h < P.nq; ++h) {
         float* wg = ws + (g * P.nq + h) * count;
-        float z = 0.f;
-        for (int64_t t = 0; t < count; ++t) {
+        int64_t t = 0;
+        V zv = V::zero();
+        for (; groups == 1 && t + L <= count; t += L) {  // one group: scales contiguous
+          const V wt = mul(V::load(w + h * stride + t), V::load(sf + t));
+          wt.store(wg + t);
+          zv = fma(wt, fma(V::load(zf + t), V::all(1.f), V::all(P.v.offset)), zv);
+        }
+        float z = lanes_sum(zv);
+        for (; t < count; ++t) {
           wg[t] = w[h * stride + t] * sf[t * groups + g];
           z += wg[t] * (zf[t * groups + g] + P.v.offset);
         }
@@ -401,7 +418,7 @@ void values(const Problem& P, int64_t s, int64_t h, int64_t t0, int64_t first, i
     }
     float* o = P.out + ((s * P.H + h) * P.nq + i) * P.D;
     for (int c = 0; c < P.D; ++c) {
-      const int at = field_index(c, P.v.bits, P.D);
+      const int at = P.v.order[c];
       float x = buf[at];
       if (P.v.scale != nullptr) x -= zsum[i * P.v.groups + (at / L % J) / (J / P.v.groups)];
       o[c] = (x + fbuf[c]) / total[i];
@@ -449,6 +466,7 @@ Side side(const torch::Tensor& data, const c10::optional<torch::Tensor>& scale, 
   TORCH_CHECK(bits == 32 ? data.scalar_type() == at::kFloat : data.scalar_type() == at::kInt, "pool data dtype");
   Side out{(const uint8_t*)data.data_ptr(), nullptr, nullptr, (int)bits, (int)G, 1, bits == 32 ? D * 4 : D * bits / 8,
            bits == 32 ? 0.f : float(1 << (bits - 1))};
+  for (int c = 0; c < D; ++c) out.order[c] = int16_t(field_index(c, int(bits), int(D)));
   if (scale) {
     TORCH_CHECK(scale->scalar_type() == at::kHalf && zero->scalar_type() == at::kHalf && scale->is_contiguous() &&
                 zero->is_contiguous(), "scales and zero points must be contiguous float16");
