@@ -10,6 +10,11 @@ per layer at load (as the Triton kernels are on CUDA).
 * ``Int8Channels``: 8-bit per-channel layers through ``aten._weight_int8pack_mm`` (symmetric
   ``x @ (q * s).T``); an asymmetric zero point is one correction per row, ``- s z * sum(x)``.
 
+A prefill's many rows run neither kernel: from ``NATIVE_DEQUANTIZE_ROWS`` (int4) or
+``INT8_DEQUANTIZE_ROWS`` rows a layer writes its weight into one reused bf16 scratch (:func:`scratch`;
+int4 through runtime/native/int4_weights.cpp, or the PyTorch ops from ``DEQUANTIZE_ROWS`` where that
+is not built) for one dense bf16 matmul, whose time grows with the rows far slower than theirs.
+
 Both kernels run bf16 activations: with float32 activations the int4 kernel is 5-100x slower than a
 dense float32 matmul (measured, bench/cpu_decode.py), so a layer converts its input to bf16 and its
 output back. Layers neither kernel takes keep the dense reference path (``QuantLinear``), with the
@@ -27,6 +32,7 @@ order is found once per process (:func:`int4_layout`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,6 +42,7 @@ from torch import nn
 
 from quant.affine import QuantScheme
 from quant.packing import unpack
+from runtime import native
 from runtime.kernels.weight_layout import act_order_permutation
 
 ACTIVATIONS = torch.bfloat16  # what both kernels are fast with (see the module docstring)
@@ -43,11 +50,14 @@ FLOAT_WEIGHTS = torch.bfloat16  # a quantized model's float leftovers on CPU (Na
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu takes
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu refuses other output counts
 INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, crashes) otherwise
-# From this many activation rows (prefill) an int4 layer dequantizes its weight into a bf16 scratch
-# for one dense bf16 matmul: the weight-only kernel is slower than that there (bench/cpu_prefill.py)
-DEQUANTIZE_ROWS = 256
-INT8_DEQUANTIZE_ROWS = 128  # the same for 8-bit layers (a cast of the codes): the int8 kernel ran
-# 1.3-6x slower than the bf16 scratch matmul at M=128 and 512 on SmolLM2 and 1B shapes (1 thread)
+# From this many activation rows (prefill) a layer runs one dense bf16 matmul on its weight written
+# into a bf16 scratch (:func:`scratch`): the weight-only kernels' time grows with the rows, that of
+# writing the weight does not (bench/cpu_prefill.py, 1 thread, SmolLM2 and 1B shapes)
+NATIVE_DEQUANTIZE_ROWS = 32  # int4, runtime/native/int4_weights.cpp dequantizing (0.4-0.6 ns/weight):
+# ahead of the kernel from 32 rows on every shape but SmolLM2's 192x576 k/v (from 64, 0.07 ms behind)
+DEQUANTIZE_ROWS = 256  # int4, the PyTorch ops dequantizing (LOWBIT_NATIVE=0, 8 ns/weight)
+INT8_DEQUANTIZE_ROWS = 32  # int8, a copy of the codes into the scratch (exact; 0.2-0.4 ns/weight): ahead
+# of _weight_int8pack_mm from 32 rows on every shape (from 16 on most)
 
 
 def kernel_group(group: int) -> int | None:
@@ -111,25 +121,43 @@ class Int4Slots:
         a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
-        if a.shape[0] >= DEQUANTIZE_ROWS and self.scratch_ok:
-            y = F.linear(a, self.dequantized())  # the scratch weight is freed on return
+        if a.shape[0] >= self.dequantize_rows() and self.scratch_ok:
+            y = F.linear(a, self.dequantized(scratch(self.packed.shape[1] * 2, self.packed.shape[0])))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
         return _linear_out(y, x, bias)
 
+    @staticmethod
+    def dequantize_rows() -> int:
+        """Activation rows from which a prefill runs the scratch weight (native dequantizer or not)."""
+        return DEQUANTIZE_ROWS if _native_weights() is None else NATIVE_DEQUANTIZE_ROWS
+
     @property
     def scratch_ok(self) -> bool:
-        """Whether :meth:`dequantized` reads this layout (known, whole blocks of outputs)."""
+        """Whether :meth:`dequantized` reads this layout (known; whole blocks of outputs for the
+        PyTorch path, the native one reads a partial last block too)."""
         layout = int4_layout()
-        return layout is not None and self.packed.shape[0] % layout.block_n == 0
+        return layout is not None and (self.packed.shape[0] % layout.block_n == 0 or _native_weights() is not None)
 
-    def dequantized(self) -> torch.Tensor:
-        """The kernel's weight in bf16, [N, K] (its column order) as the transpose of a [K, N] buffer:
-        ``u * scale + (zero - 8 scale)`` per group computed in float32 and rounded once to bf16 on
-        store (equal to the kernel's weight, tests/test_cpu_linear.py). Works in the layout's block
-        order (each block of outputs is [K, block_n] nibbles), so no [N, K] transpose and no float
-        [N, K] temporary: reading the [N, K] nibbles first was 2-5x slower."""
+    def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel's weight in bf16, [N, K] (its column order) as the transpose of a [K, N] buffer
+        (``out``, e.g. :func:`scratch`, or a new one): ``u * scale + (zero - 8 scale)`` per group
+        computed in float32 and rounded once to bf16 on store (equal to the kernel's weight,
+        tests/test_cpu_linear.py). runtime/native/int4_weights.cpp does it in one pass where it
+        builds; the PyTorch ops below are the reference and fallback."""
         layout, (n, half_k) = int4_layout(), self.packed.shape
+        out = torch.empty(2 * half_k, n, dtype=ACTIVATIONS) if out is None else out
+        kernel = _native_weights()
+        if kernel is not None:
+            kernel.dequantize_int4(self.packed, self.scale_zeros, self.group, layout.block_n, layout.halves, out)
+            return out.t()
+        return self._dequantized_by_torch(layout, out)
+
+    def _dequantized_by_torch(self, layout: "Int4Layout", out: torch.Tensor) -> torch.Tensor:
+        """Works in the layout's block order (each block of outputs is [K, block_n] nibbles), so no
+        [N, K] transpose and no float [N, K] temporary: reading the [N, K] nibbles first was 2-5x
+        slower. Whole blocks of outputs only."""
+        n, half_k = self.packed.shape
         k, blocks, bn = 2 * half_k, n // layout.block_n, layout.block_n
         b = self.packed.view(blocks, k, bn // 2)
         lo, hi = b & 15, b >> 4
@@ -137,7 +165,6 @@ class Int4Slots:
         sz = self.scale_zeros.float()  # [K / group, N, 2]
         scale = sz[..., 0].view(k // self.group, 1, blocks, bn)
         zero = (sz[..., 1] - 8 * sz[..., 0]).view(k // self.group, 1, blocks, bn)
-        out = torch.empty(k, n, dtype=ACTIVATIONS)
         torch.addcmul(zero, u.view(blocks, k // self.group, self.group, bn).permute(1, 2, 0, 3), scale,
                       out=out.view(k // self.group, self.group, blocks, bn))
         return out.t()
@@ -176,7 +203,7 @@ class Int8Channels:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
         if a.shape[0] >= INT8_DEQUANTIZE_ROWS:  # codes up to 128 are exact in bf16: the kernel's x @ q.T * s
-            y = F.linear(a, self.q.to(ACTIVATIONS)) * self.scales
+            y = F.linear(a, scratch(*self.q.shape).copy_(self.q)) * self.scales
         else:
             y = torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
         if self.zero_scales is not None:
@@ -194,6 +221,30 @@ class Int8Channels:
 
 
 CpuWeight = Int4Slots | Int8Channels
+
+
+def _native_weights():
+    """runtime/native/int4_weights.cpp's module, or None (LOWBIT_NATIVE=0, or it cannot be built here)."""
+    return native.load("int4_weights")
+
+
+class _Scratch(threading.local):
+    weight: torch.Tensor | None = None
+
+
+_SCRATCH = _Scratch()
+
+
+def scratch(rows: int, cols: int) -> torch.Tensor:
+    """A bf16 [rows, cols] view of this thread's one prefill scratch weight, grown to the largest
+    layer that has asked (at most one layer's bf16 weight, allocated at the first prefill, not at
+    load). Reused, so a layer's weight does not fault in fresh pages on every call: a fresh 32 MB
+    buffer (a 1B model's 8192x2048 layer) cost ~13 ms of page faults, more than dequantizing it.
+    The matmul that reads it returns before the next layer writes it."""
+    if _SCRATCH.weight is None or _SCRATCH.weight.numel() < rows * cols:
+        _SCRATCH.weight = None  # the smaller one goes first: never two at once
+        _SCRATCH.weight = torch.empty(rows * cols, dtype=ACTIVATIONS)
+    return _SCRATCH.weight[:rows * cols].view(rows, cols)
 
 
 class NarrowLinear(nn.Module):

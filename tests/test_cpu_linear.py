@@ -181,19 +181,21 @@ def test_prefill_scratch_weight_is_the_kernels_weight(bits, symmetric, group):
     eye = torch.eye(512, dtype=torch.bfloat16)
     through_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, slots.packed, slots.group, slots.scale_zeros)
     torch.testing.assert_close(slots.dequantized(), through_kernel.t(), rtol=2 * BF16_EPS, atol=0)
-    for rows in (cpu_linear.DEQUANTIZE_ROWS - 1, cpu_linear.DEQUANTIZE_ROWS, 3 * cpu_linear.DEQUANTIZE_ROWS):
+    threshold = slots.dequantize_rows()
+    for rows in (threshold - 1, threshold, 3 * threshold):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         a = x.bfloat16() if slots.perm is None else x.bfloat16().index_select(1, slots.perm)
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(a, slots.packed, slots.group, slots.scale_zeros).float()
         torch.testing.assert_close(layer(x), kernel, rtol=0, atol=4 * BF16_EPS * float(kernel.abs().max()))
 
 
-def test_a_partial_block_of_outputs_keeps_the_kernel_at_prefill():
-    """80 outputs: a full block and a partial one, which the scratch path does not read."""
+def test_a_partial_block_of_outputs_keeps_the_kernel_at_prefill_without_the_native_dequantizer(monkeypatch):
+    """80 outputs: a full block and a partial one, which the PyTorch scratch path does not read."""
+    monkeypatch.setenv("LOWBIT_NATIVE", "0")
     layer = quant_layer(80, 256, QuantScheme(4, 64, False), seed=9)
     layer.materialize(torch.float32)
     assert not layer._cpu.scratch_ok
-    x = torch.randn(cpu_linear.DEQUANTIZE_ROWS, 256)
+    x = torch.randn(cpu_linear.DEQUANTIZE_ROWS, 256)  # the PyTorch path's threshold
     ref = reference_out(layer, x)
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
 
@@ -210,3 +212,118 @@ def test_int8_prefill_scratch_agrees_with_the_kernel(symmetric):
         if w.zero_scales is not None:
             kernel = kernel - a.float().sum(-1, keepdim=True) * w.zero_scales.float()
         torch.testing.assert_close(layer(x), kernel, rtol=0, atol=4 * BF16_EPS * float(kernel.abs().max()))
+
+
+def test_the_int8_scratch_is_reused_and_exact():
+    layer = quant_layer(48, 256, QuantScheme(8, -1, True), seed=12, bias=False)
+    layer.materialize(torch.float32)
+    layer(torch.randn(cpu_linear.INT8_DEQUANTIZE_ROWS, 256))
+    buffer = cpu_linear._SCRATCH.weight
+    assert buffer is not None and buffer.numel() >= 48 * 256
+    x = torch.randn(cpu_linear.INT8_DEQUANTIZE_ROWS, 256)
+    assert torch.equal(layer(x), F.linear(x.bfloat16(), layer._cpu.q.bfloat16()).mul(layer._cpu.scales).float())
+    assert cpu_linear._SCRATCH.weight is buffer  # no new allocation for a layer no larger
+
+
+def test_the_scratch_grows_to_the_largest_layer_and_is_one_buffer():
+    small = cpu_linear.scratch(4, 8)
+    big = cpu_linear.scratch(64, 32)
+    assert big.shape == (64, 32) and cpu_linear._SCRATCH.weight.numel() >= 64 * 32
+    again = cpu_linear.scratch(8, 4)
+    assert again.data_ptr() == big.data_ptr()  # the smaller layer reuses the grown buffer
+    assert small.dtype == big.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- the native dequantizer (runtime/native)
+
+LAYOUTS = [cpu_linear.Int4Layout(b, h) for b in (64, 32) for h in (True, False)]
+
+
+def native_weights():
+    module = cpu_linear._native_weights()
+    if module is None:  # tests/test_native.py fails where a compiler exists and the build does not
+        pytest.skip("runtime/native/int4_weights.cpp is not built here")
+    return module
+
+
+def random_slots(n: int, k: int, group: int, layout: cpu_linear.Int4Layout, seed: int):
+    """Int4Slots packed in ``layout`` (any of the orders torch uses on some CPU) and its nibbles [N, K]."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    scale_zeros = (torch.randn(k // group, n, 2, generator=g) * torch.logspace(-4, 1, n)[:, None]).bfloat16()
+    return cpu_linear.Int4Slots(layout.pack(u), scale_zeros, group, None, 4), u
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l.block_n}-{'halves' if l.halves else 'pairs'}")
+@pytest.mark.parametrize("group", cpu_linear.INT4_GROUPS)
+def test_native_dequantizer_is_the_pytorch_path_bit_for_bit(layout, group):
+    module = native_weights()
+    slots, _ = random_slots(192, 512, group, layout, seed=group)
+    out = torch.empty(512, 192, dtype=torch.bfloat16)
+    module.dequantize_int4(slots.packed, slots.scale_zeros, group, layout.block_n, layout.halves, out)
+    reference = slots._dequantized_by_torch(layout, torch.empty(512, 192, dtype=torch.bfloat16))
+    assert torch.equal(out.t(), reference)
+
+
+@pytest.mark.parametrize("n", [16, 32, 48, 80, 1104])  # partial last blocks; 1104: past one chunk of 1024
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l.block_n}-{'halves' if l.halves else 'pairs'}")
+def test_native_dequantizer_reads_partial_blocks(n, layout):
+    module = native_weights()
+    slots, u = random_slots(n, 128, 32, layout, seed=n)
+    out = torch.empty(128, n, dtype=torch.bfloat16)
+    module.dequantize_int4(slots.packed, slots.scale_zeros, 32, layout.block_n, layout.halves, out)
+    sz = slots.scale_zeros.float().repeat_interleave(32, 0)  # [K, N, 2]
+    expected = (u.t().float() * sz[..., 0] + (sz[..., 1] - 8 * sz[..., 0])).bfloat16()  # one rounding
+    assert torch.equal(out, expected)
+
+
+def test_native_dequantizer_splits_rows_across_threads_mid_group():
+    """7 groups of 32 rows over 2 threads: a thread's range ends inside a group."""
+    module, layout = native_weights(), cpu_linear.int4_layout()
+    slots, _ = random_slots(128, 224, 32, layout, seed=1)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(slots.dequantized(torch.empty(224, 128, dtype=torch.bfloat16)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_native_dequantizer_refuses_wrong_buffers():
+    module, layout = native_weights(), cpu_linear.int4_layout()
+    slots, _ = random_slots(64, 128, 32, layout, seed=2)
+    with pytest.raises(RuntimeError, match="out: a contiguous bf16 \\[K, N\\]"):
+        module.dequantize_int4(slots.packed, slots.scale_zeros, 32, layout.block_n, layout.halves,
+                               torch.empty(64, 128, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="scale_zeros"):
+        module.dequantize_int4(slots.packed, slots.scale_zeros.float(), 32, layout.block_n, layout.halves,
+                               torch.empty(128, 64, dtype=torch.bfloat16))
+
+
+def test_prefill_with_and_without_the_native_dequantizer_scores_the_same_perplexity(tmp_path, monkeypatch):
+    """A W4 checkpoint's perplexity on the CPU kernels, windows long enough for the scratch path on both
+    sides: native dequantizer against LOWBIT_NATIVE=0 (the PyTorch ops, the kernel for partial blocks)
+    and the dense reference."""
+    import runtime
+    from evals.perplexity import Protocol, perplexity
+    from lowbit_testing.tiny_models import quantized_checkpoint
+
+    native_weights()
+    path, _, _ = quantized_checkpoint("llama", tmp_path)
+    ids = torch.randint(0, 200, (1024,), generator=torch.Generator().manual_seed(3))
+    protocol = Protocol(window=cpu_linear.DEQUANTIZE_ROWS + 16, stride=128, tokens=1024)
+
+    def score(**load) -> float:
+        model = runtime.load(path, **load)
+        return perplexity(model.logits, ids, protocol, progress=False).ppl
+
+    monkeypatch.setattr(cpu_linear._SCRATCH, "weight", None)
+    native = score(cpu_kernels=True)
+    assert cpu_linear._SCRATCH.weight is not None  # the windows ran the scratch path
+    reference = score(cpu_kernels=False)
+    monkeypatch.setenv("LOWBIT_NATIVE", "0")
+    pytorch = score(cpu_kernels=True)
+    assert abs(native / reference - 1) < 2e-3 and abs(native / pytorch - 1) < 2e-3, (native, pytorch, reference)

@@ -1,9 +1,14 @@
 """runtime.native: the C++ CPU kernels are optional; when one cannot be built, the caller is told
 once why and keeps its PyTorch path (None), and nothing is half-built into the cache."""
 
+import os
+import warnings
+
 import pytest
 
 from runtime import native
+
+SHARED_CACHE = os.environ.get("LOWBIT_NATIVE_CACHE")  # before the fixture points it at a fresh folder
 
 
 @pytest.fixture(autouse=True)
@@ -42,3 +47,19 @@ def test_build_directory_depends_on_torch_and_flags(monkeypatch):
     monkeypatch.setattr(native, "flags", lambda: ["-O2"])
     assert native.build_directory() != first
     assert first.parent.name == "cache"
+
+
+def test_the_int4_dequantizer_builds_where_a_compiler_is(monkeypatch):
+    """runtime/native/int4_weights.cpp compiles with this CPU's flags (tests/test_cpu_linear.py checks
+    what it computes); in the shared cache, as the other tests use it: a fresh build takes a minute."""
+    if native._missing_tool() is not None:
+        pytest.skip(native._missing_tool())
+    monkeypatch.delenv("LOWBIT_NATIVE", raising=False)
+    if SHARED_CACHE is None:
+        monkeypatch.delenv("LOWBIT_NATIVE_CACHE")
+    else:
+        monkeypatch.setenv("LOWBIT_NATIVE_CACHE", SHARED_CACHE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "is not used" warning
+        module = native.load("int4_weights")
+    assert module is not None and callable(module.dequantize_int4)
