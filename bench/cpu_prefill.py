@@ -1,15 +1,20 @@
 """Whether W4 prefill on CPU keeps up with float32: the int4 weight-only kernel against a dequantized
-bf16 scratch weight and a dense bf16 matmul (``Int4Slots``' path from ``DEQUANTIZE_ROWS`` rows).
+bf16 scratch weight and a dense bf16 matmul (``Int4Slots``' path from ``dequantize_rows()`` rows),
+and the same for W8 (``Int8Channels``: the int8 kernel against its codes cast into the scratch).
 
     flock /tmp/lowbit-bench.lock python -m bench.cpu_prefill [--shapes smollm2-135m,llama-1b]
 
-Per Linear (the decoder's shapes, W4 g64, random codes): process CPU ms at 1 thread of the kernel,
-of the scratch path (dequantize + F.linear) and of a float32 F.linear, at M rows, medians of
-``--repeats``. End to end: a prefill of ``--tokens`` at batch 1 (a forward filling a fresh cache,
-``bench.cpu_decode.prefill_seconds`` under process CPU time), W4 with the scratch path on
-(``DEQUANTIZE_ROWS`` as shipped) and off (the kernel at every M), and the float32 model, alternating
-round by round; models as ``bench.cpu_decode.random_model`` builds them. Raw JSON with device,
-versions, commit and load averages under bench/results/cpu/.
+Per Linear (the decoder's shapes, W4 g64 and W8 per channel, random codes): process CPU ms at 1
+thread, medians of ``--repeats``: dequantizing the int4 weight natively into the reused scratch
+(runtime/native/int4_weights.cpp) and by the PyTorch ops into a fresh buffer (the path before it);
+then at M rows the int4 kernel, the native scratch path (dequantize + bf16 F.linear), the int8
+kernel, the int8 scratch path (cast + F.linear) and a float32 F.linear. End to end: a prefill of
+``--tokens`` at batch 1 (a forward filling a fresh cache, ``bench.cpu_decode.prefill_seconds``
+under process CPU time) of W4 as shipped (native scratch from ``NATIVE_DEQUANTIZE_ROWS``), W4 before
+the native dequantizer (``LOWBIT_NATIVE=0``: the PyTorch ops from ``DEQUANTIZE_ROWS``), W4 with the
+kernel at every M, and the float32 model, alternating round by round; models as
+``bench.cpu_decode.random_model`` builds them. Raw JSON with device, versions, commit and load
+averages under bench/results/cpu/.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -47,28 +53,56 @@ def cpu_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def int4_slots(n: int, k: int, g: torch.Generator) -> cpu_linear.Int4Slots:
+    u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    return cpu_linear.Int4Slots(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1),
+                                (torch.rand(k // GROUP, n, 2, generator=g) * 0.01).bfloat16(), GROUP, None, 4)
+
+
 def linear_rows(shape: str, rows: list[int], repeats: int) -> list[dict]:
-    """Kernel vs scratch vs float32 per distinct Linear shape of the decoder."""
+    """Int4 and int8 kernels vs their scratch paths vs float32 per distinct Linear shape of the decoder."""
     cfg = SHAPES[shape]
     h, i, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
     out = []
     for n, k in sorted({(h, h), (kv, h), (i, h), (h, i)}):
         g = torch.Generator().manual_seed(n + k)
-        u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
-        slots = cpu_linear.Int4Slots(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1),
-                                     (torch.rand(k // GROUP, n, 2, generator=g) * 0.01).bfloat16(), GROUP, None, 4)
+        slots = int4_slots(n, k, g)
+        w8 = cpu_linear.Int8Channels.build(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                                           torch.rand(n, generator=g) * 0.01, None)
         dense = slots.dequantized().float()
-        row = {"shape": shape, "n": n, "k": k, "dequantize_ms": cpu_ms(slots.dequantized, repeats)}
+        native = cpu_linear.native.load("int4_weights")
+        row = {"shape": shape, "n": n, "k": k, "native": native is not None,
+               "dequantize_native_ms": cpu_ms(lambda: slots.dequantized(cpu_linear.scratch(k, n)), repeats)}
+        with native_off():
+            row["dequantize_torch_ms"] = cpu_ms(slots.dequantized, repeats)
+        row["dequantize_native_ns_per_weight"] = 1e6 * row["dequantize_native_ms"] / (n * k)
         for m in rows:
             a = torch.randn(m, k, generator=g).bfloat16()
             row[f"m{m}"] = {
-                "kernel_ms": cpu_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                "int4_kernel_ms": cpu_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     a, slots.packed, GROUP, slots.scale_zeros), repeats),
-                "scratch_ms": cpu_ms(lambda: F.linear(a, slots.dequantized()), repeats),
+                "int4_scratch_ms": cpu_ms(lambda: F.linear(a, slots.dequantized(cpu_linear.scratch(k, n))), repeats),
+                "int8_kernel_ms": cpu_ms(lambda: torch.ops.aten._weight_int8pack_mm(a, w8.q, w8.scales), repeats),
+                "int8_scratch_ms": cpu_ms(lambda: F.linear(a, cpu_linear.scratch(n, k).copy_(w8.q)) * w8.scales,
+                                          repeats),
                 "float32_ms": cpu_ms(lambda: F.linear(a.float(), dense), repeats)}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
+
+
+@contextmanager
+def native_off():
+    """The PyTorch paths, as with LOWBIT_NATIVE=0 (runtime.native reads it on every call)."""
+    before = os.environ.get("LOWBIT_NATIVE")
+    os.environ["LOWBIT_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOWBIT_NATIVE"]
+        else:
+            os.environ["LOWBIT_NATIVE"] = before
 
 
 def prefill_cpu_seconds(model, tokens: int) -> float:
@@ -76,39 +110,51 @@ def prefill_cpu_seconds(model, tokens: int) -> float:
 
 
 def prefill_rows(shape: str, tokens: list[int], rounds: int) -> list[dict]:
-    """W4 with and without the scratch path, and float32, per prompt length (CPU seconds, medians)."""
+    """W4 as shipped, before the native dequantizer, with the kernel at every M, and float32, per prompt
+    length (CPU seconds, medians)."""
     models = {"w4": random_model(SHAPES[shape], quantized=True), "float32": random_model(SHAPES[shape], quantized=False)}
-    shipped = cpu_linear.DEQUANTIZE_ROWS
-    variants = {"w4_scratch": ("w4", shipped), "w4_kernel": ("w4", 1 << 30), "float32": ("float32", shipped)}
+    never = 1 << 30
+    variants = {"w4_native": ("w4", True, cpu_linear.NATIVE_DEQUANTIZE_ROWS),
+                "w4_before": ("w4", False, cpu_linear.DEQUANTIZE_ROWS),
+                "w4_kernel": ("w4", True, never), "float32": ("float32", True, never)}
     out = []
-    try:
-        for n in tokens:
-            samples = {v: [] for v in variants}
-            for v, (name, threshold) in variants.items():  # warm-up: both paths' first calls
-                cpu_linear.DEQUANTIZE_ROWS = threshold
-                prefill_cpu_seconds(models[name], 2 * shipped)
-            for _ in range(rounds):
-                for v, (name, threshold) in variants.items():
-                    cpu_linear.DEQUANTIZE_ROWS = threshold
-                    samples[v].append(prefill_cpu_seconds(models[name], n))
-            row = {"shape": shape, "tokens": n, **{f"{v}_s": statistics.median(s) for v, s in samples.items()},
-                   "load_average": os.getloadavg()[0]}
-            row["w4_kernel_over_float32"] = row["w4_kernel_s"] / row["float32_s"]
-            row["w4_scratch_over_float32"] = row["w4_scratch_s"] / row["float32_s"]
-            print(json.dumps(row), flush=True)
-            out.append(row)
-    finally:
-        cpu_linear.DEQUANTIZE_ROWS = shipped
+    for v in variants:  # warm-up: every path's first calls (the scratch grows, kernels are picked)
+        run_variant(models, variants[v], max(tokens))
+    for n in tokens:
+        samples = {v: [] for v in variants}
+        for _ in range(rounds):
+            for v in variants:
+                samples[v].append(run_variant(models, variants[v], n))
+        row = {"shape": shape, "tokens": n, **{f"{v}_s": statistics.median(s) for v, s in samples.items()},
+               "load_average": os.getloadavg()[0]}
+        for v in ("w4_native", "w4_before", "w4_kernel"):
+            row[f"{v}_over_float32"] = row[f"{v}_s"] / row["float32_s"]
+        print(json.dumps(row), flush=True)
+        out.append(row)
     del models
     gc.collect()
     return out
 
 
+def run_variant(models: dict, variant: tuple, tokens: int) -> float:
+    """CPU seconds of one prefill of ``tokens`` by ``variant`` (model, native on, scratch rows)."""
+    name, native, threshold = variant
+    shipped = cpu_linear.NATIVE_DEQUANTIZE_ROWS, cpu_linear.DEQUANTIZE_ROWS
+    cpu_linear.NATIVE_DEQUANTIZE_ROWS = cpu_linear.DEQUANTIZE_ROWS = threshold
+    try:
+        if native:
+            return prefill_cpu_seconds(models[name], tokens)
+        with native_off():
+            return prefill_cpu_seconds(models[name], tokens)
+    finally:
+        cpu_linear.NATIVE_DEQUANTIZE_ROWS, cpu_linear.DEQUANTIZE_ROWS = shipped
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
-    ap.add_argument("--rows", default="1,8,16,32,64,128,512", help="activation rows of the per-Linear timing")
-    ap.add_argument("--tokens", default="128,512", help="prompt lengths of the end-to-end prefill")
+    ap.add_argument("--rows", default="1,8,16,32,64,128,256,512", help="activation rows of the per-Linear timing")
+    ap.add_argument("--tokens", default="16,64,128,512", help="prompt lengths of the end-to-end prefill")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-prefill", action="store_true")
@@ -116,7 +162,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": 1, "versions": versions(),
-              "dequantize_rows": cpu_linear.DEQUANTIZE_ROWS, "protocol": __doc__.split("\n\n", 2)[2].strip(),
+              "native_dequantize_rows": cpu_linear.NATIVE_DEQUANTIZE_ROWS, "dequantize_rows": cpu_linear.DEQUANTIZE_ROWS,
+              "int8_dequantize_rows": cpu_linear.INT8_DEQUANTIZE_ROWS, "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "command": "python -m bench.cpu_prefill " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
               "load_average_start": os.getloadavg(), "linears": [], "prefill": []}
