@@ -24,7 +24,8 @@ DEMO_TOKENS = 4096
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lowbit")
 @click.option("--no-self-check", is_flag=True,
-              help="Skip the check of the GPU kernels against the reference at load (as LOWBIT_SELF_CHECK=0).")
+              help="Skip the checks of the GPU kernels against the reference: at load, at an Engine's start-up and of "
+                   "GEMM configurations tuned at first use (as LOWBIT_SELF_CHECK=0).")
 def main(no_self_check):
     """Quantize LLMs into compressed checkpoints, run them, measure them."""
     if no_self_check:
