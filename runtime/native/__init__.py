@@ -11,8 +11,8 @@ Each kernel is an optional backend: :func:`load` returns the compiled module, or
 cannot be built here (no C++ compiler or ninja, a failed build, ``LOWBIT_NATIVE=0``), with the
 reason printed once per process; callers then keep their PyTorch path, which stays the reference
 the tests compare against. Builds go to ``$LOWBIT_NATIVE_CACHE`` (default
-``~/.cache/lowbit/native``), one directory per torch version and flags; torch's JIT rebuilds when a
-source changes and takes a file lock, so concurrent processes build once.
+``~/.cache/lowbit/native``), one directory per torch version and flags, a folder per kernel in it;
+torch's JIT rebuilds when a source changes and takes a file lock, so concurrent processes build once.
 
 Flags: ``-O3`` and the vector extensions PyTorch itself dispatches to on this CPU
 (``torch.backends.cpu.get_cpu_capability()``), never ``-march=native`` (a native build of llama.cpp
@@ -69,7 +69,9 @@ def _build(name: str):
         try:
             from torch.utils.cpp_extension import load as jit_load
 
-            directory = build_directory()
+            # one folder per kernel: torch's JIT keeps one build.ninja and one lock per folder, and a
+            # process waiting on another kernel's build there imported a module never built
+            directory = build_directory() / name
             directory.mkdir(parents=True, exist_ok=True)
             return jit_load(f"lowbit_{name}", [str(SOURCES / f"{name}.cpp")], extra_cflags=flags(),
                             build_directory=str(directory), verbose=False)
