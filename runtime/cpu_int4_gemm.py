@@ -18,37 +18,49 @@ This one (runtime/native/int4_gemm.cpp) applies scale and zero once per group on
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from runtime import native
 
 PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
-MAX_ROWS = 64  # rows per call the kernel takes (the rows measured, bench/cpu_int4_gemm.py)
+MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int4_gemm.py)
+AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile setup (ties at 2)
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    """The compiled module and its best path number, or None (looked up once: a decode step calls
+    :func:`matmul` for every Linear)."""
+    module = native.load("int4_gemm")
+    return None if module is None else (module, module.best_path())
 
 
 def best_path() -> str | None:
     """The fastest path on this CPU, or None when the kernel cannot be built here."""
-    module = native.load("int4_gemm")
-    return None if module is None else PATHS[module.best_path()]
+    kernel = _kernel()
+    return None if kernel is None else PATHS[kernel[1]]
 
 
 def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor, layout,
            path: str | None = None) -> torch.Tensor | None:
     """``aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zeros)`` (bf16 [M, N]) for
     ``a`` bf16 [M, K] with 1 <= M <= :data:`MAX_ROWS`, or None where the kernel does not take the
-    case (another dtype or shape of ``a``, no compiler, an unknown ``layout``, only the portable
-    path here). ``layout``: the :class:`runtime.cpu_linear.Int4Layout` of ``packed``
-    (``int4_layout()``). ``path`` forces one of :data:`PATHS` (tests, benches); it must run here."""
+    case (another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
+    ``layout``, only the portable path here). ``layout``: the :class:`runtime.cpu_linear.Int4Layout`
+    of ``packed`` (``int4_layout()``). ``path`` forces one of :data:`PATHS` (tests, benches); it
+    must run here."""
     if layout is None or a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
         return None
-    module = native.load("int4_gemm")
-    if module is None:
+    kernel = _kernel() if native.enabled() else None
+    if kernel is None:
         return None
-    best = module.best_path()
+    module, best = kernel
     if path is None:
         if best == 0:
             return None  # the portable loop is slower than aten's kernel
-        chosen = best
+        chosen = 1 if a.shape[0] <= AVX512_ROWS else best
     elif path not in PATHS or PATHS.index(path) > best:
         raise ValueError(f"int4 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
     else:

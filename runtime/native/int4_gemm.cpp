@@ -6,9 +6,9 @@
 // eight on a Sapphire Rapids core, where a dense bf16 mv reads 16 GB/s. Here the scale and zero
 // are applied once per group on the accumulators instead of once per weight:
 //     y[m, n] = sum_g s[g, n] * (a[m, g] . u[g, n]) + (z[g, n] - 8 s[g, n]) * sum(a[m, g])
-// where u (0..15) is exact in bf16, so the inner loop is one bf16 dot product (vdpbf16ps: two inputs
-// per float lane) per 16 outputs, two inputs and row, after two byte shuffles and two word table
-// lookups per 64 outputs and two inputs have turned nibbles into bf16 values.
+// where u (0..15) is exact in bf16, so the inner loop is bf16 dot products of the activations with
+// the nibbles (AMX tiles, or vdpbf16ps), after two byte shuffles and four bitwise ops per 64 outputs
+// and two inputs have turned nibbles into bf16 values (Nibbles).
 //
 // Input: `a` bf16 [M, K] contiguous; `packed` uint8 [N, K/2] as _convert_weight_to_int4pack_for_cpu
 // lays it out (outputs in blocks of `block_n`, each block stored [K, block_n/2] bytes, the last block
@@ -37,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 64;    // rows per call (the caller splits larger M)
+constexpr int64_t kMaxRows = 256;   // rows per call (runtime/cpu_int4_gemm.py takes fewer)
 constexpr int64_t kMaxBlock = 64;   // outputs per block the portable path holds
 
 inline float bf16_to_float(uint16_t h) {
@@ -111,28 +111,44 @@ void block_portable(const Problem& p, const uint8_t* bytes, int64_t n0, int64_t 
 // Rows per pass: 4 accumulators (64 outputs) per row stay in registers beside the shuffle constants.
 constexpr int kTileRows = 4;
 
-// Rows m0 .. m0 + ROWS of one full block (outputs n0 .. n0 + 63). Per pair of inputs (k, k + 1) the
-// block holds 64 contiguous bytes: row k's 32 then row k + 1's. vpermb picks, for outputs j..j+15,
-// byte j of each row into the low byte of alternating words (k, k+1, k, k+1, ...: the pairs
-// vdpbf16ps multiplies); vpermw maps a word's low 5 bits through a table of bf16(i & 15), which
-// reads the low nibble directly and the high one after a shift by 4.
+// bf16 values of the nibbles of a pair of inputs (k, k + 1) of a full block: the 64 contiguous bytes
+// of rows k and k + 1. vpermb picks, for outputs j..j+15, byte j of each row into the low byte of
+// alternating words (k, k+1, k, k+1, ...: the pairs vdpbf16ps and TDPBF16PS multiply); the nibble
+// then becomes the mantissa of bf16 128 (0x4300 | u is exactly 128 + u), one bitwise op, so the
+// sums carry 128 sum(a) extra, which the group's offset takes back (kBias).
+struct Nibbles {
+  __m512i pick0, pick1, low_nibble, bias;
+  LOWBIT_AVX512BF16 Nibbles() {
+    alignas(64) static const uint8_t kPick[2][64] = {
+        {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0,
+         6, 0, 38, 0, 7, 0, 39, 0, 8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0,
+         12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
+        {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0,
+         22, 0, 54, 0, 23, 0, 55, 0, 24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0,
+         28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
+    pick0 = _mm512_load_si512(kPick[0]);
+    pick1 = _mm512_load_si512(kPick[1]);
+    low_nibble = _mm512_set1_epi16(0x000F);
+    bias = _mm512_set1_epi16(0x4300);
+  }
+  // w[0..3]: outputs 0-15, 16-31, 32-47, 48-63 (low nibbles of bytes 0-15, 16-31, high of 0-15, 16-31)
+  LOWBIT_AVX512BF16 inline void pair(const uint8_t* bytes, __m512i* w) const {
+    const __m512i v = _mm512_loadu_si512(bytes);
+    const __mmask64 low_bytes = 0x5555555555555555ULL;
+    const __m512i words0 = _mm512_maskz_permutexvar_epi8(low_bytes, pick0, v);
+    const __m512i words1 = _mm512_maskz_permutexvar_epi8(low_bytes, pick1, v);
+    w[0] = _mm512_ternarylogic_epi32(words0, low_nibble, bias, 0xEA);  // (words & 15) | 0x4300
+    w[1] = _mm512_ternarylogic_epi32(words1, low_nibble, bias, 0xEA);
+    w[2] = _mm512_or_si512(_mm512_srli_epi16(words0, 4), bias);
+    w[3] = _mm512_or_si512(_mm512_srli_epi16(words1, 4), bias);
+  }
+};
+constexpr float kBias = 128.0f + 8.0f;  // offset = z - kBias s: the nibbles' 128 and the format's 8
+
+// Rows m0 .. m0 + ROWS of one full block (outputs n0 .. n0 + 63), 4 accumulators per row in registers.
 template <int ROWS>
 LOWBIT_AVX512BF16 void block64_avx512(const Problem& p, const uint8_t* bytes, int64_t n0, int64_t m0) {
-  alignas(64) static const uint16_t kTable[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  alignas(64) static const uint8_t kPick[2][64] = {
-      {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0,
-       6, 0, 38, 0, 7, 0, 39, 0, 8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0,
-       12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
-      {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0,
-       22, 0, 54, 0, 23, 0, 55, 0, 24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0,
-       28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
-  const __m512i table = _mm512_load_si512(kTable);
-  const __m512i pick0 = _mm512_load_si512(kPick[0]), pick1 = _mm512_load_si512(kPick[1]);
-  const __mmask64 low_bytes = 0x5555555555555555ULL;
+  const Nibbles nibbles;
   const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t groups = p.k / p.group;
 
@@ -145,14 +161,8 @@ LOWBIT_AVX512BF16 void block64_avx512(const Problem& p, const uint8_t* bytes, in
     for (int r = 0; r < ROWS; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
     for (int64_t kk = g * p.group; kk < (g + 1) * p.group; kk += 2) {
-      const __m512i v = _mm512_loadu_si512(bytes + kk * 32);
-      const __m512i words0 = _mm512_maskz_permutexvar_epi8(low_bytes, pick0, v);  // outputs 0-15, 32-47
-      const __m512i words1 = _mm512_maskz_permutexvar_epi8(low_bytes, pick1, v);  // outputs 16-31, 48-63
       __m512i w[4];
-      w[0] = _mm512_permutexvar_epi16(words0, table);
-      w[1] = _mm512_permutexvar_epi16(words1, table);
-      w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words0, 4), table);
-      w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words1, 4), table);
+      nibbles.pair(bytes + kk * 32, w);
       for (int r = 0; r < ROWS; ++r) {
         int32_t pair;  // a[m, kk] and a[m, kk + 1], one bf16 pair
         std::memcpy(&pair, p.a + (m0 + r) * p.k + kk, 4);
@@ -160,13 +170,13 @@ LOWBIT_AVX512BF16 void block64_avx512(const Problem& p, const uint8_t* bytes, in
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], x);
       }
     }
-    // total += s * acc + (z - 8 s) * sum(a over the group), (scale, zero) one bf16 pair per output
+    // total += s * acc + (z - kBias s) * sum(a over the group), (scale, zero) one bf16 pair per output
     const uint16_t* sz = p.scale_zeros + (g * p.n + n0) * 2;
     for (int j = 0; j < 4; ++j) {
       const __m512i pairs = _mm512_loadu_si512(sz + 32 * j);
       const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
       const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(kBias), s, z);
       for (int r = 0; r < ROWS; ++r) {
         const __m512 sums = _mm512_set1_ps(p.row_sums[(m0 + r) * groups + g]);
         total[r][j] = _mm512_fmadd_ps(offset, sums, _mm512_fmadd_ps(s, acc[r][j], total[r][j]));
@@ -194,7 +204,7 @@ LOWBIT_AVX512BF16 void block64_all_rows(const Problem& p, const uint8_t* bytes, 
 // ---------------------------------------------------------------- AMX path (blocks of 64)
 // Sapphire Rapids' tile unit: one TDPBF16PS multiplies up to 16 rows of 32 inputs by 16 outputs at
 // a fixed cost, so rows beyond the first are nearly free. Per block and group, the nibbles become
-// bf16 B tiles ([16 input pairs][16 outputs][2], the pairs the vpermb/vpermw steps above build) in
+// bf16 B tiles ([16 input pairs][16 outputs][2], the pairs Nibbles builds) in
 // an L1 buffer once; each chunk of up to 16 rows then loads its A tile straight from `a`.
 #define LOWBIT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,amx-tile,amx-bf16")))
 
@@ -209,34 +219,16 @@ struct alignas(64) TileConfig {
 // The bf16 weights of one group of one block: B tile (step s, outputs 16 j..16 j+15) at
 // out + (s * 4 + j) * 1024 bytes, row = input pair within the step.
 LOWBIT_AMX void convert_group(const uint8_t* bytes, int64_t k0, int64_t group, uint8_t* out) {
-  alignas(64) static const uint16_t kTable[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  alignas(64) static const uint8_t kPick[2][64] = {
-      {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0,
-       6, 0, 38, 0, 7, 0, 39, 0, 8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0,
-       12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
-      {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0,
-       22, 0, 54, 0, 23, 0, 55, 0, 24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0,
-       28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
-  const __m512i table = _mm512_load_si512(kTable);
-  const __m512i pick0 = _mm512_load_si512(kPick[0]), pick1 = _mm512_load_si512(kPick[1]);
-  const __mmask64 low_bytes = 0x5555555555555555ULL;
+  const Nibbles nibbles;
   for (int64_t pair = 0; pair < group / 2; ++pair) {
-    const __m512i v = _mm512_loadu_si512(bytes + (k0 + 2 * pair) * 32);
-    const __m512i words0 = _mm512_maskz_permutexvar_epi8(low_bytes, pick0, v);
-    const __m512i words1 = _mm512_maskz_permutexvar_epi8(low_bytes, pick1, v);
+    __m512i w[4];
+    nibbles.pair(bytes + (k0 + 2 * pair) * 32, w);
     uint8_t* row = out + (pair / 16) * 4096 + (pair % 16) * 64;
-    _mm512_store_si512(row, _mm512_permutexvar_epi16(words0, table));
-    _mm512_store_si512(row + 1024, _mm512_permutexvar_epi16(words1, table));
-    _mm512_store_si512(row + 2048, _mm512_permutexvar_epi16(_mm512_srli_epi16(words0, 4), table));
-    _mm512_store_si512(row + 3072, _mm512_permutexvar_epi16(_mm512_srli_epi16(words1, 4), table));
+    for (int j = 0; j < 4; ++j) _mm512_store_si512(row + 1024 * j, w[j]);
   }
 }
 
-// total[r][0..63] += s * sums[r] + (z - 8 s) * row_sums[r, g] for the `rows` rows from `m0`.
+// total[r][0..63] += s * sums[r] + (z - kBias s) * row_sums[r, g] for the `rows` rows from `m0`.
 LOWBIT_AMX void fold_group(const Problem& p, const float* sums, int64_t rows, int64_t m0, int64_t g, int64_t n0,
                            float* total) {
   const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -245,7 +237,7 @@ LOWBIT_AMX void fold_group(const Problem& p, const float* sums, int64_t rows, in
   for (int j = 0; j < 4; ++j) {
     const __m512i pairs = _mm512_loadu_si512(sz + 32 * j);
     const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s,
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(kBias), s,
                                            _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words)));
     for (int64_t r = 0; r < rows; ++r) {
       float* t = total + (m0 + r) * 64 + 16 * j;
@@ -358,11 +350,16 @@ torch::Tensor int4_matmul(const torch::Tensor& a, const torch::Tensor& packed, i
   TORCH_CHECK(path >= kPortable && path <= best_path(), "path ", path, " cannot run here (best: ", best_path(), ")");
   if (!(block_n == 64 && halves)) path = kPortable;
   if (path == kAmx && (group % 32 || group > kMaxGroup)) path = kAvx512;
-  torch::Tensor a_float = a.to(torch::kFloat32);
-  torch::Tensor row_sums = a_float.view({m, k / group, group}).sum(-1).contiguous();
+  // the activations in float (portable loop, partial blocks) and their sums per group, in plain loops: an ATen op
+  // per call cost as much as a small layer's whole product
+  const auto* a_bits = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  std::vector<float> a_float(m * k), row_sums(m * (k / group));
+  for (int64_t i = 0; i < m * k; ++i) {
+    a_float[i] = bf16_to_float(a_bits[i]);
+    row_sums[i / group] += a_float[i];
+  }
   torch::Tensor out = torch::empty({m, n}, a.options());
-  const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr()), a_float.data_ptr<float>(),
-                  row_sums.data_ptr<float>(), packed.data_ptr<uint8_t>(),
+  const Problem p{a_bits, a_float.data(), row_sums.data(), packed.data_ptr<uint8_t>(),
                   reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr()),
                   reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k, group};
   const int64_t blocks = (n + block_n - 1) / block_n, full = path == kPortable ? 0 : n / block_n;
