@@ -243,7 +243,8 @@ def scratch(rows: int, cols: int) -> torch.Tensor:
     The matmul that reads it returns before the next layer writes it."""
     if _SCRATCH.weight is None or _SCRATCH.weight.numel() < rows * cols:
         _SCRATCH.weight = None  # the smaller one goes first: never two at once
-        _SCRATCH.weight = torch.empty(rows * cols, dtype=ACTIVATIONS)
+        with torch.inference_mode(False):  # made in a prefill under inference_mode, written outside too
+            _SCRATCH.weight = torch.empty(rows * cols, dtype=ACTIVATIONS)
     return _SCRATCH.weight[:rows * cols].view(rows, cols)
 
 

@@ -234,6 +234,19 @@ def test_the_scratch_grows_to_the_largest_layer_and_is_one_buffer():
     assert small.dtype == big.dtype == torch.bfloat16
 
 
+def test_a_scratch_grown_under_inference_mode_is_written_outside_it(monkeypatch):
+    """A prefill under inference_mode grows it; a later forward under no_grad writes it again."""
+    monkeypatch.setattr(cpu_linear._SCRATCH, "weight", None)
+    layer = quant_layer(64, 256, QuantScheme(4, 64, False), seed=13, bias=False)
+    layer.materialize(torch.float32)
+    x = torch.randn(2 * cpu_linear.DEQUANTIZE_ROWS, 256)
+    with torch.inference_mode():
+        first = layer(x)
+    with torch.no_grad():
+        assert torch.equal(layer(x), first)
+        cpu_linear.scratch(64, 64).copy_(torch.ones(64, 64))
+
+
 # ---------------------------------------------------------------- the native dequantizer (runtime/native)
 
 LAYOUTS = [cpu_linear.Int4Layout(b, h) for b in (64, 32) for h in (True, False)]
