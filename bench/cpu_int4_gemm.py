@@ -6,8 +6,10 @@ a dense bf16 product, per Linear shape and row count, side by side.
 Per shape (SmolLM2-135M's and a 1B model's Linears, W4 g64 random nibbles in
 ``_convert_weight_to_int4pack_for_cpu``'s layout) and rows M: ``aten._weight_int4pack_mm_for_cpu``,
 each path of lowbit's kernel this CPU has (``amx``, ``avx512``; ``portable`` with
-``--portable``), and the dense bf16 product of a weight of the same shape (``torch.mv`` at one row,
-``F.linear`` above: what a float model's Linear costs, 4x the bytes). The variants alternate within
+``--portable``), from 16 rows Int4Slots' prefill path (``scratch``: the weight dequantized into
+the reused bf16 scratch by runtime/native/int4_weights.cpp, then ``F.linear``), and the dense bf16
+product of a weight of the same shape (``torch.mv`` at one row, ``F.linear`` above: what a float
+model's Linear costs, 4x the bytes). The variants alternate within
 each repeat (a busy machine slows them alike); a sample is enough calls for ~``--sample-ms``;
 medians of ``--repeats``. At 1 thread the clock is process CPU time; at more, wall time (CPU
 time beside it). GB/s: packed weight plus scale_zeros bytes (the dense weight's bytes for dense)
@@ -31,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 from runtime import cpu_int4_gemm  # noqa: E402
-from runtime.cpu_linear import int4_layout  # noqa: E402
+from runtime import cpu_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = 64
@@ -48,13 +50,16 @@ def variants(n: int, k: int, rows: int, paths: list[str], g: torch.Generator) ->
     scale_zeros = (torch.rand(k // GROUP, n, 2, generator=g) * 0.01).bfloat16()
     dense = torch.randn(n, k, generator=g).bfloat16()
     a = torch.randn(rows, k, generator=g).bfloat16()
-    layout = int4_layout()
+    layout = cpu_linear.int4_layout()
     fns = {"aten": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(a, packed, GROUP, scale_zeros)}
     for path in paths:
         fns[path] = lambda path=path: cpu_int4_gemm.matmul(a, packed, GROUP, scale_zeros, layout, path=path)
+    if rows >= 16 and cpu_linear.int4_layout() is not None:  # Int4Slots' prefill path (native dequantizer)
+        slots = cpu_linear.Int4Slots(packed, scale_zeros, GROUP, None, 4)
+        fns["scratch"] = lambda: F.linear(a, slots.dequantized(cpu_linear.scratch(k, n)))
     fns["dense"] = (lambda: torch.mv(dense, a[0])) if rows == 1 else (lambda: F.linear(a, dense))
     quantized = packed.nbytes + scale_zeros.nbytes
-    return fns, {name: dense.nbytes if name == "dense" else quantized for name in fns}
+    return fns, {name: dense.nbytes if name == "dense" else quantized for name in fns}  # scratch: its input
 
 
 def sample(fn, calls: int) -> tuple[float, float]:
