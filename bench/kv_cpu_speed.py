@@ -3,7 +3,8 @@ side by side in one process.
 
     python -m bench.kv_cpu_speed [--weights float|w4] [--schemes fp16,int8,int4] [--context 1024]
                                  [--random-fill] [--batches 1,8] [--steps 16] [--rounds 2]
-                                 [--windows 2] [--threads 1] [--before COMMIT] [--out FILE]
+                                 [--windows 2] [--threads 1] [--variants reference,folded,native]
+                                 [--before COMMIT] [--out FILE]
 
     # issue 31's long-context target: W4 weights, 4k context, batch 1 and 8 (decode only)
     flock /tmp/lowbit-bench.lock python -m bench.kv_cpu_speed --weights w4 --context 4096 --random-fill \
@@ -24,11 +25,12 @@ Caches: fp16 / int8 / int4 (default group 64, residual 128) or ``--schemes``.
   values stored instead, as a prefill stores them: the same cache without the quadratic prefill),
   then ``steps`` decode steps timed one by one (no block fills in them); the median step.
 
-Compared (two variants, each with every cache): by default this tree's decode steps over the
-stored codes with scales folded, every row of the batch in one call (``runtime.cpu_attention``:
-``folded``; the fp16 cache's floats read as stored) against the same tree reading the cache
-back dequantized and running SDPA per sequence (``reference``: ``PagedCache.folded_decode`` off), on
-the same model; with ``--before COMMIT`` (float weights) that commit's ``runtime``, ``kvquant``
+Compared (variants, each with every cache): by default this tree's decode steps over the
+stored codes with scales folded, every row of the batch in one call, by the compiled kernel
+(``native``: ``runtime/native/kv_attention.cpp``) and by its PyTorch path (``folded``:
+``runtime.cpu_attention`` with ``LOWBIT_NATIVE=0``; the fp16 cache's floats read as stored), and
+the same tree reading the cache back dequantized and running SDPA per sequence (``reference``:
+``PagedCache.folded_decode`` off), on the same model (``--variants`` picks some); with ``--before COMMIT`` (float weights) that commit's ``runtime``, ``kvquant``
 and ``quant`` imported from git as ``*_before`` (``bench/step_time.import_before``) against this
 tree. Every (variant, cache) pair runs each window and each round before the next one starts,
 the first alternating. The machine is shared (other work may be compiling): ratios of medians
@@ -44,6 +46,7 @@ bench/results/kv/cpu-speed-<weights>-ctx<context>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,6 +67,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 SCHEMES = ("fp16", "int8", "int4")
+NATIVE = {"folded": False, "native": True}  # LOWBIT_NATIVE per variant (the others: as set)
+VARIANTS = {"reference": "decode steps dequantize the cache and run SDPA per sequence (folded_decode off)",
+            "folded": "decode attention over the stored codes, scales folded, PyTorch ops (runtime.cpu_attention, "
+                      "LOWBIT_NATIVE=0)",
+            "native": "the same by the compiled kernel (runtime/native/kv_attention.cpp)"}
 WINDOW, STRIDE, CHUNK = 1024, 512, 32  # lowbit eval's protocol and --kv-chunk default
 
 
@@ -112,6 +120,21 @@ def fill_random(cache, context: int, slots: list[int], seed: int = 0) -> None:
         cache.residual_v[layer].copy_(cache.residual_v[0])
     for s in slots:
         cache.advance(s, context)
+
+
+@contextlib.contextmanager
+def native_kernels(on: bool | None):
+    """LOWBIT_NATIVE for a variant's steps (None: as the environment has it); read at each call."""
+    before = os.environ.get("LOWBIT_NATIVE")
+    if on is not None:
+        os.environ["LOWBIT_NATIVE"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOWBIT_NATIVE", None)
+        else:
+            os.environ["LOWBIT_NATIVE"] = before
 
 
 def decode_steps(package, model, scheme, batch: int, context: int, steps: int, folded: bool | None = None,
@@ -192,8 +215,10 @@ def load_models(args, tmp: Path) -> dict:
         model = random_model(SHAPES["smollm2-135m"], quantized=True)
     else:
         model = runtime.load("smollm2-135m")
-    if args.before is None:  # this tree, decode steps on the stored codes or dequantized
-        return {"reference": (runtime, kvquant, model, False), "folded": (runtime, kvquant, model, True)}
+    if args.before is None:  # this tree: decode steps dequantized, on the stored codes by PyTorch or compiled
+        every = {"reference": (runtime, kvquant, model, False), "folded": (runtime, kvquant, model, True),
+                 "native": (runtime, kvquant, model, True)}
+        return {v: every[v] for v in args.variants.split(",")}
     if args.weights != "float":
         raise SystemExit("--before compares float weights only (the earlier tree loads its own model)")
     before = import_before(args.before, tmp, ("runtime", "kvquant", "quant"))
@@ -208,6 +233,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", help="an earlier commit to compare with (default: this tree's folded decode "
                                      "against its dequantize-and-SDPA reference)")
+    ap.add_argument("--variants", default="reference,folded,native",
+                    help="this tree's variants compared (reference, folded: PyTorch, native: compiled)")
     ap.add_argument("--weights", choices=("float", "w4"), default="float",
                     help="float: SmolLM2-135M-Instruct; w4: random W4 g64 weights at its shape (CPU kernels)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
@@ -233,7 +260,7 @@ def main():
         schemes = {v: {n: kv.parse_kv(n) for n in names} for v, (_, kv, _, _) in variants.items()}
         threads = args.threads or None
         pairs = [(v, n) for n in names for v in variants]
-        first, last = list(variants)
+        first, last = list(variants)[0], list(variants)[-1]
 
         spans = []
         if args.weights == "float" and args.windows:
@@ -245,7 +272,9 @@ def main():
         for w, (a, b) in enumerate(spans):
             logits = {}
             for v, n in pairs[w % 2:] + pairs[:w % 2]:  # alternate who goes first
-                secs, logits[v, n] = in_worker(lambda: time_window(models[v], schemes[v][n], text_ids[a:b]), threads)
+                with native_kernels(NATIVE.get(v)):
+                    secs, logits[v, n] = in_worker(lambda: time_window(models[v], schemes[v][n], text_ids[a:b]),
+                                                   threads)
                 eval_s[v, n].append(secs)
                 print(f"window {w} {v} {n}: {secs[0]:.2f} s (CPU {secs[1]:.2f} s)", flush=True)
             for n in names:
@@ -259,8 +288,10 @@ def main():
                 tokens = {}
                 for v, n in pairs[r % 2:] + pairs[:r % 2]:
                     pkg, _, model, folded = variants[v]
-                    times, tokens[v, n] = in_worker(lambda: decode_steps(
-                        pkg, model, schemes[v][n], batch, args.context, args.steps, folded, args.random_fill), threads)
+                    with native_kernels(NATIVE.get(v)):
+                        times, tokens[v, n] = in_worker(lambda: decode_steps(
+                            pkg, model, schemes[v][n], batch, args.context, args.steps, folded, args.random_fill),
+                            threads)
                     step_s[v, n] += times
                     print(f"decode batch {batch} round {r} {v} {n}: {medians(times)}", flush=True)
                 for n in names:
@@ -277,9 +308,8 @@ def main():
                "int4 kernels)" if args.weights == "w4" else "SmolLM2-135M-Instruct, float32 weights")
     result = {
         "benchmark": f"quantized KV cache time vs the fp16 cache on CPU: eval windows and engine decode, {weights}",
-        "compared": (f"{first}: decode steps dequantize the cache and run SDPA (folded_decode off); {last}: "
-                     "decode attention over the stored codes, scales folded (runtime.cpu_attention)")
-                    if args.before is None else f"{first}: commit {args.before}; {last}: this tree",
+        "compared": {v: VARIANTS[v] for v in variants} if args.before is None
+                    else f"{first}: commit {args.before}; {last}: this tree",
         "protocol": {
             "eval": f"windows of {WINDOW} tokens (stride {STRIDE}) of the bundled text, {WINDOW - STRIDE} prefilled, "
                     f"then chunks of {CHUNK}; (wall, CPU) seconds per window",

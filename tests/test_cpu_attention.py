@@ -230,3 +230,18 @@ def test_which_calls_take_the_native_kernel(monkeypatch):
     assert _native_kernel(PagedKV.from_cache(bf16, 0), q.bfloat16()) is None
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     assert _native_kernel(PagedKV.from_cache(filled_cache("int8-r32", [40]), 0), q) is None
+
+
+def test_native_refuses_what_it_cannot_read():
+    """Lengths past the block table's reach and mismatched layouts are errors, not stray reads."""
+    from runtime.cpu_attention import _native_attention
+    from runtime.kernels.kv_reference import PagedKV
+
+    kernel = native_kernel()
+    paged = PagedKV.from_cache(filled_cache("int4-g32-r64", [70, 40]), 0)
+    q = torch.randn(2, HQ, 1, D)
+    with pytest.raises(RuntimeError, match="block table's reach"):
+        _native_attention(kernel, paged, q, [70, 10_000], None, None)
+    with pytest.raises(RuntimeError, match="scales must match"):
+        _native_attention(kernel, paged._replace(v=paged.v._replace(scale=paged.v.scale[:, :, :5])), q, [70, 40],
+                          None, None)

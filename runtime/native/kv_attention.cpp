@@ -461,9 +461,11 @@ Attend pick(int vb) {
 }
 
 Side side(const torch::Tensor& data, const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& zero,
-          int64_t bits, int64_t G, int64_t D) {
+          int64_t bits, int64_t G, int64_t H, int64_t B, int64_t D) {
   TORCH_CHECK(data.is_contiguous() && scale.has_value() == (bits != 32), "pool data must be contiguous, scales iff codes");
   TORCH_CHECK(bits == 32 ? data.scalar_type() == at::kFloat : data.scalar_type() == at::kInt, "pool data dtype");
+  TORCH_CHECK(data.dim() == 4 && data.size(1) == H && data.size(2) == B && data.size(3) == (bits == 32 ? D : D * bits / 32),
+              "pool data must be [N, H, B, D or D*bits/32]");
   Side out{(const uint8_t*)data.data_ptr(), nullptr, nullptr, (int)bits, (int)G, 1, bits == 32 ? D * 4 : D * bits / 8,
            bits == 32 ? 0.f : float(1 << (bits - 1))};
   for (int c = 0; c < D; ++c) out.order[c] = int16_t(field_index(c, int(bits), int(D)));
@@ -473,6 +475,9 @@ Side side(const torch::Tensor& data, const c10::optional<torch::Tensor>& scale, 
     out.scale = (const at::Half*)scale->data_ptr();
     out.zero = (const at::Half*)zero->data_ptr();
     out.groups = G ? 1 : (int)scale->size(-1);
+    const int64_t per_page = G ? B / G * D : B * out.groups;  // scales (and zeros) per page and head
+    TORCH_CHECK(scale->sizes() == zero->sizes() && scale->size(0) == data.size(0) &&
+                scale->numel() == data.size(0) * H * per_page, "scales must match the pool's layout");
   }
   return out;
 }
@@ -495,12 +500,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor block_table, torch
               residual_v.scalar_type() == at::kFloat, "residuals must be contiguous float32");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.size(0) == S,
               "block table must be [S, M] int32");
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && firsts.scalar_type() == at::kLong, "lengths must be int64");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && firsts.scalar_type() == at::kLong && lengths.numel() == S &&
+              firsts.numel() == S, "lengths and firsts must be [S] int64");
+  TORCH_CHECK(residual_k.sizes() == residual_v.sizes() && residual_k.size(0) == S && residual_k.size(1) == H &&
+              residual_k.size(3) == D, "residuals must be [S, H, B, D]");
+  const int64_t M = block_table.size(1), pages = k_data.size(0);
+  for (int64_t s = 0; s < S; ++s) {  // every position read lies within the block table's reach, on a page
+    const int64_t n = lengths.data_ptr<int64_t>()[s];
+    TORCH_CHECK(n >= 1 && n <= M * B, "lengths must lie in 1..", M * B, " (the block table's reach), got ", n);
+    for (int64_t b = 0; b < n / B; ++b)
+      TORCH_CHECK(block_table.data_ptr<int32_t>()[s * M + b] < pages, "a block table entry past the pool's pages");
+  }
   TORCH_CHECK(!k_group || (k_group % L == 0 && B % k_group == 0), "key groups must be multiples of 16 dividing B");
   auto out = torch::empty_like(q);
   Problem P{q.data_ptr<float>(), block_table.data_ptr<int32_t>(), lengths.data_ptr<int64_t>(),
             firsts.data_ptr<int64_t>(), residual_k.data_ptr<float>(), residual_v.data_ptr<float>(),
-            side(k_data, k_scale, k_zero, k_bits, k_group, D), side(v_data, v_scale, v_zero, v_bits, 0, D),
+            side(k_data, k_scale, k_zero, k_bits, k_group, H, B, D), side(v_data, v_scale, v_zero, v_bits, 0, H, B, D),
             S, H, nq, D, B, block_table.size(1), float(softcap), out.data_ptr<float>()};
   const int J = v_bits == 32 ? 0 : int(D * v_bits / 8 / L);
   TORCH_CHECK(v_bits == 32 || (J >= 1 && J % P.v.groups == 0 && B * P.v.groups <= MAX_BLOCK),
