@@ -217,10 +217,11 @@ class SequenceBatch(Batch):
             return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
                                     self.max_seq_len, start, self.lengths, write)
         if k.shape[2] == 1 and self.cache.folded_decode:  # a decode step: every row over its stored codes
-            self.cache.store_decode(layer, self.first, self.starts, k, v)
+            self.cache.store_decode(layer, self.first, self.starts, k, v, self.starts_tensor)
             lengths = [start + 1 for start in self.starts]
             if in_residual(self.cache, lengths, window, q):
-                return residual_attention(self.cache, layer, self._rows(), lengths, q, softcap)
+                on_device = self.starts_tensor + 1 if self.lengths is None else self.lengths
+                return residual_attention(self.cache, layer, self._rows(), lengths, q, softcap, on_device)
             return decode_attention(ref.PagedKV.from_cache(self.cache, layer, self._rows()), q, lengths, window, softcap)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window, softcap) for i in range(self.count)])
@@ -357,16 +358,19 @@ def in_residual(cache, lengths: list[int], window: int | None, q) -> bool:
             and (window is None or max(lengths) <= window))
 
 
-def residual_attention(cache, layer: int, rows: slice, lengths: list[int], q, softcap=None):
+def residual_attention(cache, layer: int, rows: slice, lengths: list[int], q, softcap=None,
+                       lengths_tensor: torch.Tensor | None = None):
     """:func:`in_residual`'s attention: one SDPA over views of the residual block (no gather, no
     copy), the positions past a shorter sequence's length masked. ``decode_attention`` computes
     the same from the same floats in some 40 small ops per layer against SDPA's one: a short
-    context's decode step is dispatch-bound (bench/results/cpu/NOTES.md)."""
+    context's decode step is dispatch-bound (bench/results/cpu/NOTES.md). ``lengths_tensor``:
+    ``lengths`` on the device (the step's input copy), for the mask of rows of different lengths."""
     end = max(lengths)
     keys, values = cache.residual_k[layer][rows, :, :end], cache.residual_v[layer][rows, :, :end]
     mask = None
     if min(lengths) != end:  # [S, 1, 1, end]: True where a sequence holds the position
-        mask = (torch.arange(end, device=q.device) < torch.tensor(lengths, device=q.device)[:, None])[:, None, None]
+        on_device = torch.tensor(lengths, device=q.device) if lengths_tensor is None else lengths_tensor
+        mask = (torch.arange(end, device=q.device) < on_device[:, None])[:, None, None]
     return sdpa(q, keys, values, mask, softcap)
 
 

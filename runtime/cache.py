@@ -344,11 +344,12 @@ class KVCache(PagedCache):
         self._place_sequence(layer, slot, start, k, v)
         self.store(layer, range(slot, slot + 1), start, k[None], v[None])
 
-    def store_decode(self, layer: int, first: int, starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def store_decode(self, layer: int, first: int, starts: list[int], k: torch.Tensor, v: torch.Tensor,
+                     starts_tensor: torch.Tensor | None = None) -> None:
         """:meth:`store_sequence` of one new token for each sequence in rows ``first ..`` at ``starts``
-        (``k, v`` [n, H, 1, D]), as one write into the residual when all is in order, the layer does
-        not slide and no sequence fills a block (nothing to place: the engine reserves a block
-        before a step fills it): every decode step but one in ``block_size``."""
+        (``k, v`` [n, H, 1, D]; ``starts_tensor``: ``starts`` on the device, so no copy is made), as one
+        write into the residual when all is in order, the layer does not slide and no sequence fills
+        a block (nothing to place: the engine reserves a block before a step fills it)."""
         B, n, rows = self.block_size, len(starts), range(first, first + len(starts))
         if (not 0 <= layer < self.num_layers or self.window(layer) is not None or k.shape != v.shape
                 or tuple(k.shape) != (n, self.kv_heads, 1, self.head_dim) or not 0 <= first <= self.batch - n
@@ -359,8 +360,8 @@ class KVCache(PagedCache):
             return
         at = (slice(first, first + n), slice(None), starts[0] % B)
         if any(s % B != starts[0] % B for s in starts):  # sequences at different places in their blocks
-            at = (torch.arange(first, first + n, device=self.device), slice(None),
-                  torch.tensor([s % B for s in starts], device=self.device))
+            on_device = torch.tensor(starts, device=self.device) if starts_tensor is None else starts_tensor
+            at = (torch.arange(first, first + n, device=self.device), slice(None), on_device.long() % B)
         self.residual_k[layer][at] = k[:, :, 0]
         self.residual_v[layer][at] = v[:, :, 0]
 
