@@ -53,8 +53,8 @@ INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, cr
 # From this many activation rows (prefill) a layer runs one dense bf16 matmul on its weight written
 # into a bf16 scratch (:func:`scratch`): the weight-only kernels' time grows with the rows, that of
 # writing the weight does not (bench/cpu_prefill.py, 1 thread, SmolLM2 and 1B shapes)
-NATIVE_DEQUANTIZE_ROWS = 32  # int4, runtime/native/int4_weights.cpp dequantizing (0.4-0.6 ns/weight):
-# ahead of the kernel from 32 rows on every shape but SmolLM2's 192x576 k/v (from 64, 0.07 ms behind)
+NATIVE_DEQUANTIZE_ROWS = 32  # int4, runtime/native/int4_weights.cpp dequantizing (0.2-0.6 ns/weight):
+# level with the kernel at 16 rows, ahead from 32 on every shape (SmolLM2's 192x576 k/v: level)
 DEQUANTIZE_ROWS = 256  # int4, the PyTorch ops dequantizing (LOWBIT_NATIVE=0, 8 ns/weight)
 INT8_DEQUANTIZE_ROWS = 32  # int8, a copy of the codes into the scratch (exact; 0.2-0.4 ns/weight): ahead
 # of _weight_int8pack_mm from 32 rows on every shape (from 16 on most)
