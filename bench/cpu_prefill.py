@@ -162,8 +162,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": 1, "versions": versions(),
-              "native_dequantize_rows": cpu_linear.NATIVE_DEQUANTIZE_ROWS, "dequantize_rows": cpu_linear.DEQUANTIZE_ROWS,
-              "int8_dequantize_rows": cpu_linear.INT8_DEQUANTIZE_ROWS, "protocol": __doc__.split("\n\n", 2)[2].strip(),
+              "native_dequantize_rows": cpu_linear.NATIVE_DEQUANTIZE_ROWS,
+              "dequantize_rows": cpu_linear.DEQUANTIZE_ROWS, "int8_dequantize_rows": cpu_linear.INT8_DEQUANTIZE_ROWS, "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "command": "python -m bench.cpu_prefill " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
               "load_average_start": os.getloadavg(), "linears": [], "prefill": []}

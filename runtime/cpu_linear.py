@@ -121,7 +121,8 @@ class Int4Slots:
         a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
-        if a.shape[0] >= self.dequantize_rows() and self.scratch_ok:
+        rows = a.shape[0]  # decode's few rows decide on two constants, not a look-up of the native module
+        if rows >= min(NATIVE_DEQUANTIZE_ROWS, DEQUANTIZE_ROWS) and rows >= self.dequantize_rows() and self.scratch_ok:
             y = F.linear(a, self.dequantized(scratch(self.packed.shape[1] * 2, self.packed.shape[0])))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
