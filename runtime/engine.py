@@ -293,7 +293,7 @@ class Engine:
         decoders = self.scheduler.decode_batch()
         if not decoders:
             return
-        logits = self.executor.decode([r.tokens[r.computed] for r in decoders], [r.computed for r in decoders],
+        logits = self.executor.decode([r.token_at(r.computed) for r in decoders], [r.computed for r in decoders],
                                       [r.slot for r in self.running])
         self._counters["decode_steps"] += 1
         rows = self.scheduler.decoded(decoders)

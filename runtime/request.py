@@ -81,8 +81,18 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        """What the model reads: the prompt, then every output token."""
+        """What the model reads: the prompt, then every output token (a new list: the engine's
+        per-step reads take :attr:`token_count` and :meth:`token_at`, which copy nothing)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def token_count(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        """``tokens[i]`` (0 <= i < token_count)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def __iter__(self):
         while True:

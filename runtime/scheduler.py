@@ -74,14 +74,14 @@ class Scheduler:
         cache = self.cache
         while self.waiting and cache.free_slots:
             r = self.waiting[0]
-            need = cache.pages_for(len(r.tokens))
+            need = cache.pages_for(r.token_count)
             # keep a block spare for the running sequences to grow (else it waits); alone, it fits (Engine.submit)
             if self.running and need + 1 > cache.free_blocks:
                 return
             self.waiting.popleft()
             r.slot = cache.add_sequence(cache.free_slot_ids[-1])  # high rows: decoders fill from row 0
             r.computed = 0
-            cache.reserve(r.slot, len(r.tokens))
+            cache.reserve(r.slot, r.token_count)
             self.running.append(r)
 
     # ---------------------------------------------------------------- prefill
@@ -108,7 +108,7 @@ class Scheduler:
         for c in chunks:
             self.cache.advance(c.request.slot, c.end - c.start)
             c.request.computed = c.end
-        return [i for i, c in enumerate(chunks) if c.request.computed == len(c.request.tokens)]
+        return [i for i, c in enumerate(chunks) if c.request.computed == c.request.token_count]
 
     # ----------------------------------------------------------------- decode
 
@@ -130,7 +130,7 @@ class Scheduler:
         for r in decoders:
             self.cache.advance(r.slot, 1)
             r.computed += 1
-        return [i for i, r in enumerate(decoders) if r.computed == len(r.tokens)]
+        return [i for i, r in enumerate(decoders) if r.computed == r.token_count]
 
     def promote(self) -> None:
         """Move requests whose prompt is in the cache into the decoder rows."""
