@@ -155,15 +155,22 @@ def compare(rev: str, overlay: list[str], shape: str, rounds: int, steps: int, t
                 print(name, json.dumps(samples[name][-1]), flush=True)
     medians = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "code"}
                for name, rows in samples.items()}
-    first, second = medians.values()
-    ratios = {k: second[k] / first[k] for k in first if k.endswith("_cpu_ms")}
+    # another job slows a round, never speeds it: the fastest round is each code's own cost
+    minima = {name: {k: min(r[k] for r in rows) for k in rows[0] if k.endswith("_cpu_ms")} for name, rows in samples.items()}
+    return {"shape": shape, "revision": rev, "overlay": overlay, "median_of_rounds": medians, "min_of_rounds": minima,
+            "after_over_before": ratios(*medians.values()), "after_over_before_min": ratios(*minima.values()),
+            "rounds": samples}
+
+
+def ratios(first: dict, second: dict) -> dict:
+    """After over before per configuration, and W4 over float32 of each."""
+    out = {k: second[k] / first[k] for k in first if k.endswith("_cpu_ms")}
     for path in PATHS:
         for batch in (1, 8):
             for name, m in (("before", first), ("after", second)):
-                ratios[f"{path}_w4_over_float32_b{batch}_{name}"] = (m[f"{path}_w4_b{batch}_cpu_ms"]
-                                                                     / m[f"{path}_float32_b{batch}_cpu_ms"])
-    return {"shape": shape, "revision": rev, "overlay": overlay, "median_of_rounds": medians,
-            "after_over_before": ratios, "rounds": samples}
+                out[f"{path}_w4_over_float32_b{batch}_{name}"] = (m[f"{path}_w4_b{batch}_cpu_ms"]
+                                                                  / m[f"{path}_float32_b{batch}_cpu_ms"])
+    return out
 
 
 def child(shape: str, steps: int) -> dict:
@@ -227,7 +234,9 @@ def main():
               "command": "python -m bench.cpu_overhead " + " ".join(sys.argv[1:]),
               "note": "a shared 2-core machine: other sessions' jobs may have run at the same time (load_average "
                       "per row); process CPU time with 1 thread is the step's own work",
-              "runtime_from": str(Path(runtime.__file__).parent.parent),
+              "runtime_from": str(Path(runtime.__file__).parent.parent),  # commit: that tree's (unknown: no .git)
+              "tree_commit": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                            text=True).stdout.strip(),
               "load_average_start": os.getloadavg(), "breakdown": [], "compare": [], "policies": []}
     for shape in args.shapes.split(","):
         models = {"float32": random_model(SHAPES[shape], quantized=False), "w4": random_model(SHAPES[shape], quantized=True)}
