@@ -48,7 +48,8 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     """``aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zeros)`` (bf16 [M, N]) for
     ``a`` bf16 [M, K] with 1 <= M <= :data:`MAX_ROWS`, or None where the kernel does not take the
     case (another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
-    ``layout``, only the portable path here). ``layout``: the :class:`runtime.cpu_linear.Int4Layout`
+    ``layout``, only the portable path here: a CPU without AVX512-BF16, or a layout other than
+    AVX512's blocks of 64). ``layout``: the :class:`runtime.cpu_linear.Int4Layout`
     of ``packed`` (``int4_layout()``). ``path`` forces one of :data:`PATHS` (tests, benches); it
     must run here."""
     if layout is None or a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
@@ -58,8 +59,8 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
         return None
     module, best = kernel
     if path is None:
-        if best == 0:
-            return None  # the portable loop is slower than aten's kernel
+        if best == 0 or (layout.block_n, layout.halves) != (64, True):
+            return None  # only the portable loop would run, slower than aten's kernel
         chosen = 1 if a.shape[0] <= AVX512_ROWS else best
     elif path not in PATHS or PATHS.index(path) > best:
         raise ValueError(f"int4 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime import cpu_int4_gemm, native
-from runtime.cpu_linear import int4_layout
+from runtime.cpu_linear import Int4Layout, int4_layout
 
 pytestmark = pytest.mark.skipif(native.load("int4_gemm") is None, reason="the native kernel cannot be built here")
 
@@ -71,6 +71,8 @@ def test_declines_what_it_does_not_take():
     assert cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, None) is None
     big = torch.randn(cpu_int4_gemm.MAX_ROWS + 1, 128, dtype=torch.bfloat16)
     assert cpu_int4_gemm.matmul(big, packed, 64, scale_zeros, layout) is None
+    other_layout = Int4Layout(32, True)  # AVX2's blocks: only the portable loop reads them
+    assert cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, other_layout) is None
     if cpu_int4_gemm.best_path() == "portable":
         assert cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, layout) is None  # aten is faster there
     else:
@@ -87,3 +89,14 @@ def test_bad_input_is_named():
         cpu_int4_gemm.matmul(a[:, :64].contiguous(), packed, 64, scale_zeros, layout, path="portable")
     with pytest.raises(ValueError, match="cannot run here"):
         cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, layout, path="no-such-path")
+
+
+@pytest.mark.parametrize("layout", [Int4Layout(32, True), Int4Layout(32, False), Int4Layout(64, False)])
+def test_other_layouts_read_by_the_portable_loop(layout):
+    """The orders aten packs in on other CPUs (AVX2's blocks of 32): every path asked falls back to
+    the portable loop, which reads them right (partial last block included: 112 = 64 + 48, 3.5 x 32)."""
+    u, _, scale_zeros = layer(112, 256, 32)
+    packed = layout.pack(u)
+    a = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for path in paths_here():
+        check_rounding(cpu_int4_gemm.matmul(a, packed, 32, scale_zeros, layout, path=path), a, u, scale_zeros, 32)
