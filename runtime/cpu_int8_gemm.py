@@ -1,0 +1,67 @@
+"""lowbit's 8-bit per-channel weight-only matmul for few activation rows on CPU (decode, short
+prompts), on the weights of :class:`runtime.cpu_linear.Int8Channels` as they are: the same int8
+codes ``q`` [N, K] and bf16 ``scales`` [N] as ``aten._weight_int8pack_mm``, no second copy.
+
+The aten kernel multiplies every code, turned into a float, by each row with float FMAs:
+compute-bound, its time grows linearly with the rows (bench/cpu_int8_gemm.py). This one
+(runtime/native/int8_gemm.cpp) turns the codes into exact bf16 values once per call and multiplies
+them with bf16 dot products, the scale applied once per output after the sum:
+
+* ``amx``: Sapphire Rapids' tile unit multiplies up to 16 rows at the cost of one;
+* ``avx512``: AVX512-BF16 dot products along K (one or two rows, and CPUs without AMX);
+* ``portable``: a plain loop; slower than aten's kernel, so :func:`matmul` runs it only when asked.
+
+:func:`matmul` returns None where it does not take a case, and the caller keeps the aten kernel.
+An asymmetric zero point stays the caller's correction (``- s z sum(x)``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from runtime import native
+
+PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
+MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int8_gemm.py)
+AVX512_ROWS = 1  # up to this many rows the AVX512-BF16 path beats AMX (bench/cpu_int8_gemm.py)
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    """The compiled module and its best path number, or None (looked up once: a decode step calls
+    :func:`matmul` for every Linear)."""
+    module = native.load("int8_gemm")
+    return None if module is None else (module, module.best_path())
+
+
+def best_path() -> str | None:
+    """The fastest path on this CPU, or None when the kernel cannot be built here."""
+    kernel = _kernel()
+    return None if kernel is None else PATHS[kernel[1]]
+
+
+def matmul(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
+    """``aten._weight_int8pack_mm(a, q, scales)`` (bf16 [M, N]) for ``a`` bf16 [M, K] with
+    1 <= M <= :data:`MAX_ROWS`, ``q`` int8 [N, K] and ``scales`` bf16 [N], any N and K; or None
+    where the kernel does not take the case (other dtypes or ranks, no compiler,
+    ``LOWBIT_NATIVE=0``, only the portable path here). ``path`` forces one of :data:`PATHS`
+    (tests, benches); it must run here."""
+    if a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
+        return None
+    if q.dtype != torch.int8 or q.dim() != 2 or scales.dtype != torch.bfloat16:
+        return None
+    kernel = _kernel() if native.enabled() else None
+    if kernel is None:
+        return None
+    module, best = kernel
+    if path is None:
+        if best == 0:
+            return None  # the portable loop is slower than aten's kernel
+        chosen = 1 if a.shape[0] <= AVX512_ROWS else best
+    elif path not in PATHS or PATHS.index(path) > best:
+        raise ValueError(f"int8 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
+    else:
+        chosen = PATHS.index(path)
+    return module.int8_matmul(a.contiguous(), q, scales.reshape(-1), chosen)
