@@ -15,7 +15,7 @@
 //
 // Paths: AMX (weights as the A tiles in their own row order, the activations as the B tiles, so only
 // the small activations are rearranged, and the [outputs, rows] sums are transposed once at the end);
-// AVX512-BF16 dot products along K (few rows); a portable loop. Chosen at run time, compiled with
+// float dot products along K with AVX512 (one row); a portable loop. Chosen at run time, compiled with
 // target attributes as runtime/native/int4_gemm.cpp is, with the same CPU and OS checks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -89,22 +89,27 @@ LOWBIT_AVX512BF16 inline __m512bh codes_to_bf16(const int8_t* src, __mmask32 val
 
 inline __mmask32 first(int64_t count) { return count >= 32 ? ~0u : (1u << count) - 1; }
 
-// ---------------------------------------------------------------- AVX512-BF16 path (dot products along K)
+// ---------------------------------------------------------------- AVX512 path (dot products along K)
+// For one or two rows float FMAs beat bf16 dot products: a code becomes a float in two ops
+// (vpmovsxbd, vcvtdq2ps) and one FMA uses it, where the bf16 pair costs a pack (vcvtne2ps2bf16,
+// two uops) more per 32 codes; that pack pays off only when many rows share it (the AMX path).
 constexpr int kOuts = 4;  // outputs per pass: their converted codes are shared by every row
 
-// Outputs n0 .. n0 + OUTS, rows m0 .. m0 + ROWS: ROWS x OUTS float accumulators over K, reduced at the end.
+// Outputs n0 .. n0 + OUTS, rows m0 .. m0 + ROWS: ROWS x OUTS float accumulators over K, reduced at
+// the end. `a_float`: the activations as floats [M, K].
 template <int ROWS, int OUTS>
-LOWBIT_AVX512BF16 void dot_avx512(const Problem& p, int64_t n0, int64_t m0) {
+LOWBIT_AVX512BF16 void dot_avx512(const Problem& p, const float* a_float, int64_t n0, int64_t m0) {
   __m512 acc[ROWS][OUTS];
   for (int r = 0; r < ROWS; ++r)
     for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < p.k; k0 += 32) {
-    const __mmask32 valid = first(p.k - k0);
-    __m512bh w[OUTS];
-    for (int o = 0; o < OUTS; ++o) w[o] = codes_to_bf16(p.q + (n0 + o) * p.k + k0, valid);
+  for (int64_t k0 = 0; k0 < p.k; k0 += 16) {
+    const __mmask16 valid = p.k - k0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.k - k0)) - 1);
+    __m512 w[OUTS];
+    for (int o = 0; o < OUTS; ++o)
+      w[o] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(valid, p.q + (n0 + o) * p.k + k0)));
     for (int r = 0; r < ROWS; ++r) {
-      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(valid, p.a + (m0 + r) * p.k + k0);
-      for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], w[o], x);
+      const __m512 x = _mm512_maskz_loadu_ps(valid, a_float + (m0 + r) * p.k + k0);
+      for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_fmadd_ps(w[o], x, acc[r][o]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
@@ -113,21 +118,21 @@ LOWBIT_AVX512BF16 void dot_avx512(const Problem& p, int64_t n0, int64_t m0) {
 }
 
 template <int OUTS>
-LOWBIT_AVX512BF16 void dot_all_rows(const Problem& p, int64_t n0) {
+LOWBIT_AVX512BF16 void dot_all_rows(const Problem& p, const float* a_float, int64_t n0) {
   for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
     switch (std::min<int64_t>(4, p.m - m0)) {
-      case 1: dot_avx512<1, OUTS>(p, n0, m0); break;
-      case 2: dot_avx512<2, OUTS>(p, n0, m0); break;
-      case 3: dot_avx512<3, OUTS>(p, n0, m0); break;
-      default: dot_avx512<4, OUTS>(p, n0, m0); break;
+      case 1: dot_avx512<1, OUTS>(p, a_float, n0, m0); break;
+      case 2: dot_avx512<2, OUTS>(p, a_float, n0, m0); break;
+      case 3: dot_avx512<3, OUTS>(p, a_float, n0, m0); break;
+      default: dot_avx512<4, OUTS>(p, a_float, n0, m0); break;
     }
   }
 }
 
-LOWBIT_AVX512BF16 void outputs_avx512(const Problem& p, int64_t n0, int64_t n1) {
+LOWBIT_AVX512BF16 void outputs_avx512(const Problem& p, const float* a_float, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + kOuts <= n1; n += kOuts) dot_all_rows<kOuts>(p, n);
-  for (; n < n1; ++n) dot_all_rows<1>(p, n);
+  for (; n + kOuts <= n1; n += kOuts) dot_all_rows<kOuts>(p, a_float, n);
+  for (; n < n1; ++n) dot_all_rows<1>(p, a_float, n);
 }
 
 // ---------------------------------------------------------------- AMX path (blocks of 64 outputs)
@@ -307,8 +312,10 @@ torch::Tensor int8_matmul(const torch::Tensor& a, const torch::Tensor& q, const 
     return out;
   }
   if (path == kAvx512) {
+    std::vector<float> a_float(m * k);
+    for (int64_t i = 0; i < m * k; ++i) a_float[i] = bf16_to_float(p.a[i]);
     at::parallel_for(0, (n + kOuts - 1) / kOuts, 16, [&](int64_t b0, int64_t b1) {
-      outputs_avx512(p, b0 * kOuts, std::min(n, b1 * kOuts));
+      outputs_avx512(p, a_float.data(), b0 * kOuts, std::min(n, b1 * kOuts));
     });
     return out;
   }
