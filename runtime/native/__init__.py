@@ -43,8 +43,12 @@ def enabled() -> bool:
 
 
 def flags() -> list[str]:
-    """Compiler flags for this CPU (see the module docstring)."""
-    return ["-O3", "-fno-math-errno", *VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    """Compiler flags for this CPU (see the module docstring), and OpenMP where torch's ``at::parallel_for``
+    runs on it: that template is compiled into each kernel (ATen/ParallelOpenMP.h), and without
+    ``-fopenmp`` it calls its function once on the whole range, one thread. Linked, it shares torch's
+    libgomp.so.1 (one OpenMP runtime: ``torch.set_num_threads`` holds for the kernels too)."""
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    return ["-O3", "-fno-math-errno", *VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []), *openmp]
 
 
 def build_directory() -> Path:
@@ -74,6 +78,7 @@ def _build(name: str):
             directory = build_directory() / name
             directory.mkdir(parents=True, exist_ok=True)
             return jit_load(f"lowbit_{name}", [str(SOURCES / f"{name}.cpp")], extra_cflags=flags(),
+                            extra_ldflags=[f for f in flags() if f == "-fopenmp"],
                             build_directory=str(directory), verbose=False)
         except Exception as error:  # a compiler error, a missing header: the PyTorch path still works
             reason = f"building it failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})"
