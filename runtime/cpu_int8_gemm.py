@@ -8,10 +8,14 @@ compute-bound, its time grows linearly with the rows (bench/cpu_int8_gemm.py). T
 them with bf16 dot products, the scale applied once per output after the sum:
 
 * ``amx``: Sapphire Rapids' tile unit multiplies up to 16 rows at the cost of one;
-* ``avx512``: AVX512-BF16 dot products along K (one or two rows, and CPUs without AMX);
-* ``portable``: a plain loop; slower than aten's kernel, so :func:`matmul` runs it only when asked.
+* ``avx512``: float dot products along K (codes shared by 4 outputs' rows); level with aten's kernel
+  at 1-2 rows, behind above, so :func:`matmul` runs it only when asked;
+* ``portable``: a plain loop; slower than aten's kernel, run only when asked.
 
-:func:`matmul` returns None where it does not take a case, and the caller keeps the aten kernel.
+:func:`matmul` takes AMX_MIN_ROWS..MAX_ROWS rows where AMX runs (bench/cpu_int8_gemm.py, 1 thread:
+from 4 rows it beats aten on every measured shape, 2-5x at 8-32 rows on a 1B model's, and Int8Channels'
+scratch path up to 32-128 rows); it returns None where it does not take a case, and the caller keeps
+the aten kernel.
 An asymmetric zero point stays the caller's correction (``- s z sum(x)``).
 """
 
@@ -25,7 +29,7 @@ from runtime import native
 
 PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
 MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int8_gemm.py)
-AVX512_ROWS = 1  # up to this many rows the AVX512-BF16 path beats AMX (bench/cpu_int8_gemm.py)
+AMX_MIN_ROWS = 4  # below, aten's kernel is as fast or faster (AMX pays for converting every code)
 
 
 @lru_cache(maxsize=1)
@@ -44,10 +48,10 @@ def best_path() -> str | None:
 
 def matmul(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
     """``aten._weight_int8pack_mm(a, q, scales)`` (bf16 [M, N]) for ``a`` bf16 [M, K] with
-    1 <= M <= :data:`MAX_ROWS`, ``q`` int8 [N, K] and ``scales`` bf16 [N], any N and K; or None
-    where the kernel does not take the case (other dtypes or ranks, no compiler,
-    ``LOWBIT_NATIVE=0``, only the portable path here). ``path`` forces one of :data:`PATHS`
-    (tests, benches); it must run here."""
+    :data:`AMX_MIN_ROWS` <= M <= :data:`MAX_ROWS`, ``q`` int8 [N, K] and ``scales`` bf16 [N], any
+    N and K; or None where the kernel does not take the case (other dtypes or ranks, fewer rows, no
+    compiler, ``LOWBIT_NATIVE=0``, no AMX here). ``path`` forces one of :data:`PATHS` for any
+    1..MAX_ROWS rows (tests, benches); it must run here."""
     if a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
         return None
     if q.dtype != torch.int8 or q.dim() != 2 or scales.dtype != torch.bfloat16:
@@ -57,9 +61,9 @@ def matmul(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str | N
         return None
     module, best = kernel
     if path is None:
-        if best == 0:
-            return None  # the portable loop is slower than aten's kernel
-        chosen = 1 if a.shape[0] <= AVX512_ROWS else best
+        if best != PATHS.index("amx") or a.shape[0] < AMX_MIN_ROWS:
+            return None  # the other paths, and AMX at fewer rows, are no faster than aten's kernel
+        chosen = best
     elif path not in PATHS or PATHS.index(path) > best:
         raise ValueError(f"int8 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
     else:

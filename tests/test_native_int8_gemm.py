@@ -73,10 +73,13 @@ def test_declines_what_it_does_not_take():
     assert cpu_int8_gemm.matmul(a, q, scales.float()) is None
     big = torch.randn(cpu_int8_gemm.MAX_ROWS + 1, 128, dtype=torch.bfloat16)
     assert cpu_int8_gemm.matmul(big, q, scales) is None
-    if cpu_int8_gemm.best_path() == "portable":
-        assert cpu_int8_gemm.matmul(a, q, scales) is None  # aten is faster there
+    few = torch.randn(cpu_int8_gemm.AMX_MIN_ROWS - 1, 128, dtype=torch.bfloat16)
+    assert cpu_int8_gemm.matmul(few, q, scales) is None  # aten's kernel is as fast there
+    enough = torch.randn(cpu_int8_gemm.AMX_MIN_ROWS, 128, dtype=torch.bfloat16)
+    if cpu_int8_gemm.best_path() == "amx":
+        assert torch.equal(cpu_int8_gemm.matmul(enough, q, scales), cpu_int8_gemm.matmul(enough, q, scales, path="amx"))
     else:
-        assert cpu_int8_gemm.matmul(a, q, scales) is not None
+        assert cpu_int8_gemm.matmul(enough, q, scales) is None  # aten is as fast or faster without AMX
 
 
 def test_bad_input_is_named():
