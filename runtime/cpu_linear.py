@@ -6,7 +6,10 @@ per layer at load (as the Triton kernels are on CUDA).
   ``zero`` floats). A signed code ``q`` of ours (``x = (q - z) * s``) is stored as ``u = q + 8``
   with ``zero = -z * s``, so 2- and 3-bit codes sit in 4-bit slots and dequantize to the same
   values (4 bits per weight in memory until a narrower kernel exists). Groups the kernel does not
-  take (above 256, per channel) are cut into kernel groups that repeat the scale.
+  take (above 256, per channel) are cut into kernel groups that repeat the scale. Where it is built
+  (AVX512-BF16 or AMX), lowbit's own matmul for few rows runs on the same bytes instead
+  (runtime/cpu_int4_gemm.py: scales applied per group on the sums; 1-2x aten's kernel at one row,
+  up to 4x at eight, bench/results/cpu/cpu-int4-gemm.json).
 * ``Int8Channels``: 8-bit per-channel layers through ``aten._weight_int8pack_mm`` (symmetric
   ``x @ (q * s).T``); an asymmetric zero point is one correction per row, ``- s z * sum(x)``.
 
@@ -42,7 +45,7 @@ from torch import nn
 
 from quant.affine import QuantScheme
 from quant.packing import unpack
-from runtime import native
+from runtime import cpu_int4_gemm, native
 from runtime.kernels.weight_layout import act_order_permutation
 
 ACTIVATIONS = torch.bfloat16  # what both kernels are fast with (see the module docstring)
@@ -55,6 +58,8 @@ INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads past the row (wrong values, cr
 # writing the weight does not (bench/cpu_prefill.py, 1 thread, SmolLM2 and 1B shapes)
 NATIVE_DEQUANTIZE_ROWS = 32  # int4, runtime/native/int4_weights.cpp dequantizing (0.2-0.6 ns/weight):
 # level with the kernel at 16 rows, ahead from 32 on every shape (SmolLM2's 192x576 k/v: level)
+AMX_DEQUANTIZE_ROWS = 64  # int4 where runtime/cpu_int4_gemm.py runs on AMX below: 1.2-5.4x the scratch
+# path at 32 rows on every shape, level or behind at 64 on the small ones (bench/cpu_int4_gemm.py)
 DEQUANTIZE_ROWS = 256  # int4, the PyTorch ops dequantizing (LOWBIT_NATIVE=0, 8 ns/weight)
 INT8_DEQUANTIZE_ROWS = 32  # int8, a copy of the codes into the scratch (exact; 0.2-0.4 ns/weight): ahead
 # of _weight_int8pack_mm from 32 rows on every shape (from 16 on most)
@@ -123,15 +128,20 @@ class Int4Slots:
             a = a.index_select(1, self.perm)
         rows = a.shape[0]  # decode's few rows decide on two constants, not a look-up of the native module
         if rows >= min(NATIVE_DEQUANTIZE_ROWS, DEQUANTIZE_ROWS) and rows >= self.dequantize_rows() and self.scratch_ok:
-            y = F.linear(a, self.dequantized(scratch(self.packed.shape[1] * 2, self.packed.shape[0])))
-        else:
+            return _linear_out(F.linear(a, self.dequantized(scratch(self.packed.shape[1] * 2, self.packed.shape[0]))),
+                               x, bias)
+        y = cpu_int4_gemm.matmul(a, self.packed, self.group, self.scale_zeros, int4_layout())
+        if y is None:  # a case lowbit's kernel does not take here: PyTorch's
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
         return _linear_out(y, x, bias)
 
     @staticmethod
     def dequantize_rows() -> int:
-        """Activation rows from which a prefill runs the scratch weight (native dequantizer or not)."""
-        return DEQUANTIZE_ROWS if _native_weights() is None else NATIVE_DEQUANTIZE_ROWS
+        """Activation rows from which a prefill runs the scratch weight (native dequantizer or not):
+        later where lowbit's AMX matmul serves the rows below (ahead of the scratch to ~64 rows)."""
+        if _native_weights() is None:
+            return DEQUANTIZE_ROWS
+        return AMX_DEQUANTIZE_ROWS if cpu_int4_gemm.best_path() == "amx" else NATIVE_DEQUANTIZE_ROWS
 
     @property
     def scratch_ok(self) -> bool:

@@ -340,3 +340,28 @@ def test_prefill_with_and_without_the_native_dequantizer_scores_the_same_perplex
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     pytorch = score(cpu_kernels=True)
     assert abs(native / reference - 1) < 2e-3 and abs(native / pytorch - 1) < 2e-3, (native, pytorch, reference)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monkeypatch):
+    """Decode and short prompts go through runtime/cpu_int4_gemm on this CPU when it takes them (AMX /
+    AVX512-BF16), else aten's kernel; both read the same bytes and agree to bf16 rounding."""
+    from runtime import cpu_int4_gemm
+
+    layer = quant_layer(96, 512, QuantScheme(4, 64, False), seed=5)
+    layer.materialize(torch.float32)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(2))
+    served = []
+    real = cpu_int4_gemm.matmul
+    monkeypatch.setattr(cpu_int4_gemm, "matmul", lambda *a, **k: served.append(real(*a, **k)) or served[-1])
+    out = layer(x)
+    if cpu_int4_gemm.best_path() in ("avx512", "amx"):
+        assert served and served[-1] is not None
+        assert layer._cpu.dequantize_rows() == (cpu_linear.AMX_DEQUANTIZE_ROWS if cpu_int4_gemm.best_path() == "amx"
+                                                else cpu_linear.NATIVE_DEQUANTIZE_ROWS)
+    monkeypatch.setenv("LOWBIT_NATIVE", "0")
+    aten = layer(x)
+    assert served[-1] is None  # switched off: aten's kernel ran
+    ref = reference_out(layer, x)
+    for y in (out, aten):
+        torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_EPS * float(ref.abs().max()))
