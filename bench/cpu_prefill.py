@@ -10,7 +10,7 @@ thread, medians of ``--repeats``: dequantizing the int4 weight natively into the
 then at M rows the int4 kernel, the native scratch path (dequantize + bf16 F.linear), the int8
 kernel, the int8 scratch path (cast + F.linear) and a float32 F.linear. End to end: a prefill of
 ``--tokens`` at batch 1 (a forward filling a fresh cache, ``bench.cpu_decode.prefill_seconds``
-under process CPU time) of W4 as shipped (native scratch from ``NATIVE_DEQUANTIZE_ROWS``), W4 before
+under process CPU time) of W4 as shipped (``Int4Slots.dequantize_rows()``), W4 before
 the native dequantizer (``LOWBIT_NATIVE=0``: the PyTorch ops from ``DEQUANTIZE_ROWS``), W4 with the
 kernel at every M, and the float32 model, alternating round by round; models as
 ``bench.cpu_decode.random_model`` builds them. Raw JSON with device, versions, commit and load
@@ -114,7 +114,7 @@ def prefill_rows(shape: str, tokens: list[int], rounds: int) -> list[dict]:
     length (CPU seconds, medians)."""
     models = {"w4": random_model(SHAPES[shape], quantized=True), "float32": random_model(SHAPES[shape], quantized=False)}
     never = 1 << 30
-    variants = {"w4_native": ("w4", True, cpu_linear.NATIVE_DEQUANTIZE_ROWS),
+    variants = {"w4_native": ("w4", True, None),
                 "w4_before": ("w4", False, cpu_linear.DEQUANTIZE_ROWS),
                 "w4_kernel": ("w4", True, never), "float32": ("float32", True, never)}
     out = []
@@ -137,17 +137,21 @@ def prefill_rows(shape: str, tokens: list[int], rounds: int) -> list[dict]:
 
 
 def run_variant(models: dict, variant: tuple, tokens: int) -> float:
-    """CPU seconds of one prefill of ``tokens`` by ``variant`` (model, native on, scratch rows)."""
+    """CPU seconds of one prefill of ``tokens`` by ``variant`` (model, native on, int4 scratch rows:
+    None as shipped)."""
     name, native, threshold = variant
-    shipped = cpu_linear.NATIVE_DEQUANTIZE_ROWS, cpu_linear.DEQUANTIZE_ROWS
-    cpu_linear.NATIVE_DEQUANTIZE_ROWS = cpu_linear.DEQUANTIZE_ROWS = threshold
+    names = ("NATIVE_DEQUANTIZE_ROWS", "AMX_DEQUANTIZE_ROWS", "DEQUANTIZE_ROWS")
+    shipped = {n: getattr(cpu_linear, n) for n in names}
+    for n in names:
+        setattr(cpu_linear, n, shipped[n] if threshold is None else threshold)
     try:
         if native:
             return prefill_cpu_seconds(models[name], tokens)
         with native_off():
             return prefill_cpu_seconds(models[name], tokens)
     finally:
-        cpu_linear.NATIVE_DEQUANTIZE_ROWS, cpu_linear.DEQUANTIZE_ROWS = shipped
+        for n in names:
+            setattr(cpu_linear, n, shipped[n])
 
 
 def main():
@@ -163,6 +167,7 @@ def main():
     torch.set_num_threads(1)
     result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": 1, "versions": versions(),
               "native_dequantize_rows": cpu_linear.NATIVE_DEQUANTIZE_ROWS,
+              "amx_dequantize_rows": cpu_linear.AMX_DEQUANTIZE_ROWS,
               "dequantize_rows": cpu_linear.DEQUANTIZE_ROWS, "int8_dequantize_rows": cpu_linear.INT8_DEQUANTIZE_ROWS, "protocol": __doc__.split("\n\n", 2)[2].strip(),
               "command": "python -m bench.cpu_prefill " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),

@@ -11,7 +11,9 @@ per layer at load (as the Triton kernels are on CUDA).
   (runtime/cpu_int4_gemm.py: scales applied per group on the sums; 1-2x aten's kernel at one row,
   up to 4x at eight, bench/results/cpu/cpu-int4-gemm.json).
 * ``Int8Channels``: 8-bit per-channel layers through ``aten._weight_int8pack_mm`` (symmetric
-  ``x @ (q * s).T``); an asymmetric zero point is one correction per row, ``- s z * sum(x)``.
+  ``x @ (q * s).T``); an asymmetric zero point is one correction per row, ``- s z * sum(x)``. With
+  AMX, 4 to 128 rows run lowbit's int8 matmul on the same codes (runtime/cpu_int8_gemm.py: 1.2-2.6x
+  aten's at 8 rows, bench/results/cpu/cpu-int8-gemm.json).
 
 A prefill's many rows run neither kernel: from ``NATIVE_DEQUANTIZE_ROWS`` (int4) or
 ``INT8_DEQUANTIZE_ROWS`` rows a layer writes its weight into one reused bf16 scratch (:func:`scratch`;
@@ -45,7 +47,7 @@ from torch import nn
 
 from quant.affine import QuantScheme
 from quant.packing import unpack
-from runtime import cpu_int4_gemm, native
+from runtime import cpu_int4_gemm, cpu_int8_gemm, native
 from runtime.kernels.weight_layout import act_order_permutation
 
 ACTIVATIONS = torch.bfloat16  # what both kernels are fast with (see the module docstring)
@@ -213,13 +215,23 @@ class Int8Channels:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
-        if a.shape[0] >= INT8_DEQUANTIZE_ROWS:  # codes up to 128 are exact in bf16: the kernel's x @ q.T * s
-            y = F.linear(a, scratch(*self.q.shape).copy_(self.q)) * self.scales
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
+        y = self._product(a)
         if self.zero_scales is not None:
             y = y.float() - a.float().sum(-1, keepdim=True) * self.zero_scales.float()
         return _linear_out(y, x, bias)
+
+    def _product(self, a: torch.Tensor) -> torch.Tensor:
+        """``a @ (q * s).T`` in bf16: lowbit's AMX matmul where it takes the rows (ahead of both others
+        up to its MAX_ROWS on almost every shape), else the scratch from INT8_DEQUANTIZE_ROWS (codes up
+        to 128 are exact in bf16), else aten's kernel."""
+        rows = a.shape[0]
+        if rows >= cpu_int8_gemm.AMX_MIN_ROWS:
+            y = cpu_int8_gemm.matmul(a, self.q, self.scales)
+            if y is not None:
+                return y
+        if rows >= INT8_DEQUANTIZE_ROWS:
+            return F.linear(a, scratch(*self.q.shape).copy_(self.q)) * self.scales
+        return torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
 
     codes_readable = True
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from quant.affine import QuantScheme, choose_qparams, quantize
 from quant.packing import pack
-from runtime import cpu_linear
+from runtime import cpu_int8_gemm, cpu_linear
 from runtime import linear as linear_module
 from runtime.linear import QuantLinear
 
@@ -205,7 +205,7 @@ def test_int8_prefill_scratch_agrees_with_the_kernel(symmetric):
     layer = quant_layer(48, 256, QuantScheme(8, -1, symmetric), seed=11, bias=False)
     layer.materialize(torch.float32)
     w = layer._cpu
-    for rows in (cpu_linear.INT8_DEQUANTIZE_ROWS - 1, cpu_linear.INT8_DEQUANTIZE_ROWS, 2 * cpu_linear.INT8_DEQUANTIZE_ROWS):
+    for rows in (cpu_linear.INT8_DEQUANTIZE_ROWS - 1, cpu_linear.INT8_DEQUANTIZE_ROWS, cpu_int8_gemm.MAX_ROWS + 1):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         a = x.bfloat16()
         kernel = torch.ops.aten._weight_int8pack_mm(a, w.q, w.scales).float()
@@ -217,10 +217,11 @@ def test_int8_prefill_scratch_agrees_with_the_kernel(symmetric):
 def test_the_int8_scratch_is_reused_and_exact():
     layer = quant_layer(48, 256, QuantScheme(8, -1, True), seed=12, bias=False)
     layer.materialize(torch.float32)
-    layer(torch.randn(cpu_linear.INT8_DEQUANTIZE_ROWS, 256))
+    rows = max(cpu_linear.INT8_DEQUANTIZE_ROWS, cpu_int8_gemm.MAX_ROWS + 1)  # past lowbit's AMX matmul's rows
+    layer(torch.randn(rows, 256))
     buffer = cpu_linear._SCRATCH.weight
     assert buffer is not None and buffer.numel() >= 48 * 256
-    x = torch.randn(cpu_linear.INT8_DEQUANTIZE_ROWS, 256)
+    x = torch.randn(rows, 256)
     assert torch.equal(layer(x), F.linear(x.bfloat16(), layer._cpu.q.bfloat16()).mul(layer._cpu.scales).float())
     assert cpu_linear._SCRATCH.weight is buffer  # no new allocation for a layer no larger
 
@@ -364,4 +365,24 @@ def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monke
     assert served[-1] is None  # switched off: aten's kernel ran
     ref = reference_out(layer, x).detach()
     for y in (out, aten):
+        torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_EPS * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [2, 8, 100])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w8_rows_run_lowbits_amx_matmul_where_built_and_agree_with_the_reference(rows, symmetric, monkeypatch):
+    from runtime import cpu_int8_gemm
+
+    layer = quant_layer(96, 512, QuantScheme(8, -1, symmetric), seed=6)
+    layer.materialize(torch.float32)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
+    served = []
+    real = cpu_int8_gemm.matmul
+    monkeypatch.setattr(cpu_int8_gemm, "matmul", lambda *a, **k: served.append(real(*a, **k)) or served[-1])
+    out = layer(x)
+    assert bool(served) == (rows >= cpu_int8_gemm.AMX_MIN_ROWS)
+    monkeypatch.setenv("LOWBIT_NATIVE", "0")
+    fallback = layer(x)
+    ref = reference_out(layer, x).detach()
+    for y in (out, fallback):
         torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_EPS * float(ref.abs().max()))
