@@ -27,6 +27,11 @@ from runtime import native
 PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
 MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int4_gemm.py)
 AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile setup (ties at 2)
+# Fewer rows than this keep aten's kernel: at one row over weights streamed from memory (a model's
+# decode, each layer read once per step) aten's was 1.1-1.3x faster on the 1B shape's layers and level
+# on SmolLM2's (8 layers in rotation, quiet, 1 and 2 threads; bench/results/cpu/NOTES.md), while the
+# same layer read over and over from the last-level cache favoured this kernel (cpu-int4-gemm.json)
+MIN_ROWS = 2
 
 
 @lru_cache(maxsize=1)
@@ -47,7 +52,7 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
            path: str | None = None) -> torch.Tensor | None:
     """``aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zeros)`` (bf16 [M, N]) for
     ``a`` bf16 [M, K] with 1 <= M <= :data:`MAX_ROWS`, or None where the kernel does not take the
-    case (another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
+    case (fewer than :data:`MIN_ROWS` rows, another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
     ``layout``, only the portable path here: a CPU without AVX512-BF16, or a layout other than
     AVX512's blocks of 64). ``layout``: the :class:`runtime.cpu_linear.Int4Layout`
     of ``packed`` (``int4_layout()``). ``path`` forces one of :data:`PATHS` (tests, benches); it
@@ -59,8 +64,8 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
         return None
     module, best = kernel
     if path is None:
-        if best == 0 or (layout.block_n, layout.halves) != (64, True):
-            return None  # only the portable loop would run, slower than aten's kernel
+        if best == 0 or (layout.block_n, layout.halves) != (64, True) or a.shape[0] < MIN_ROWS:
+            return None  # only the portable loop would run, slower than aten's kernel; or one row
         chosen = 1 if a.shape[0] <= AVX512_ROWS else best
     elif path not in PATHS or PATHS.index(path) > best:
         raise ValueError(f"int4 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
