@@ -63,3 +63,14 @@ def test_the_int4_dequantizer_builds_where_a_compiler_is(monkeypatch):
         warnings.simplefilter("error")  # no "is not used" warning
         module = native.load("int4_weights")
     assert module is not None and callable(module.dequantize_int4)
+
+
+def test_build_directory_follows_the_shared_headers(monkeypatch, tmp_path):
+    """torch's JIT hashes only the .cpp it is given: a changed header must land in another folder."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "common.h").write_text("// one\n")
+    monkeypatch.setattr(native, "SOURCES", sources)
+    first = native.build_directory()
+    (sources / "common.h").write_text("// two\n")
+    assert native.build_directory() != first

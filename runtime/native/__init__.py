@@ -52,9 +52,13 @@ def flags() -> list[str]:
 
 
 def build_directory() -> Path:
-    """Where this torch version's builds with this CPU's flags live."""
+    """Where this torch version's builds with this CPU's flags and these shared headers live (torch's
+    JIT rebuilds when a kernel's .cpp changes, not when a header it includes does)."""
     root = Path(os.environ.get("LOWBIT_NATIVE_CACHE", Path.home() / ".cache" / "lowbit" / "native"))
-    key = hashlib.sha256(" ".join([torch.__version__, *flags()]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(" ".join([torch.__version__, *flags()]).encode())
+    for header in sorted(SOURCES.glob("*.h")):
+        digest.update(header.read_bytes())
+    key = digest.hexdigest()[:12]
     return root / f"torch-{torch.__version__.replace('+', '-')}-{key}"
 
 

@@ -27,33 +27,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define LOWBIT_X86 1
-#endif
+#include "common.h"
 
 namespace {
 
 constexpr int64_t kMaxRows = 256;   // rows per call (runtime/cpu_int4_gemm.py takes fewer)
 constexpr int64_t kMaxBlock = 64;   // outputs per block the portable path holds
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// c10's round_to_nearest_even (NaN kept a quiet NaN)
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>(f != f ? 0x7FC0u : rounded);
-}
 
 struct Problem {
   const uint16_t* a;      // bf16 [M, K]
@@ -210,12 +189,6 @@ LOWBIT_AVX512BF16 void block64_all_rows(const Problem& p, const uint8_t* bytes, 
 
 constexpr int64_t kMaxGroup = 256;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // The bf16 weights of one group of one block: B tile (step s, outputs 16 j..16 j+15) at
 // out + (s * 4 + j) * 1024 bytes, row = input pair within the step.
 LOWBIT_AMX void convert_group(const uint8_t* bytes, int64_t k0, int64_t group, uint8_t* out) {
@@ -303,30 +276,15 @@ LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* a, int64_t tile_row
   _tile_release();
 }
 
-// AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission to use the tile state (Linux).
-bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return tile && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return usable;
-}
-
 bool cpu_has_avx512_bf16() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
 }
 #else
 bool cpu_has_avx512_bf16() { return false; }
-bool amx_usable() { return false; }
 #endif
 
 // ---------------------------------------------------------------- entry
-
-enum Path : int64_t { kPortable = 0, kAvx512 = 1, kAmx = 2 };
 
 // The fastest path this CPU and OS allow for full blocks of 64 with `halves` (kPortable otherwise).
 int64_t best_path() {

@@ -18,25 +18,11 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 constexpr int64_t kChunkOutputs = 1024;  // 8 KB of float scales and offsets: L1
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// c10's round_to_nearest_even for finite values, branch-free so the loops that call it vectorize (a
-// NaN, only from a NaN or infinite scale, stays a NaN but may keep its sign where c10 writes 0x7FC0:
-// not worth a compare and a blend per vector)
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // One row's nibbles of one block of `size` outputs (bytes: the block's row, size / 2 of them), in
 // output order. SIZE > 0: a full block of the layouts torch uses, whose loops then vectorize whole.
@@ -90,7 +76,7 @@ void group_scales(const uint16_t* scale_zeros, int64_t n, int64_t g, float* __re
 void dequantize_row(const uint8_t* __restrict u, const float* __restrict scale, const float* __restrict offset,
                     int64_t n, uint16_t* __restrict out) {
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = float_to_bf16(static_cast<float>(u[j]) * scale[j] + offset[j]);
+    out[j] = float_to_bf16_finite(static_cast<float>(u[j]) * scale[j] + offset[j]);
   }
 }
 

@@ -25,32 +25,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define LOWBIT_X86 1
-#endif
+#include "common.h"
 
 namespace {
 
 constexpr int64_t kMaxRows = 256;  // rows per call (runtime/cpu_int8_gemm.py takes fewer)
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// c10's round_to_nearest_even (NaN kept a quiet NaN)
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>(f != f ? 0x7FC0u : rounded);
-}
 
 struct Problem {
   const uint16_t* a;       // bf16 [M, K]
@@ -145,12 +124,6 @@ LOWBIT_AVX512BF16 void outputs_avx512(const Problem& p, const float* a_float, in
 #define LOWBIT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 
 constexpr int64_t kChunk = 256;  // inputs per conversion: 64 outputs x 256 bf16 = 32 KB, in L1
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // The bf16 codes of outputs n0 .. n0 + 63 (rows past N zero), inputs k0 .. k0 + kChunk (past K zero):
 // A tile (step s, outputs 16 j .. 16 j + 15) at out + (s * 4 + j) * 512 values, 32 per output.
@@ -259,30 +232,15 @@ std::vector<uint16_t> activation_tiles(const Problem& p, int64_t k_padded) {
   return b;
 }
 
-// AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission to use the tile state (Linux).
-bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return tile && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return usable;
-}
-
 bool cpu_has_avx512_bf16() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 #else
 bool cpu_has_avx512_bf16() { return false; }
-bool amx_usable() { return false; }
 #endif
 
 // ---------------------------------------------------------------- entry
-
-enum Path : int64_t { kPortable = 0, kAvx512 = 1, kAmx = 2 };
 
 // The fastest path this CPU and OS allow.
 int64_t best_path() {
