@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
-from runtime import cpu_int4_gemm  # noqa: E402
+from runtime import cpu_int4_gemm, native  # noqa: E402
 from runtime import cpu_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def main():
     best = cpu_int4_gemm.best_path()
     if best is None:
         raise SystemExit("the native int4 kernel cannot be built here (see the warning above)")
-    paths = [p for p in reversed(cpu_int4_gemm.PATHS[:cpu_int4_gemm.PATHS.index(best) + 1])
+    paths = [p for p in reversed(native.matmul_paths("int4_gemm"))
              if p != "portable" or args.portable]
     result = {"device": cpu_name(), "versions": versions(), "commit": commit(), "command": " ".join(
         ["python -m bench.cpu_int4_gemm", *os.sys.argv[1:]]), "cpu_capability": torch.backends.cpu.get_cpu_capability(),

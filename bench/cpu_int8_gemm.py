@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench.cpu_int4_gemm import measure  # noqa: E402  (variants alternating per repeat, medians)
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
-from runtime import cpu_int8_gemm  # noqa: E402
+from runtime import cpu_int8_gemm, native  # noqa: E402
 from runtime import cpu_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def main():
     best = cpu_int8_gemm.best_path()
     if best is None:
         raise SystemExit("the native int8 kernel cannot be built here (see the warning above)")
-    paths = [p for p in reversed(cpu_int8_gemm.PATHS[:cpu_int8_gemm.PATHS.index(best) + 1])
+    paths = [p for p in reversed(native.matmul_paths("int8_gemm"))
              if p != "portable" or args.portable]
     result = {"device": cpu_name(), "versions": versions(), "commit": commit(), "command": " ".join(
         ["python -m bench.cpu_int8_gemm", *os.sys.argv[1:]]), "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -18,13 +18,10 @@ This one (runtime/native/int4_gemm.cpp) applies scale and zero once per group on
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from runtime import native
 
-PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
 MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int4_gemm.py)
 AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile setup (ties at 2)
 # Fewer rows than this keep aten's kernel: at one row over weights streamed from memory (a model's
@@ -34,18 +31,11 @@ AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile se
 MIN_ROWS = 2
 
 
-@lru_cache(maxsize=1)
-def _kernel():
-    """The compiled module and its best path number, or None (looked up once: a decode step calls
-    :func:`matmul` for every Linear)."""
-    module = native.load("int4_gemm")
-    return None if module is None else (module, module.best_path())
-
-
 def best_path() -> str | None:
-    """The fastest path on this CPU, or None when the kernel cannot be built here."""
-    kernel = _kernel()
-    return None if kernel is None else PATHS[kernel[1]]
+    """The fastest path on this CPU (one of ``native.MATMUL_PATHS``), or None when the kernel cannot be
+    built here."""
+    paths = native.matmul_paths("int4_gemm")
+    return paths[-1] if paths else None
 
 
 def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor, layout,
@@ -55,11 +45,11 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     case (fewer than :data:`MIN_ROWS` rows, another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
     ``layout``, only the portable path here: a CPU without AVX512-BF16, or a layout other than
     AVX512's blocks of 64). ``layout``: the :class:`runtime.cpu_linear.Int4Layout`
-    of ``packed`` (``int4_layout()``). ``path`` forces one of :data:`PATHS` (tests, benches); it
+    of ``packed`` (``int4_layout()``). ``path`` forces one of ``native.MATMUL_PATHS`` (tests, benches); it
     must run here."""
     if layout is None or a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
         return None
-    kernel = _kernel() if native.enabled() else None
+    kernel = native.matmul_kernel("int4_gemm") if native.enabled() else None
     if kernel is None:
         return None
     module, best = kernel
@@ -67,8 +57,6 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
         if best == 0 or (layout.block_n, layout.halves) != (64, True) or a.shape[0] < MIN_ROWS:
             return None  # only the portable loop would run, slower than aten's kernel; or one row
         chosen = 1 if a.shape[0] <= AVX512_ROWS else best
-    elif path not in PATHS or PATHS.index(path) > best:
-        raise ValueError(f"int4 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
     else:
-        chosen = PATHS.index(path)
+        chosen = native.forced_path("int4_gemm", path)
     return module.int4_matmul(a.contiguous(), packed, group, scale_zeros, layout.block_n, layout.halves, chosen)

@@ -21,51 +21,39 @@ An asymmetric zero point stays the caller's correction (``- s z sum(x)``).
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from runtime import native
 
-PATHS = ("portable", "avx512", "amx")  # the C++ side's path numbers, in order
 MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int8_gemm.py)
 AMX_MIN_ROWS = 4  # below, aten's kernel is as fast or faster (AMX pays for converting every code)
 
 
-@lru_cache(maxsize=1)
-def _kernel():
-    """The compiled module and its best path number, or None (looked up once: a decode step calls
-    :func:`matmul` for every Linear)."""
-    module = native.load("int8_gemm")
-    return None if module is None else (module, module.best_path())
-
-
 def best_path() -> str | None:
-    """The fastest path on this CPU, or None when the kernel cannot be built here."""
-    kernel = _kernel()
-    return None if kernel is None else PATHS[kernel[1]]
+    """The fastest path on this CPU (one of ``native.MATMUL_PATHS``), or None when the kernel cannot be
+    built here."""
+    paths = native.matmul_paths("int8_gemm")
+    return paths[-1] if paths else None
 
 
 def matmul(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
     """``aten._weight_int8pack_mm(a, q, scales)`` (bf16 [M, N]) for ``a`` bf16 [M, K] with
     :data:`AMX_MIN_ROWS` <= M <= :data:`MAX_ROWS`, ``q`` int8 [N, K] and ``scales`` bf16 [N], any
     N and K; or None where the kernel does not take the case (other dtypes or ranks, fewer rows, no
-    compiler, ``LOWBIT_NATIVE=0``, no AMX here). ``path`` forces one of :data:`PATHS` for any
+    compiler, ``LOWBIT_NATIVE=0``, no AMX here). ``path`` forces one of ``native.MATMUL_PATHS`` for any
     1..MAX_ROWS rows (tests, benches); it must run here."""
     if a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
         return None
     if q.dtype != torch.int8 or q.dim() != 2 or scales.dtype != torch.bfloat16:
         return None
-    kernel = _kernel() if native.enabled() else None
+    kernel = native.matmul_kernel("int8_gemm") if native.enabled() else None
     if kernel is None:
         return None
     module, best = kernel
     if path is None:
-        if best != PATHS.index("amx") or a.shape[0] < AMX_MIN_ROWS:
+        if best != native.MATMUL_PATHS.index("amx") or a.shape[0] < AMX_MIN_ROWS:
             return None  # the other paths, and AMX at fewer rows, are no faster than aten's kernel
         chosen = best
-    elif path not in PATHS or PATHS.index(path) > best:
-        raise ValueError(f"int8 matmul path {path!r} cannot run here (this CPU's paths: {PATHS[:best + 1]})")
     else:
-        chosen = PATHS.index(path)
+        chosen = native.forced_path("int8_gemm", path)
     return module.int8_matmul(a.contiguous(), q, scales.reshape(-1), chosen)

@@ -12,8 +12,7 @@ pytestmark = pytest.mark.skipif(native.load("int4_gemm") is None, reason="the na
 
 
 def paths_here() -> list[str]:
-    best = cpu_int4_gemm.best_path()
-    return list(cpu_int4_gemm.PATHS[:cpu_int4_gemm.PATHS.index(best) + 1])
+    return native.matmul_paths("int4_gemm")
 
 
 def layer(n: int, k: int, group: int, seed: int = 0):

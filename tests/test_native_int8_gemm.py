@@ -11,8 +11,7 @@ pytestmark = pytest.mark.skipif(native.load("int8_gemm") is None, reason="the na
 
 
 def paths_here() -> list[str]:
-    best = cpu_int8_gemm.best_path()
-    return list(cpu_int8_gemm.PATHS[:cpu_int8_gemm.PATHS.index(best) + 1])
+    return native.matmul_paths("int8_gemm")
 
 
 def layer(n: int, k: int, seed: int = 0):

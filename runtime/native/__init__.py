@@ -91,6 +91,35 @@ def _build(name: str):
     return None
 
 
+# A matmul kernel's paths (common.h's Path), slowest first: each kernel reports the fastest one that
+# runs on this CPU and OS (``best_path()``), and runs any slower one it is asked for (tests, benches).
+MATMUL_PATHS = ("portable", "avx512", "amx")
+
+
+@lru_cache(maxsize=None)
+def matmul_kernel(name: str):
+    """A matmul kernel's module and the number of its fastest path here, or None when it cannot be
+    built (looked up once: a decode step calls it for every Linear). Whether native kernels are
+    switched on is the caller's check (:func:`enabled`), so the answer does not depend on when it
+    was first asked."""
+    module = _build(name)
+    return None if module is None else (module, module.best_path())
+
+
+def matmul_paths(name: str) -> list[str]:
+    """The paths of a matmul kernel that run here, slowest first (empty: it cannot be built)."""
+    kernel = matmul_kernel(name)
+    return [] if kernel is None else list(MATMUL_PATHS[:kernel[1] + 1])
+
+
+def forced_path(name: str, path: str) -> int:
+    """The number of ``path`` for a kernel asked to run it, or a ValueError naming those that run here."""
+    here = matmul_paths(name)
+    if path not in here:
+        raise ValueError(f"{name} path {path!r} cannot run here (this CPU's paths: {here})")
+    return MATMUL_PATHS.index(path)
+
+
 def _missing_tool() -> str | None:
     """Why nothing can be compiled here (no C++ compiler, no ninja), or None."""
     compiler = os.environ.get("CXX", "c++")
