@@ -33,8 +33,8 @@ MIN_ROWS = 2
 
 def best_path() -> str | None:
     """The fastest path on this CPU (one of ``native.MATMUL_PATHS``), or None when the kernel cannot be
-    built here."""
-    paths = native.matmul_paths("int4_gemm")
+    built here or native kernels are off (``LOWBIT_NATIVE=0``)."""
+    paths = native.matmul_paths("int4_gemm") if native.enabled() else []
     return paths[-1] if paths else None
 
 

@@ -31,8 +31,8 @@ AMX_MIN_ROWS = 4  # below, aten's kernel is as fast or faster (AMX pays for conv
 
 def best_path() -> str | None:
     """The fastest path on this CPU (one of ``native.MATMUL_PATHS``), or None when the kernel cannot be
-    built here."""
-    paths = native.matmul_paths("int8_gemm")
+    built here or native kernels are off (``LOWBIT_NATIVE=0``)."""
+    paths = native.matmul_paths("int8_gemm") if native.enabled() else []
     return paths[-1] if paths else None
 
 
