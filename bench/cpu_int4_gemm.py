@@ -86,6 +86,28 @@ def measure(fns: dict, repeats: int, sample_ms: float) -> dict:
                    "calls_per_sample": calls[name]} for name in fns}
 
 
+def time_grid(args, shapes: dict, variants, paths: list[str], result: dict) -> None:
+    """Every (threads, shape, rows) of ``args``: ``variants(n, k, rows, paths, generator)``'s functions
+    timed side by side (``measure``), appended to ``result["runs"]`` and printed (the int4 and int8
+    benches alike). One thread: process CPU time; more: wall."""
+    g = torch.Generator().manual_seed(0)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        clock = "cpu_ms" if threads == 1 else "wall_ms"
+        for shape in args.shapes.split(","):
+            for n, k in shapes[shape]:
+                for rows in [int(r) for r in args.rows.split(",")]:
+                    fns, nbytes = variants(n, k, rows, paths, g)
+                    times = measure(fns, args.repeats, args.sample_ms)
+                    for name, t in times.items():
+                        t["gb_per_s"] = nbytes[name] / t[clock] / 1e6
+                    result["runs"].append({"threads": threads, "clock": clock, "shape": shape, "n": n, "k": k,
+                                           "rows": rows, "times": times})
+                    print(f"{threads}t {n:5d}x{k:<5d} M={rows:<3d}", "  ".join(
+                        f"{name} {t[clock]:.3f}" for name, t in times.items()),
+                        f"  aten/{paths[0]} {times['aten'][clock] / times[paths[0]][clock]:.2f}x", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -105,22 +127,7 @@ def main():
         ["python -m bench.cpu_int4_gemm", *os.sys.argv[1:]]), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "best_path": best, "group": GROUP, "load_average_start": os.getloadavg(), "protocol": __doc__.split("\n\n", 2)[2],
         "runs": []}
-    g = torch.Generator().manual_seed(0)
-    for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads)
-        clock = "cpu_ms" if threads == 1 else "wall_ms"
-        for shape in args.shapes.split(","):
-            for n, k in SHAPES[shape]:
-                for rows in [int(r) for r in args.rows.split(",")]:
-                    fns, nbytes = variants(n, k, rows, paths, g)
-                    times = measure(fns, args.repeats, args.sample_ms)
-                    for name, t in times.items():
-                        t["gb_per_s"] = nbytes[name] / t[clock] / 1e6
-                    result["runs"].append({"threads": threads, "clock": clock, "shape": shape, "n": n, "k": k,
-                                           "rows": rows, "times": times})
-                    print(f"{threads}t {n:5d}x{k:<5d} M={rows:<3d}", "  ".join(
-                        f"{name} {t[clock]:.3f}" for name, t in times.items()),
-                        f"  aten/{paths[0]} {times['aten'][clock] / times[paths[0]][clock]:.2f}x", flush=True)
+    time_grid(args, SHAPES, variants, paths, result)
     write_result(args.out, result)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.cpu_int4_gemm import measure  # noqa: E402  (variants alternating per repeat, medians)
+from bench.cpu_int4_gemm import time_grid  # noqa: E402  (variants alternating per repeat, medians)
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 from runtime import cpu_int8_gemm, native  # noqa: E402
@@ -74,22 +74,7 @@ def main():
     result = {"device": cpu_name(), "versions": versions(), "commit": commit(), "command": " ".join(
         ["python -m bench.cpu_int8_gemm", *os.sys.argv[1:]]), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "best_path": best, "load_average_start": os.getloadavg(), "protocol": __doc__.split("\n\n", 2)[2], "runs": []}
-    g = torch.Generator().manual_seed(0)
-    for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads)
-        clock = "cpu_ms" if threads == 1 else "wall_ms"
-        for shape in args.shapes.split(","):
-            for n, k in SHAPES[shape]:
-                for rows in [int(r) for r in args.rows.split(",")]:
-                    fns, nbytes = variants(n, k, rows, paths, g)
-                    times = measure(fns, args.repeats, args.sample_ms)
-                    for name, t in times.items():
-                        t["gb_per_s"] = nbytes[name] / t[clock] / 1e6
-                    result["runs"].append({"threads": threads, "clock": clock, "shape": shape, "n": n, "k": k,
-                                           "rows": rows, "times": times})
-                    print(f"{threads}t {n:5d}x{k:<5d} M={rows:<3d}", "  ".join(
-                        f"{name} {t[clock]:.3f}" for name, t in times.items()),
-                        f"  aten/{paths[0]} {times['aten'][clock] / times[paths[0]][clock]:.2f}x", flush=True)
+    time_grid(args, SHAPES, variants, paths, result)
     write_result(args.out, result)
 
 

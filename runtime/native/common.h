@@ -62,8 +62,23 @@ inline bool amx_usable() {
   }();
   return usable;
 }
+
+// AVX512-BF16 with the extensions both matmul kernels' vector paths use (VL; VBMI's byte permutes)
+inline bool cpu_has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+         __builtin_cpu_supports("avx512bf16");
+}
 #else
 inline bool amx_usable() { return false; }
+inline bool cpu_has_avx512_bf16() { return false; }
 #endif
+
+// The fastest matmul path this CPU and OS allow (the int4 kernel's for full blocks of 64 with
+// `halves`; it runs the portable loop on others)
+inline int64_t best_path() {
+  if (!cpu_has_avx512_bf16()) return kPortable;
+  return amx_usable() ? kAmx : kAvx512;
+}
 
 }  // namespace

@@ -276,21 +276,9 @@ LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* a, int64_t tile_row
   _tile_release();
 }
 
-bool cpu_has_avx512_bf16() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
-}
-#else
-bool cpu_has_avx512_bf16() { return false; }
 #endif
 
 // ---------------------------------------------------------------- entry
-
-// The fastest path this CPU and OS allow for full blocks of 64 with `halves` (kPortable otherwise).
-int64_t best_path() {
-  if (!cpu_has_avx512_bf16()) return kPortable;
-  return amx_usable() ? kAmx : kAvx512;
-}
 
 torch::Tensor int4_matmul(const torch::Tensor& a, const torch::Tensor& packed, int64_t group,
                           const torch::Tensor& scale_zeros, int64_t block_n, bool halves, int64_t path) {

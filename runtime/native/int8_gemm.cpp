@@ -232,21 +232,9 @@ std::vector<uint16_t> activation_tiles(const Problem& p, int64_t k_padded) {
   return b;
 }
 
-bool cpu_has_avx512_bf16() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
-#else
-bool cpu_has_avx512_bf16() { return false; }
 #endif
 
 // ---------------------------------------------------------------- entry
-
-// The fastest path this CPU and OS allow.
-int64_t best_path() {
-  if (!cpu_has_avx512_bf16()) return kPortable;
-  return amx_usable() ? kAmx : kAvx512;
-}
 
 torch::Tensor int8_matmul(const torch::Tensor& a, const torch::Tensor& q, const torch::Tensor& scales, int64_t path) {
   TORCH_CHECK(a.dtype() == torch::kBFloat16 && a.dim() == 2 && a.is_contiguous(), "a: a contiguous bf16 [M, K] tensor");
