@@ -24,11 +24,10 @@ from runtime import native
 
 MAX_ROWS = 128  # rows per call it takes (measured up to here against aten, bench/cpu_int4_gemm.py)
 AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile setup (ties at 2)
-# Fewer rows than this keep aten's kernel: at one row over weights streamed from memory (a model's
-# decode, each layer read once per step) aten's was 1.1-1.3x faster on the 1B shape's layers and level
-# on SmolLM2's (8 layers in rotation, quiet, 1 and 2 threads; bench/results/cpu/NOTES.md), while the
-# same layer read over and over from the last-level cache favoured this kernel (cpu-int4-gemm.json)
-MIN_ROWS = 2
+# Fewer rows than this keep aten's kernel. One row was slower than aten's over weights streamed from
+# memory (as a model's decode reads them: 4.3 vs 5.7 GB/s) until the kernel prefetched 2 KB ahead (the
+# streamer restarts at every 4 KB page); now 1.2-1.4x aten's there (bench/results/cpu/NOTES.md)
+MIN_ROWS = 1
 
 
 def best_path() -> str | None:
