@@ -343,6 +343,18 @@ def test_prefill_with_and_without_the_native_dequantizer_scores_the_same_perplex
     assert abs(native / reference - 1) < 2e-3 and abs(native / pytorch - 1) < 2e-3, (native, pytorch, reference)
 
 
+def record_results(module, name: str, monkeypatch) -> list:
+    """Every result of ``module.name`` from now on (None: it declined and the caller fell back)."""
+    results, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: results.append(real(*a, **k)) or results[-1])
+    return results
+
+
+def assert_bf16_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal to a few bf16 steps of the largest output (bf16 outputs, stored scales and zeros)."""
+    torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_EPS * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("rows", [1, 8, 40])
 def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monkeypatch):
     """Decode and short prompts go through runtime/cpu_int4_gemm on this CPU when it takes them (AMX /
@@ -352,9 +364,7 @@ def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monke
     layer = quant_layer(96, 512, QuantScheme(4, 64, False), seed=5)
     layer.materialize(torch.float32)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(2))
-    served = []
-    real = cpu_int4_gemm.matmul
-    monkeypatch.setattr(cpu_int4_gemm, "matmul", lambda *a, **k: served.append(real(*a, **k)) or served[-1])
+    served = record_results(cpu_int4_gemm, "matmul", monkeypatch)
     out = layer(x)
     if cpu_int4_gemm.best_path() in ("avx512", "amx"):
         assert served and (served[-1] is not None) == (rows >= cpu_int4_gemm.MIN_ROWS)  # one row: aten's
@@ -365,7 +375,7 @@ def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monke
     assert served[-1] is None  # switched off: aten's kernel ran
     ref = reference_out(layer, x).detach()
     for y in (out, aten):
-        torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_EPS * float(ref.abs().max()))
+        assert_bf16_close(y, ref)
 
 
 @pytest.mark.parametrize("rows", [2, 8, 100])
@@ -376,13 +386,11 @@ def test_w8_rows_run_lowbits_amx_matmul_where_built_and_agree_with_the_reference
     layer = quant_layer(96, 512, QuantScheme(8, -1, symmetric), seed=6)
     layer.materialize(torch.float32)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
-    served = []
-    real = cpu_int8_gemm.matmul
-    monkeypatch.setattr(cpu_int8_gemm, "matmul", lambda *a, **k: served.append(real(*a, **k)) or served[-1])
+    served = record_results(cpu_int8_gemm, "matmul", monkeypatch)
     out = layer(x)
     assert bool(served) == (rows >= cpu_int8_gemm.AMX_MIN_ROWS)
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     fallback = layer(x)
     ref = reference_out(layer, x).detach()
     for y in (out, fallback):
-        torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_EPS * float(ref.abs().max()))
+        assert_bf16_close(y, ref)
