@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 # The suite compares the runtime with references at float32 precision, so quantized Linears on CPU
 # run the dense reference; tests/test_cpu_linear.py runs PyTorch's CPU kernels (bf16 activations).
 os.environ.setdefault("LOWBIT_CPU_KERNELS", "0")
+os.environ.setdefault("LOWBIT_TUNING_CACHE", "0")  # no tuned GEMM winners kept on disk (test_kernels_tuning sets a folder)
 
 
 ROOT = Path(__file__).resolve().parent.parent
