@@ -216,6 +216,9 @@ def static_report(kernel_fn, signature: dict, constexprs: dict, num_warps: int, 
         "shared_bytes": shared,
         "ctas_per_sm": ctas_per_sm(usage["registers"], shared, num_warps, ARCHS[arch]),
         "kernel_instructions": len(sass),
+        # the whole kernel's global stores by width and its barriers (what a loopless kernel is read by)
+        "global_stores": dict(Counter(ins.opcode for ins in sass if ins.base == "STG")),
+        "kernel_barriers": sum(ins.base == "BAR" for ins in sass),
     }
     loops = find_loops(sass)
     loop = main_loop(loops)
@@ -255,6 +258,8 @@ BUDGET_CHECKS = {
     "max_loop_shared_stores": lambda r, v: (r["main_loop"] or {}).get("shared_stores", 1e9) <= v,
     "async_copies_in_loop": lambda r, v: bool((r["main_loop"] or {}).get("async_copies")) == v,
     "min_prefetched_loads": lambda r, v: (r["main_loop"] or {}).get("prefetched_loads", 0) >= v,
+    "max_kernel_barriers": lambda r, v: r["kernel_barriers"] <= v,
+    "global_stores_only": lambda r, v: set(r["global_stores"]) == {v},  # every STG of this width (opcode)
 }
 
 
@@ -279,10 +284,10 @@ def report_case(case: KernelCase, arch: str) -> dict:
 
 
 def weight_cases() -> list[KernelCase]:
-    """runtime/kernels/quant_matmul.py and gemv.py (cases in bench/sass_weights.py)."""
-    from bench.sass_weights import weight_cases as cases
+    """runtime/kernels/quant_matmul.py, gemv.py and dequantize_weight.py (cases in bench/sass_weights.py)."""
+    from bench.sass_weights import dequantize_cases, weight_cases as cases
 
-    return cases()
+    return cases() + dequantize_cases()
 
 
 def attention_cases() -> list[KernelCase]:
@@ -309,6 +314,7 @@ def summary_line(r: dict) -> str:
             f"smem {r['shared_bytes']:>6}  ctas/sm {r['ctas_per_sm']}  loop {loop.get('instructions', '-')!s:>4} "
             f"({per})" + (f"  dequant {dequant:.2f}/{r['unit']}" if dequant is not None else "")
             + f"  async {','.join(loop.get('async_copies', [])) or '-'}  bar {loop.get('barriers', '-')}"
+            + ("" if loop else f"  kernel: bar {r['kernel_barriers']} stores {r['global_stores']}")
             + (f"  MISSED {','.join(missed)}" if missed else ""))
 
 

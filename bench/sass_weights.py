@@ -1,6 +1,6 @@
 """The weight kernels' cases for bench/sass.py: ``quant_matmul``'s tensor-core path and the M=1
 GEMV (``gemv.py``) at the configurations the runtime launches by default, with issue 15's
-budgets."""
+budgets; the dense path's dequantization (``dequantize_weight.py``) at its configurations."""
 
 from __future__ import annotations
 
@@ -97,3 +97,35 @@ def gemv_case(kw, dtype: str) -> KernelCase:
         units_per_iteration=config.num_warps * config.block_n * kw.tile_k,
         divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "K"),
         notes="default candidate for M=1 (candidate_configs(1)[0])", budgets={"sm_90a": SASS_BUDGETS["gemv"]})
+
+
+# The dense path's dequantization (runtime/kernels/dequantize_weight.py): one K tile a program, no
+# loop. Read by the whole kernel: no spills, every global store 16 bytes wide, and at most 3
+# barriers (the packed words, not the dense tile, go through shared memory to the store's layout).
+DEQUANTIZE_BUDGETS = {"max_spill_instructions": 0, "global_stores_only": "STG.E.128", "max_kernel_barriers": 3}
+
+
+def dequantize_cases() -> list[KernelCase]:
+    """runtime/kernels/dequantize_weight.py at the dense configurations ``candidate_configs`` offers
+    for prefill, 4-bit group 128 asymmetric in fp16 and bf16, 8-bit in fp16."""
+    from runtime.kernels.dequantize_weight import _dequantize_kernel
+    from runtime.kernels.quant_matmul import TORCH_DTYPES, KernelWeight, candidate_configs, dequant_type
+
+    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)  # only shape fields are read
+    cases = []
+    for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
+        kw.bits = bits
+        for config in [c for c in candidate_configs(4096, kw) if c.dense]:
+            constexprs = dict(BITS=bits, GROUP=128, HAS_ZERO=True, SCALE_PER_TILE=128 % kw.tile_k == 0,
+                              DEQUANT=dequant_type(bits, TORCH_DTYPES[dtype], False), DEQUANT_ASM=True,
+                              BLOCK_N=config.block_n, EVEN_N=True, EVEN_K=True)
+            cases.append(KernelCase(
+                name=f"w{bits}g128 {dtype} dequantize {config.block_n}x{kw.tile_k} w{config.num_warps}",
+                kernel_fn=_dequantize_kernel,
+                signature={"qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8", "out_ptr": f"*{dtype}",
+                           "N": "i32", "K": "i32"},
+                constexprs=constexprs, num_warps=config.num_warps, num_stages=1,
+                divisible_by_16=("qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K"),
+                notes="a dense configuration of candidate_configs(4096) (dequantize into scratch + cuBLAS)",
+                budgets={"sm_90a": DEQUANTIZE_BUDGETS}))
+    return cases

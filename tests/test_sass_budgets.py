@@ -47,6 +47,8 @@ def test_every_launched_configuration_is_reported(reports):
     assert prefixes == {f"{w} {d} {path}" for w, d in (("w4g128", "fp16"), ("w4g128", "bf16"), ("w8g128", "fp16"))
                         for path in ("gemv", "small-m", "prefill")}
     for r in reports:
+        if r["kernel"] == "_dequantize_kernel":  # one tile a program: no loop (the test below)
+            continue
         loop = r["main_loop"]
         assert loop is not None and loop["instructions"] > 0 and loop["loop_sass"], r["name"]
         assert sum(loop["opcodes"].values()) == loop["instructions"]
@@ -81,3 +83,14 @@ def test_prefill_is_held_to_its_dequantization_slice(reports):
         assert dequant["opcodes"].get("HMUL2", 0) + dequant["opcodes"].get("HFMA2", 0) > 0, r["name"]
         assert set(dequant["addresses"]) <= {int(re.match(r"/\*([0-9a-f]+)\*/", line).group(1), 16)
                                              for line in loop["loop_sass"]}
+
+
+def test_the_dense_paths_dequantization_stores_16_bytes_a_thread_without_spilling(reports):
+    """runtime/kernels/dequantize_weight.py at each dense configuration: no loop, budgets met (no
+    spills, only 16-byte global stores, at most 3 barriers) under every Triton release."""
+    cases = [r for r in reports if r["kernel"] == "_dequantize_kernel"]
+    assert {case_prefix(r["name"]) for r in cases} == {"w4g128 fp16 dequantize", "w4g128 bf16 dequantize",
+                                                       "w8g128 fp16 dequantize"}
+    for r in cases:
+        assert r["main_loop"] is None and r["local_bytes"] == 0, r["name"]
+        assert r["budgets"] and all(b["met"] for b in r["budgets"].values()), (r["name"], r["budgets"])

@@ -11,11 +11,22 @@ from runtime.kernels.gemv import default_split
 from runtime.kernels.weight_layout import KernelWeight
 
 DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
+# Dense configurations (dequantize into scratch + cuBLAS) are offered above this many rows only.
+# They add a fixed cost per call, independent of M: reading the packed weight and writing, then
+# re-reading, its dense copy (W4 fp16: about 4.5 bytes per weight against the fused kernel's 0.5),
+# which only large M can hide behind a GEMM doing 2 M flops per weight; the fused kernel's measured
+# loss to cuBLAS is at prefill sizes (M=4096 on the H200: bench/results/gpu/NOTES.md). And the engine
+# captures decode steps in CUDA graphs for batches up to 256 (runtime.execution.DecodeGraphs): a
+# dense configuration must never be chosen for an M a graph holds (the scratch buffer would be
+# captured), so 256 is also the floor. Whether it wins above is the tuner's timing on the GPU.
+DENSE_MIN_M = 257
 
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """One launch configuration. ``block_m == 1`` with ``use_dot=False`` is the GEMV path."""
+    """One launch configuration. ``block_m == 1`` with ``use_dot=False`` is the GEMV path; ``dense``:
+    dequantize into a scratch ``[N, K]`` weight (``dequantize_weight.py``, ``block_n`` outputs a
+    program, ``num_warps``) and one cuBLAS GEMM (no row tile: ``block_m == 1``, ``use_dot=False``)."""
 
     block_m: int
     block_n: int
@@ -25,6 +36,7 @@ class MatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     step_tiles: int = 1  # K tiles per loop iteration (more: fewer loop instructions per weight)
+    dense: bool = False  # dequantize into scratch, then torch.matmul (cuBLAS)
 
     def __post_init__(self):
         if any(b & (b - 1) for b in (self.block_m, self.block_n)):
@@ -33,6 +45,9 @@ class MatmulConfig:
             raise ValueError("the GEMV path (use_dot=False) computes one row: block_m must be 1")
         if self.use_dot and self.block_m < 16:
             raise ValueError("tl.dot needs block_m >= 16")
+        if self.dense and (self.use_dot or self.block_m != 1 or self.split_k != 1):
+            raise ValueError("a dense configuration has no row tile or K split of its own: block_m=1, "
+                             "use_dot=False, split_k=1")
 
 
 def m_bucket(M: int) -> int:
@@ -65,5 +80,15 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
                    for bm, bn, w in ((128, 64, 4), (128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8),
                                      (64, 256, 8))
                    for st in (3, 4, 2)]
+        if M >= DENSE_MIN_M:  # see DENSE_MIN_M. 64 weights a thread (4-bit): the compiler then moves the
+            # packed words, not the dense tile, through shared memory (3 barriers; at 128 a thread it
+            # moved the whole fp16 tile, 39 barriers; sm_90a, Triton 3.6 and 3.9, bench/sass_weights.py)
+            configs += [dense_config(64, 4), dense_config(128, 8)]
     kept = [c for c in configs if c.split_k <= num_tiles]
     return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
+
+
+def dense_config(block_n: int = 64, num_warps: int = 4) -> MatmulConfig:
+    """A dense configuration (dequantize into scratch + cuBLAS): ``block_n`` outputs of one K tile a
+    program of ``num_warps`` warps."""
+    return MatmulConfig(1, block_n, 1, use_dot=False, group_m=1, num_warps=num_warps, num_stages=1, dense=True)

@@ -25,6 +25,11 @@ One kernel, two inner loops, chosen per call by the number of rows M:
 * GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
   (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
   inside the one launch).
+* dense (``dense=True`` configurations, offered from ``matmul_configs.DENSE_MIN_M`` = 257 rows):
+  the weight dequantized into a reused scratch ``[N, K]`` buffer by runtime/kernels/dequantize_weight.py
+  (the same tile code as the dot path, so the same values bit for bit), then one cuBLAS GEMM
+  (``torch.mm``). It costs one layer's dense weight in memory and its write and re-read per call;
+  the tuner keeps it only where it times faster on the GPU at hand (unmeasured so far).
 
 The dot path splits K across programs when the output alone has too few tiles to fill the
 GPU: each split writes fp32 partial sums and a small kernel adds them (with the bias) in a
@@ -59,10 +64,11 @@ import triton
 import triton.language as tl
 
 from runtime.kernels import matmul_tuning
+from runtime.kernels.dequantize_weight import dequantize_into, scratch
 from runtime.kernels.gemv import launch_gemv
 from runtime.kernels.matmul_configs import MatmulConfig, candidate_configs, m_bucket  # noqa: F401 (callers read them here too)
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
-from runtime.kernels.weight_tile import group_rows, integer_tile, scaled_difference, tile_groups
+from runtime.kernels.weight_tile import dequantized, group_rows, input_order, integer_tile, tile_groups
 
 try:  # host-side TMA descriptors (Triton 3.4 and later)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -99,19 +105,13 @@ def _tile_step(acc, k0, k_group, w_rows, x_tile, m0, x_ptr, s_ptr, z_ptr, offs_n
     share a group); ``MASK_K``: the tile passes K."""
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = _SUBTILE_K * PACK
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
     g = tile_groups(k_group, K, BITS, GROUP, SCALE_PER_TILE)  # [1 or Q, 1 or 4, 1]
     scale = group_rows(s_ptr, g, offs_n, n_mask, N).to(DEQUANT)
     v, unit, offset = integer_tile(w_rows, z_ptr, k0, g, offs_n, n_mask, N, BITS, HAS_ZERO, DEQUANT, DEQUANT_ASM)
     x = _activation_tile(x_tile, m0, k0, K, TILE_K, MASK_K, X_TMA)
-    # (q - zero) * scale rounded to the activation dtype: quant.affine.dequantize(...).to(dtype)
-    if DEQUANT == tl.float32:
-        wq = (v - offset) * scale
-    else:
-        wq = scaled_difference(v, unit, offset, scale, DEQUANT_ASM)
-    # [q, a, b, n, p] -> [a, q, b, p, n] is input order (8 (a Q + q) + 2 b + p): registers
-    # are only renamed, the values already sit where the tensor-core operand wants them
-    w = tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+    # (q - zero) * scale rounded to the activation dtype (quant.affine.dequantize(...).to(dtype)),
+    # [tile_k, BLOCK_N] in input order: the same code dequantize_weight.py writes dense weights with
+    w = input_order(dequantized(v, unit, offset, scale, DEQUANT_ASM), x_ptr.dtype.element_ty)
     if DOT_IN_FP32:  # interpreter only: it multiplies bf16 operands as raw integers
         acc = tl.dot(tl.trans(w).to(tl.float32), tl.trans(x).to(tl.float32), acc)
     else:
@@ -266,7 +266,7 @@ def quant_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = 
     if M == 0:
         return out.reshape(*lead, N)
     config = config or choose_config(M, kw, x.dtype, x.device)
-    if not config.use_dot and M != 1:
+    if not config.use_dot and not config.dense and M != 1:
         raise ValueError(f"the GEMV configuration computes one row, got M={M}")
     launch(x2, kw, bias, out, config)
     return out.reshape(*lead, N)
@@ -276,6 +276,13 @@ def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: t
            config: MatmulConfig) -> None:
     """One configuration's launch into ``out [M, N]``; ``x2 [M, K]`` has unit column stride and its
     columns already in the weight's (act-order) order, as ``quant_matmul`` passes them."""
+    if config.dense:  # the weight dequantized into scratch, then one cuBLAS GEMM
+        weight = dense_weight(kw, x2.dtype, x2.device, config)
+        if bias is None:
+            torch.mm(x2, weight.t(), out=out)
+        else:
+            torch.addmm(bias.to(x2.dtype), x2, weight.t(), out=out)
+        return
     if not config.use_dot:  # one row: runtime/kernels/gemv.py
         launch_gemv(x2, kw, bias, out, config.block_n, config.num_warps, config.split_k, interpreting())
         return
@@ -312,6 +319,16 @@ def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: t
             target, bias if bias is not None else target, out, M, N,
             SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block,
         )
+
+
+def dense_weight(kw: KernelWeight, dtype: torch.dtype, device: torch.device,
+                 config: MatmulConfig) -> torch.Tensor:
+    """``kw`` dequantized into the (device, dtype) scratch buffer, ``[N, K]`` with inputs in the
+    weight's (act-order) order: valid until the next dense weight is written on this stream."""
+    weight = scratch(kw.out_features, kw.in_features, dtype, device)
+    dequantize_into(kw, weight, config.block_n, config.num_warps,
+                    dequant_type(kw.bits, dtype, interpreting()), not interpreting())
+    return weight
 
 
 # -- choosing a configuration -----------------------------------------------------------------------

@@ -117,6 +117,28 @@ def scaled_difference(v, unit, offset, scale, ASM: tl.constexpr):
 
 
 @triton.jit
+def dequantized(v, unit, offset, scale, ASM: tl.constexpr):
+    """``(q - zero) * scale`` from integer_tile's ``(v, unit, offset)`` and the groups' scales (in
+    v's type), rounded once to v's type as ``quant.affine.dequantize(...).to(dtype)`` rounds it: in
+    fp32 (``unit`` is 1 there) one multiply, in 16 bits scaled_difference's packed pairs."""
+    if v.dtype == tl.float32:
+        wq = (v - offset) * scale
+    else:
+        wq = scaled_difference(v, unit, offset, scale, ASM)
+    return wq
+
+
+@triton.jit
+def input_order(wq, DTYPE: tl.constexpr):
+    """dequantized's ``[Q, 4, 4, BLOCK_N, 2]`` values as the ``[tile_k, BLOCK_N]`` tile in input
+    order, in DTYPE. ``[q, a, b, n, p] -> [a, q, b, p, n]`` is input order (8 (a Q + q) + 2 b + p):
+    registers are only renamed, the values already sit where the tensor-core operand wants them."""
+    TILE_K: tl.constexpr = wq.shape[0] * 32
+    BLOCK_N: tl.constexpr = wq.shape[3]
+    return tl.reshape(tl.permute(wq, (1, 0, 2, 4, 3)), (TILE_K, BLOCK_N)).to(DTYPE)
+
+
+@triton.jit
 def tile_groups(k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
     """Group row of each scale the tile needs, broadcastable to ``[Q, 4, 4]`` ``(q, a, b)``: one when
     the tile lies in one group, else one per 16-input field ``(q, a)`` (the 16 inputs from 16 f are
