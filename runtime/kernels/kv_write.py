@@ -5,8 +5,9 @@ New tokens (many in prefill, one in decode) and the residual's rows fill blocks;
 is quantized into its physical block (min/max qparams, rounding and packing exactly as
 ``kvquant.quantize_kv``), the rest go to the residual. Two launches on one stream: the block
 quantizer reads the old residual rows before the residual writer overwrites them. Quantization
-uses IEEE division (``tl.div_rn``) and round-half-to-even like ``torch.round``, so blocks
-written on the GPU equal ``kvquant.quantize_kv`` on the CPU bit for bit.
+uses IEEE division (``tl.div_rn``) and round-half-to-even like ``torch.round``, and FP8 bytes
+are built from the bits (:func:`_e4m3_codes`, no fp32 -> fp8 cast), so blocks written on the GPU
+equal ``kvquant.quantize_kv`` on the CPU bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny, k
 _ZERO_BOUND = tl.constexpr(2.0**-14)  # scale >= max|x| * 2**-14 keeps |zero| < 2**14 (quant.affine)
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny (FP8 scale floor)
 _FP8_MAX = tl.constexpr(448.0)
+_FP8_MIN_NORMAL = tl.constexpr(2.0**-6)  # smallest normal e4m3 value
 WRITE_ROWS, WRITE_WARPS = 32, 8  # 64 rows x 4 warps spilled registers in the write kernel; 32 x 8 does not
 
 
@@ -118,16 +120,24 @@ def _store_quantized(x, data_ptr, scale_ptr, zero_ptr, plane, r0, KEYS: tl.const
 
 
 @triton.jit
-def _round_to_e4m3(y):
-    """``y`` (|y| <= 448) rounded to the nearest float8 e4m3 value, ties to even, still in fp32, so
-    the cast that follows is exact: torch's rounding, on any converter (the interpreter's drops
-    the carry of roundings that cross a power of two)."""
+def _e4m3_codes(y):
+    """The float8 e4m3fn bytes of ``y`` (|y| <= 448 or NaN) as torch's ``.to(torch.float8_e4m3fn)``
+    makes them (c10's conversion, on CPU and CUDA alike): nearest code, ties to even, the sign
+    kept (-0 and values that round to zero from below are 0x80), NaN 0x7F. Built from the bits in
+    fp32 and integer arithmetic, so no converter's rounding decides a code: Triton 3.6's ``-x`` is
+    ``0 - x`` (+0 for a zero, where torch keeps -0: the H200 run's mismatches), and the
+    interpreter's fp32 -> fp8 cast drops the carry of roundings that cross a power of two."""
     bits = y.to(tl.int32, bitcast=True)
+    mag = tl.abs(y)
     exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals step like the smallest normals
     # 1.5 * 2**(exp + 20): added to |y| it leaves e4m3's step 2**(exp - 3) as the last place kept
     magic = (((exp + 20 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
-    r = (tl.abs(y) + magic) - magic
-    return tl.where(bits < 0, -r, r)  # the sign bit, so -0 stays -0
+    r = (mag + magic) - magic  # |y| on the e4m3 grid, round half to even, >= +0
+    # normal: exponent and top 3 mantissa bits, rebiased 127 -> 7; subnormal: r / 2**-9 is 0..7, exact
+    normal = (r.to(tl.int32, bitcast=True) >> 20) - ((127 - 7) << 3)
+    code = tl.where(r >= _FP8_MIN_NORMAL, normal, (r * 512.0).to(tl.int32))
+    code = tl.where(mag != mag, 0x7F, code) | ((bits >> 24) & 0x80)  # NaN; then the sign bit
+    return code.to(tl.uint8)
 
 
 @triton.jit
@@ -152,8 +162,9 @@ def _write_block(res_ptr, new_ptr, data_ptr, scale_ptr, zero_ptr, s, h, start, b
         for r0 in range(0, B, ROWS):
             x = _load_pending(res_ptr, new_ptr, s, h, start, block_pos, r0, new_ss, new_sh, new_st, H, B, D, ROWS, CACHE)
             rows = r0 + tl.arange(0, ROWS)
-            y = _round_to_e4m3(tl.div_rn(x, scale))
-            tl.store(data_ptr + plane * B * D + rows[:, None] * D + cols[None, :], y.to(data_ptr.dtype.element_ty))
+            codes = _e4m3_codes(tl.div_rn(x, scale))  # the bytes, stored as they are
+            tl.store(data_ptr + plane * B * D + rows[:, None] * D + cols[None, :],
+                     codes.to(data_ptr.dtype.element_ty, bitcast=True))
     else:
         for r0 in range(0, B, ROWS):
             x = _load_pending(res_ptr, new_ptr, s, h, start, block_pos, r0, new_ss, new_sh, new_st, H, B, D, ROWS, CACHE)
