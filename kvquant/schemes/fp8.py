@@ -54,7 +54,9 @@ class Fp8(KVFamily):
 
     def quantize(self, x, scheme, keys) -> QuantizedKV:
         amax = x.abs().amax(dim=(-2, -1), keepdim=True).float()
-        scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        # over a tensor, not a Python number: CUDA divides by a number through its reciprocal
+        # (amax * RN(1/448) misses RN(amax / 448) for about half of all float16 amax), CPU does not
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
         return QuantizedKV((x.float() / scale).to(FP8_DTYPE), scale)
 
     def dequantize(self, qx, scheme, keys, head_dim, out) -> torch.Tensor:
