@@ -7,13 +7,27 @@ the output buffer a kernel allocates starts as NaN, and an element it never writ
 check. Errors are ``‖out − ref‖ / ‖ref‖`` against a float64 reference of the same quantized
 values, within ``runtime.tolerances``' bounds (the load-time self-check holds the kernels to the same).
 
+What the checks do NOT cover, to keep compilation (the cost on the lent GPU: a second or two of
+CPU per kernel variant) within a stage's budget: the weight check runs two fixed launch
+configurations per M regime (``launch_configs``), not the autotuner's ~17 candidates (at run time
+the tuner checks its own winner against a float64 reference before first use:
+``runtime/kernels/matmul_tuning.py``); the engine check runs every GEMM on its untimed default
+configuration (tuning switched off), since its point is the engine's paths, not the GEMM's.
+
+``shard=(i, n)`` runs every n-th case from the i-th (each case keeps its global index, hence its
+seed: the shards together are exactly the whole check), so gpu_check can spread the compilation
+over processes; ``on_result`` is called with the summary so far after each case (gpu_check keeps
+it when a stage runs out of time).
+
 With ``smoke`` the same code runs on CPU tensors through the Triton interpreter on tiny shapes
 (fp16 only: the interpreter cannot run bf16 kernels); it checks the script, not the hardware.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +41,21 @@ def device_for(smoke: bool) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is visible: run with --smoke to check the script on CPU")
     return torch.device("cuda")
+
+
+def sharded(cases: list, shard: tuple[int, int]) -> list[tuple[int, object]]:
+    """(global index, case) of every n-th case from the i-th."""
+    i, n = shard
+    if not 0 <= i < n:
+        raise ValueError(f"shard {i} of {n}: want 0 <= i < n")
+    return [(k, case) for k, case in enumerate(cases) if k % n == i]
+
+
+def summarize(results: list[dict], **extra) -> dict:
+    failed = [r for r in results if not r["passed"]]
+    worst = [r["rel_error"] for r in results if "rel_error" in r]
+    return {"passed": not failed, "cases": len(results), "failed": failed[:20], "results": results,
+            **({"worst_rel_error": max(worst)} if worst else {}), **extra}
 
 
 # ------------------------------------------------------------------------------ weight kernels
@@ -75,28 +104,43 @@ def quantized_linear(case: dict, device: torch.device, seed: int):
     return kw, dense.double()
 
 
-def check_weights(smoke: bool = False, seed: int = 0) -> dict:
+def launch_configs(M: int, kw) -> list[tuple[str, object]]:
+    """The launch configurations the weight check runs for M rows: the untimed default of M's regime
+    (``matmul_configs.candidate_configs``' first, what runs where nothing is tuned) and the first
+    candidate with other tile sizes (another tile shape, split and masking through the same kernel)."""
+    from runtime.kernels.matmul_configs import candidate_configs
+
+    candidates = candidate_configs(M, kw)
+    default = candidates[0]
+    other = next((c for c in candidates[1:] if (c.block_m, c.block_n) != (default.block_m, default.block_n)
+                  and c.use_dot == default.use_dot and not getattr(c, "dense", False)), None)
+    return [("default", default)] + ([("other-tiles", other)] if other else [])
+
+
+def check_weights(smoke: bool = False, seed: int = 0, shard: tuple[int, int] = (0, 1), on_result=None) -> dict:
+    """Every case at every M through ``launch_configs`` (fixed configurations, no autotuning)."""
     from runtime.kernels.quant_matmul import quant_matmul
 
     device = device_for(smoke)
     results = []
-    for i, case in enumerate(weight_cases(smoke)):
+    for i, case in sharded(weight_cases(smoke), shard):
         kw, dense = quantized_linear(case, device, seed + i)
         bias = torch.randn(case["n"], generator=torch.Generator().manual_seed(seed + i)).to(case["dtype"])
         for M in case["rows"]:
             x = torch.randn(M, case["k"], generator=torch.Generator().manual_seed(seed + 1000 * i + M))
             x = x.to(case["dtype"])
             ref = x.double() @ dense.T + bias.double()
-            poison(M * case["n"], case["dtype"], device)
-            out = quant_matmul(x.to(device), kw, bias.to(device)).cpu()
-            err = rel_error(out, ref)
-            bound = REL_ERROR_BOUND[case["dtype"]]
-            results.append({"bits": case["bits"], "dtype": str(case["dtype"]).removeprefix("torch."),
-                            "scheme": case["scheme"], "M": M, "N": case["n"], "K": case["k"],
-                            "rel_error": err, "bound": bound, "passed": err <= bound})
-    failed = [r for r in results if not r["passed"]]
-    return {"passed": not failed, "cases": len(results), "failed": failed[:20], "results": results,
-            "worst_rel_error": max(r["rel_error"] for r in results)}
+            for label, config in launch_configs(M, kw):
+                poison(M * case["n"], case["dtype"], device)
+                out = quant_matmul(x.to(device), kw, bias.to(device), config=config).cpu()
+                err = rel_error(out, ref)
+                bound = REL_ERROR_BOUND[case["dtype"]]
+                results.append({"bits": case["bits"], "dtype": str(case["dtype"]).removeprefix("torch."),
+                                "scheme": case["scheme"], "M": M, "N": case["n"], "K": case["k"], "config": label,
+                                "launch": str(config), "rel_error": err, "bound": bound, "passed": err <= bound})
+        if on_result:
+            on_result(summarize(results))
+    return summarize(results)
 
 
 # --------------------------------------------------------------------------- decode attention
@@ -180,13 +224,13 @@ def same_cache(a, b) -> bool:
     return torch.equal(a.residual_k.cpu(), b.residual_k.cpu()) and torch.equal(a.residual_v.cpu(), b.residual_v.cpu())
 
 
-def check_attention(smoke: bool = False, seed: int = 0) -> dict:
+def check_attention(smoke: bool = False, seed: int = 0, shard: tuple[int, int] = (0, 1), on_result=None) -> dict:
     from kvquant import parse_kv
     from runtime.kernels import attention as kernels
 
     device = device_for(smoke)
     results = []
-    for i, case in enumerate(attention_cases(smoke)):
+    for i, case in sharded(attention_cases(smoke), shard):
         lens = sequence_lengths(parse_kv(case["kv"]).block_size, smoke)
         fused, truth = filled_caches(case, lens, device, seed + i)
         q = torch.randn(len(lens), case["hq"], case["d"], generator=torch.Generator().manual_seed(seed + 7 * i))
@@ -199,9 +243,9 @@ def check_attention(smoke: bool = False, seed: int = 0) -> dict:
         written = same_cache(fused, truth)
         results.append({**case, "lens": lens, "rel_error": err, "bound": bound, "write_bit_identical": written,
                         "passed": err <= bound and written})
-    failed = [r for r in results if not r["passed"]]
-    return {"passed": not failed, "cases": len(results), "failed": failed, "results": results,
-            "worst_rel_error": max(r["rel_error"] for r in results)}
+        if on_result:
+            on_result(summarize(results))
+    return summarize(results)
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -260,12 +304,16 @@ def greedy_outputs(model, prompts: list[list[int]], new: int, chunk: int, option
         engine.shutdown()
 
 
-def check_engine(smoke: bool = False, seed: int = 0) -> dict:
+def check_engine(smoke: bool = False, seed: int = 0, shard: tuple[int, int] = (0, 1), on_result=None) -> dict:
     """Greedy tokens of the engine with CUDA graphs, without, and with the reference attention
     path, for fp16 and W4 weights and fp16/INT8/INT4 caches, on a prompt mix that crosses blocks
     and prefill chunks; a difference passes only where the float model's top-2 logits were within
-    ``tolerance`` (exact equality flakes on hardware)."""
+    ``tolerance`` (exact equality flakes on hardware). The W4 GEMMs run their untimed default
+    configurations: GEMM tuning is switched off here (``quant_matmul.tunes_on``), since an Engine
+    would otherwise time ~17 candidates for every Linear shape at each of its 20 M buckets (100
+    tunings, 81 compiles: ``python -m bench.gpu_compiles``) and this check is about the engine."""
     from evals.serving import random_model
+    from runtime.kernels import quant_matmul
 
     device = device_for(smoke)
     dtype = torch.float32 if smoke else torch.float16
@@ -274,18 +322,21 @@ def check_engine(smoke: bool = False, seed: int = 0) -> dict:
     if device.type == "cuda":
         variants["triton-graphs"] = dict(attention="triton", cuda_graphs=True)
     lengths, new, chunk = ([5, 19, 40], 6, 16) if smoke else ([7, 130, 300, 517], 48, 256)
-    rng = random.Random(seed)
     results = []
-    for model_name, config, weights, kv in engine_grid(smoke):
-        model = random_model(config, weights, kv, device, dtype, seed)
-        prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)] for n in lengths]
-        want = greedy_outputs(model, prompts, new, chunk, dict(attention="reference", cuda_graphs=False))
-        for name, options in variants.items():
-            got = greedy_outputs(model, prompts, new, chunk, options)
-            bad = [first_real_divergence(model, p, a, b, tolerance) for p, a, b in zip(prompts, want, got)]
-            results.append({"model": model_name, "weights": weights, "kv": kv, "variant": name, "vs": "reference",
-                            "tokens": sum(map(len, got)), "diverged_at": bad, "passed": all(b is None for b in bad)})
-        del model
-    failed = [r for r in results if not r["passed"]]
-    return {"passed": not failed, "cases": len(results), "failed": failed, "results": results,
-            "tolerance": tolerance, "graphs_checked": "triton-graphs" in variants}
+    untuned = mock.patch.object(quant_matmul, "tunes_on", lambda device: False)
+    with untuned if device.type == "cuda" else contextlib.nullcontext():
+        for i, (model_name, config, weights, kv) in sharded(engine_grid(smoke), shard):
+            model = random_model(config, weights, kv, device, dtype, seed)
+            rng = random.Random(seed + i)
+            prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)] for n in lengths]
+            want = greedy_outputs(model, prompts, new, chunk, dict(attention="reference", cuda_graphs=False))
+            for name, options in variants.items():
+                got = greedy_outputs(model, prompts, new, chunk, options)
+                bad = [first_real_divergence(model, p, a, b, tolerance) for p, a, b in zip(prompts, want, got)]
+                results.append({"model": model_name, "weights": weights, "kv": kv, "variant": name,
+                                "vs": "reference", "tokens": sum(map(len, got)), "diverged_at": bad,
+                                "passed": all(b is None for b in bad)})
+            del model
+            if on_result:
+                on_result(summarize(results, tolerance=tolerance, graphs_checked="triton-graphs" in variants))
+    return summarize(results, tolerance=tolerance, graphs_checked="triton-graphs" in variants)

@@ -1,41 +1,50 @@
 """One command that proves the GPU runtime correct on a lent GPU and measures its speed.
 
-    python bench/gpu_check.py [--stages env,weights,...] [--commit SHA] [--out PATH]
+    python bench/gpu_check.py --commit SHA --call 1    # then --call 2: the whole check, two device calls
+    python bench/gpu_check.py [--stages env,weights+attention,...] [--commit SHA] [--out PATH]
     python bench/gpu_check.py --smoke      # CPU + Triton interpreter, tiny shapes: checks this script
     python -m bench.gpu_check ...          # the same: the other benches run only this way
                                            # (refused on a GPU machine, and where the interpreter is broken)
-    make gpu-check                         # the same, with the machine's python3
+    make gpu-check CALL=1                  # the same, with the machine's python3
 
-Stages, in the default order (correctness first):
+Stages (correctness first):
 
   env              device, SM count, clocks, driver, versions, commit; copy bandwidth and bf16 matmul rate
-  weights          W4/W8 kernels, fp16/bf16, sym/asym, g64/g128/per-channel, act-order, M 1..300 vs float64
+  weights          W4/W8 kernels, fp16/bf16, sym/asym, g64/g128/per-channel, act-order, M 1..300 vs float64,
+                   each on two fixed launch configurations per M regime (no autotuning)
   attention        decode attention over fp16/fp8/int8/int4/int2 caches, GQA 4:1 and 1:1, windows vs float64;
                    quantize-on-write bit-identical to kv_reference (kvquant)
   engine           engine greedy tokens: CUDA graphs / eager Triton / reference attention, two random models
+                   (GEMMs on their default configurations: no tuning)
   tests            the CUDA-capable pytest files, compiled on the GPU (tests needing a package the machine
                    lacks, e.g. greenlet for calibration, skip and are listed; env lists the absent packages)
   kernel-speed     bench/kernels.py: Llama-3 8B and 70B shapes, M = 1, 16, 4096, against cuBLAS fp16 and
-                   PyTorch's int4 kernel (tinygemm) in the same process
+                   PyTorch's int4 kernel (tinygemm) in the same process, one shape at a time (its matmul
+                   candidates compiled first in parallel processes: bench/gpu_compiles.py; engine-speed too)
   attention-speed  bench/attention.py: batch 1 and 32, context 8k and 32k, default launch configuration
-  engine-speed     lowbit bench: fp16, W4 g128, W4 + INT4 KV; batch 1 and 32, prompt 512, 128 new tokens;
-                   transformers generate fp16 as the baseline
+                   and the five others of its sweep
+  engine-speed     lowbit bench: transformers generate fp16 (the baseline) first, then fp16, W4 g128,
+                   W4 + INT4 KV; batch 1 and 32, prompt 512, 128 new tokens
 
-Each stage runs in a child process with its own time budget; a stage that fails or runs out of
-time records why (its traceback, its output's tail) and the next one runs. The results file,
+Each stage runs in child processes with its own time budget; a stage that fails or runs out of
+time records why (its traceback, its output's tail) and the next one runs. A stage saves what it
+has after each case, shape or row (``report``), so one cut at its budget keeps what it measured.
+``--stages`` runs its comma-separated steps in order; ``a+b`` runs stages a and b at once (the
+correctness stages only: they time nothing, and compiling, their cost, is one CPU core per
+process), and a stage with shards splits its cases over that many processes. The results file,
 ``bench/results/gpu/<device>-<commit>.json`` (and a copy in ``$OUT`` where the device tool sets
-it), is rewritten as each stage ends, so a run cut off at its limit keeps what it measured; a
-second call with other ``--stages`` adds to the same file. On the device machine there is no git:
-pass ``--commit``. The whole check fits two calls under 9 minutes each:
+it), is rewritten as each stage ends; a second call adds to the same file. On the device machine
+there is no git: pass ``--commit``.
 
-    python bench/gpu_check.py --commit SHA --stages env,weights,attention,engine,tests
-    python bench/gpu_check.py --commit SHA --stages kernel-speed,attention-speed,engine-speed
-
-The table printed last gives each stage's pass/fail and the headline ratios against their targets
-(issues 15 and 16; bench/README.md), each speed figure with the torch and Triton versions that made
-it. ``--smoke`` times nothing that means anything and says so. No real stage runs the Triton
-interpreter (TRITON_INTERPRET is dropped from their environment): Triton 3.6's, the lent machine's,
-fails under numpy >= 2.4.
+The two calls (``CALLS``) fit the device's budget: 15 minutes in all, start-up and idle included,
+so two commands of about 5.5 minutes each (budgets below, from the first run's walls). When call
+1 ends early, call 2 may take the time left: ``--budget-scale`` = (the device's budget_left_s less
+~90 s for start-up and hand-back) / 315, the sum of call 2's budgets. The table
+printed last gives each stage's pass/fail and the headline ratios against their targets (issues
+15 and 16; bench/README.md), each speed figure with the torch and Triton versions that made it.
+``--smoke`` times nothing that means anything and says so. No real stage runs the Triton
+interpreter (TRITON_INTERPRET is dropped from their environment): Triton 3.6's, the lent
+machine's, fails under numpy >= 2.4.
 """
 
 from __future__ import annotations
@@ -44,12 +53,14 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,61 +68,90 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # `python bench/gpu_check.py`, the lent GPU machine's documented command: bench/ is
     sys.path.insert(0, str(ROOT))  # what Python put on the path, and `bench.*` needs the repository root
 
-from bench import gpu_stages  # noqa: E402
+from bench import gpu_headlines, gpu_stages  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     budget_s: int  # on the GPU; a smoke run gets SMOKE_BUDGET_S
-    run: object  # gpu_stages function: (smoke) -> dict with "passed"
+    run: object  # gpu_stages function: (smoke, shard, report) -> dict with "passed"
+    shards: int = 1  # processes that split its cases (correctness stages: compiling is one core each)
 
 
-# Budgets (seconds on the GPU) are guesses until a run measures the stages: each call of the
-# two-call split sums to 510 s, inside the device's 10-minute limit with start-up to spare.
+# Budgets (seconds on the GPU). First run (H200, 1213cd1, every stage alone, ~17 autotuned candidates
+# per GEMM shape and M bucket): env 15 s, attention 46 s, kernel-speed 129 s, attention-speed 27 s
+# (no sweep); weights, engine and tests ran out of 100, 120 and 128 s, engine-speed of the call after
+# its fp16 rows. Since then (bench/results/gpu/NOTES.md, `python -m bench.gpu_compiles`): weights
+# runs 2 fixed configurations (was 80 tunings, 1216 candidates, 870 compiles) over 8 processes, the
+# engine check no tuning (was 100 tunings, 81 compiles) over 4, tests one process per file.
 STAGES = [
-    Stage("env", 60, gpu_stages.environment),
-    Stage("weights", 100, gpu_stages.weights),
-    Stage("attention", 80, gpu_stages.attention),
-    Stage("engine", 120, gpu_stages.engine),
-    Stage("tests", 150, gpu_stages.tests),
-    Stage("kernel-speed", 170, gpu_stages.kernel_speed),
-    Stage("attention-speed", 120, gpu_stages.attention_speed),
-    Stage("engine-speed", 220, gpu_stages.engine_speed),
+    Stage("env", 25, gpu_stages.environment),
+    Stage("weights", 150, gpu_stages.weights, shards=8),
+    Stage("attention", 150, gpu_stages.attention, shards=2),
+    Stage("engine", 150, gpu_stages.engine, shards=4),
+    Stage("tests", 150, gpu_stages.tests, shards=len(gpu_stages.GPU_TEST_FILES)),
+    Stage("kernel-speed", 145, gpu_stages.kernel_speed),
+    Stage("attention-speed", 60, gpu_stages.attention_speed),
+    Stage("engine-speed", 255, gpu_stages.engine_speed),
 ]
 BY_NAME = {s.name: s for s in STAGES}
+# Each call's steps: ~25 + 150 + 145 = 320 s and 60 + 255 = 315 s of budgets, plus a few seconds of
+# Python start-up per step: inside 5.5 minutes each.
+CALLS = {
+    1: "env,weights+attention+engine+tests,kernel-speed",
+    2: "attention-speed,engine-speed",
+}
 SMOKE_BUDGET_S = 600
+SMOKE_SHARDS = 2  # a smoke run splits stages in two at most (CI has 2 cores): the merge is still checked
 TAIL_LINES = 40
 
 
 def run_stage(stage: Stage, args, budget: int) -> dict:
-    """The stage in a child process: its output streams through, its result comes back as JSON."""
+    """The stage's shards, each in a child process, at once; their results merged."""
+    shards = min(stage.shards, SMOKE_SHARDS) if args.smoke else stage.shards
+    started = time.time()
+    with ThreadPoolExecutor(max_workers=shards) as pool:
+        parts = list(pool.map(lambda i: run_child(stage, args, budget, (i, shards)), range(shards)))
+    merged = gpu_stages.merge_shards([{k: v for k, v in p.items() if k != "output_tail"} for p in parts])
+    tail = [line for p in parts for line in p["output_tail"]][-TAIL_LINES:]
+    return {**merged, "shards": shards, "wall_s": round(time.time() - started, 1), "budget_s": budget,
+            "output_tail": tail}
+
+
+def run_child(stage: Stage, args, budget: int, shard: tuple[int, int]) -> dict:
+    """One child process: its output streams through, its result (or, cut at the budget, what it
+    reported last) comes back as JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "bench.gpu_check", "--child", stage.name, "--child-out", str(result_file)]
-        if args.smoke:
-            cmd.append("--smoke")
-        env = child_env(args.smoke, args.commit)
+        cmd = child_command(stage.name, result_file, shard, args.smoke)
+        label = stage.name if shard[1] == 1 else f"{stage.name} {shard[0] + 1}/{shard[1]}"
         started = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=ROOT)
+        # its own process group: a cut stage's grandchildren (pytest) stop with it
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=child_env(args.smoke, args.commit), cwd=ROOT, start_new_session=True)
         tail = collections.deque(maxlen=TAIL_LINES)
-        reader = threading.Thread(target=_relay, args=(proc.stdout, stage.name, tail), daemon=True)
+        reader = threading.Thread(target=_relay, args=(proc.stdout, label, tail), daemon=True)
         reader.start()
         try:
             proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reader.join(timeout=5)
         wall = time.time() - started
-        if result_file.exists():
-            result = json.loads(result_file.read_text())
-        elif wall >= budget:
-            result = {"passed": False, "error": f"ran out of its {budget} s budget"}
-        else:
-            result = {"passed": False, "error": f"the child process died (exit {proc.returncode})"}
-        return {**result, "wall_s": round(wall, 1), "budget_s": budget, "output_tail": list(tail)}
+        result = json.loads(result_file.read_text()) if result_file.exists() else None
+        if result is None or result.get("partial"):
+            why = (f"ran out of its {budget} s budget" if wall >= budget
+                   else f"the child process died (exit {proc.returncode})")
+            kept = "; what it had measured is kept" if result else ""
+            result = {**(result or {}), "passed": False, "error": f"{label}: {why}{kept}"}
+        return {**result, "wall_s": round(wall, 1), "output_tail": list(tail)}
+
+
+def child_command(name: str, result_file: Path, shard: tuple[int, int], smoke: bool) -> list[str]:
+    return [sys.executable, "-m", "bench.gpu_check", "--child", name, "--child-out", str(result_file),
+            "--shard", f"{shard[0]}/{shard[1]}"] + (["--smoke"] if smoke else [])
 
 
 def child_env(smoke: bool, commit: str) -> dict:
@@ -139,13 +179,26 @@ def _relay(stream, name: str, tail) -> None:
         tail.append(line.rstrip("\n"))
 
 
-def child(name: str, out: Path, smoke: bool) -> None:
-    """Inside the child: run one stage, write its result (or its traceback)."""
+def child(name: str, out: Path, smoke: bool, shard: tuple[int, int]) -> None:
+    """Inside the child: run one stage (or shard), saving what it reports as it goes (marked
+    partial), then its result or its traceback."""
+    def report(partial: dict) -> None:
+        write_json(out, {**partial, "partial": True})
+
     try:
-        result = BY_NAME[name].run(smoke)
+        result = BY_NAME[name].run(smoke, shard=shard, report=report)
     except BaseException:  # noqa: BLE001 - a stage's failure of any kind is its result
-        result = {"passed": False, "error": traceback.format_exc(limit=20)}
-    out.write_text(json.dumps(result, indent=1, default=str))
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        result = {**kept, "partial": False, "passed": False, "error": traceback.format_exc(limit=20)}
+    write_json(out, result)
+
+
+def write_json(path: Path, record: dict) -> None:
+    """Atomically: a reader (or a kill) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    partial.replace(path)
 
 
 def results_path(args, device_name: str) -> Path:
@@ -159,34 +212,43 @@ def results_path(args, device_name: str) -> Path:
 
 
 def save(record: dict, path: Path) -> None:
-    """Write atomically, and a copy into $OUT when the device tool set it (only $OUT comes back)."""
-    text = json.dumps(record, indent=1, default=str) + "\n"
-    targets = [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])
-    for target in targets:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        partial.write_text(text)
-        partial.replace(target)
+    """The results file, and a copy into $OUT when the device tool set it (only $OUT comes back)."""
+    for target in [path] + ([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else []):
+        write_json(target, record)
+
+
+def plan(args, ap) -> list[list[str]]:
+    """The steps to run: ``--call N``'s preset or ``--stages`` (commas: steps in order; ``+``: stages
+    of one step, run at once); by default both calls' steps."""
+    if args.call and args.stages:
+        ap.error("--call and --stages: give one")
+    text = CALLS[args.call] if args.call else args.stages or ",".join(CALLS.values())
+    steps = [[n.strip() for n in step.split("+") if n.strip()] for step in text.split(",") if step.strip()]
+    unknown = [n for step in steps for n in step if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+    return steps
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stages", default=",".join(s.name for s in STAGES),
-                    help="comma-separated, run in the order given")
+    ap.add_argument("--call", type=int, choices=sorted(CALLS), help="one device call's preset: " + "; ".join(
+        f"{n}: {text}" for n, text in CALLS.items()))
+    ap.add_argument("--stages", help="steps in order, comma-separated; a+b: stages run at once (default: "
+                                     "both calls' steps)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
     ap.add_argument("--commit", default=None, help="the commit under test (default: git, else 'unknown')")
     ap.add_argument("--out", type=Path, help="results JSON (default: bench/results/gpu/<device>-<commit>.json)")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every stage's time budget")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.child_out, args.smoke)
+        child(args.child, args.child_out, args.smoke, tuple(int(v) for v in args.shard.split("/")))
         return 0
-    names = [n.strip() for n in args.stages.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BY_NAME]
-    if unknown:
-        ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+    steps = plan(args, ap)
+    names = [n for step in steps for n in step]
     if args.smoke and smoke_refusal():
         ap.error(smoke_refusal())
     args.commit = args.commit or gpu_stages.commit()
@@ -197,14 +259,22 @@ def main(argv=None) -> int:
         "note": "smoke: CPU + Triton interpreter on tiny shapes; no number in it means anything about speed"
         if args.smoke else "GPU run", "stages": {}}
     print(f"gpu_check: {device_name}, commit {args.commit}; stages {', '.join(names)}; results -> {path}", flush=True)
-    for name in names:
+    lock = threading.Lock()
+
+    def run_and_save(name: str) -> None:
         stage = BY_NAME[name]
         budget = SMOKE_BUDGET_S if args.smoke else round(stage.budget_s * args.budget_scale)
-        record["stages"][name] = {**run_stage(stage, args, budget), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        save(record, path)
-    record["headlines"] = gpu_stages.headlines(record["stages"])
+        result = {**run_stage(stage, args, budget), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        with lock:
+            record["stages"][name] = result
+            save(record, path)
+
+    for step in steps:
+        with ThreadPoolExecutor(max_workers=len(step)) as pool:
+            list(pool.map(run_and_save, step))
+    record["headlines"] = gpu_headlines.headlines(record["stages"])
     save(record, path)
-    print(gpu_stages.summary_table(record, names))
+    print(gpu_headlines.summary_table(record, names))
     print(f"results: {path}")
     return 0 if all(record["stages"][n].get("passed") for n in names) else 1
 

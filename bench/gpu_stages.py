@@ -1,9 +1,11 @@
-"""The stages of bench/gpu_check.py, each a function ``(smoke) -> dict`` run in its own child
-process, and the headline table made from their results.
+"""The stages of bench/gpu_check.py, each a function ``(smoke, shard, report) -> dict`` run in its
+own child process, and the headline table made from their results.
 
 A stage's dict has ``passed`` (it ran and what it checks held) and its raw data. Speed stages
 pass when their benchmark ran (each checks its kernels' output before timing them); whether the
-speed met its target is a headline, reported beside, never hidden in ``passed``.
+speed met its target is a headline, reported beside, never hidden in ``passed``. ``report(dict)``
+saves what the stage has so far (after each case, shape, batch or row): a stage cut at its budget
+keeps it. ``shard=(i, n)``: the i-th of n processes that split a stage's cases (``merge_shards``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import math
 import os
 import platform
 import re
@@ -117,7 +118,7 @@ def missing_imports() -> dict:
     return missing
 
 
-def environment(smoke: bool) -> dict:
+def environment(smoke: bool, shard=(0, 1), report=None) -> dict:
     import torch
 
     from evals.diagnose import measure_ceilings
@@ -150,39 +151,73 @@ def environment(smoke: bool) -> dict:
 # ------------------------------------------------------------------------------- correctness
 
 
-def _correctness(check: str, smoke: bool) -> dict:
+def _correctness(check: str, smoke: bool, shard: tuple[int, int], report) -> dict:
     interpret_if(smoke)
     from bench import correctness
 
-    result = getattr(correctness, check)(smoke=smoke)
+    result = getattr(correctness, check)(smoke=smoke, shard=shard, on_result=report)
     print(f"{check}: {result['cases'] - len(result['failed'])}/{result['cases']} cases passed")
     for failure in result["failed"][:10]:
         print(f"  FAILED {json.dumps(failure, default=str)}")
     return result
 
 
-def weights(smoke: bool) -> dict:
-    return _correctness("check_weights", smoke)
+def weights(smoke: bool, shard=(0, 1), report=None) -> dict:
+    return _correctness("check_weights", smoke, shard, report)
 
 
-def attention(smoke: bool) -> dict:
-    return _correctness("check_attention", smoke)
+def attention(smoke: bool, shard=(0, 1), report=None) -> dict:
+    return _correctness("check_attention", smoke, shard, report)
 
 
-def engine(smoke: bool) -> dict:
-    return _correctness("check_engine", smoke)
+def engine(smoke: bool, shard=(0, 1), report=None) -> dict:
+    return _correctness("check_engine", smoke, shard, report)
 
 
-def tests(smoke: bool) -> dict:
+def tests(smoke: bool, shard=(0, 1), report=None) -> dict:
     """The CUDA-capable test files, run compiled on the GPU (CI runs them in the interpreter; a
-    smoke run only collects them)."""
-    files = [f for f in GPU_TEST_FILES if (ROOT / f).exists()]
-    result = run_pytest(files, collect_only=smoke)
+    smoke run only collects them): this shard's files one pytest each, reported as each ends."""
+    i, n = shard
+    files = [f for f in GPU_TEST_FILES if (ROOT / f).exists()][i::n]
+    parts = []
+    for file in files:
+        parts.append(run_pytest([file], collect_only=smoke))
+        if report:
+            report(merge_shards(parts))
+    result = merge_shards(parts) if parts else {"passed": True, "counts": {}, "files": []}
     result["absent_packages"] = absent_packages()
-    if result["skipped_for_absent_packages"]:
+    if result.get("skipped_for_absent_packages"):
         print(f"skipped for absent packages: {sum(s['tests'] for s in result['skipped_for_absent_packages'])} "
               f"({', '.join(sorted(result['absent_packages']))})")
     return result
+
+
+def merge_shards(parts: list[dict]) -> dict:
+    """One stage result from its shards' (or a tests shard's files'): passed only if every part
+    passed; lists joined, counts and cases added, the worst error kept, each part's error kept."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = {"passed": all(p.get("passed") for p in parts)}
+    for part in parts:
+        for key, value in part.items():
+            if key in ("passed", "wall_s", "budget_s", "output_tail"):
+                continue
+            if isinstance(value, list):
+                merged[key] = merged.get(key, []) + value
+            elif key == "cases":
+                merged[key] = merged.get(key, 0) + value
+            elif key == "counts":
+                merged[key] = {k: merged.get(key, {}).get(k, 0) + value.get(k, 0)
+                               for k in {**merged.get(key, {}), **value}}
+            elif key == "worst_rel_error":
+                merged[key] = max(merged.get(key, value), value)
+            elif key == "error":
+                merged[key] = (merged[key] + "\n" if key in merged else "") + value
+            else:
+                merged.setdefault(key, value)
+    if "failed" in merged:
+        merged["failed"] = merged["failed"][:20]
+    return merged
 
 
 def run_pytest(files: list[str], collect_only: bool = False, args: tuple = (), env: dict | None = None) -> dict:
@@ -191,18 +226,36 @@ def run_pytest(files: list[str], collect_only: bool = False, args: tuple = (), e
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", "not slow", *files, *args]
     if collect_only:
         cmd.append("--collect-only")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    print(proc.stdout[-6000:], proc.stderr[-2000:])
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|tests? collected)", proc.stdout)}
-    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:  # streamed: a stage cut at its budget still shows how far pytest got
+        print(line, end="", flush=True)
+        lines.append(line)
+    proc.wait()
+    text = "".join(lines)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|tests? collected)", text)}
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)
     skips = [{"tests": int(n), "reason": reason}  # pytest folds equal reasons into one line
-             for n, reason in re.findall(r"^SKIPPED \[(\d+)\] (.+)$", proc.stdout, flags=re.M)]
+             for n, reason in re.findall(r"^SKIPPED \[(\d+)\] (.+)$", text, flags=re.M)]
     absent = [s for s in skips if any(re.search(rf"\b{name}\b", s["reason"]) for name in OPTIONAL_PACKAGES)]
     return {"passed": proc.returncode == 0, "exit_code": proc.returncode, "counts": counts, "failures": failures,
             "skipped": skips, "skipped_for_absent_packages": absent, "files": files, "collect_only": collect_only}
 
 
 # ------------------------------------------------------------------------------------- speed
+
+
+def precompile(stage: str) -> dict | None:
+    """The stage's quantized-matmul compiles done first, in parallel processes
+    (``bench.gpu_compiles.precompile``); whatever goes wrong there, the stage compiles them itself."""
+    from bench import gpu_compiles
+
+    try:
+        result = gpu_compiles.precompile(stage)
+    except Exception as e:  # noqa: BLE001 - a failed head start costs its time, nothing else
+        result = {"stage": stage, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"precompile: {json.dumps(result)}", flush=True)
+    return result
 
 
 def _bench_record(run) -> dict:
@@ -212,133 +265,68 @@ def _bench_record(run) -> dict:
         return json.loads(out.read_text())
 
 
-def kernel_speed(smoke: bool) -> dict:
+def kernel_speed(smoke: bool, shard=(0, 1), report=None) -> dict:
+    """bench/kernels.py one shape at a time (each run measures the ceilings again, ~1 s), so a cut
+    stage keeps the shapes it finished; ratios and targets over all of them."""
     from bench import kernels
 
-    argv = ["--smoke"] if smoke else ["--ms", "1", "16", "4096", "--samples", "20"]
-    record = _bench_record(lambda out: kernels.main([*argv, "--out", str(out)]))
-    return {"passed": True, "versions": stack_versions(), "record": record}
+    head_start = None if smoke else precompile("kernel-speed")
+    record = None
+    for shape in [None] if smoke else kernels.SHAPES:
+        argv = ["--smoke"] if smoke else ["--shapes", shape, "--ms", "1", "16", "4096", "--samples", "20"]
+        part = _bench_record(lambda out: kernels.main([*argv, "--out", str(out)]))
+        if record is None:
+            record = part
+        else:
+            record["results"] += part["results"]
+            record["wall_s"] += part["wall_s"]
+        record["ratios"] = kernels.ratios(record["results"])
+        record["targets"] = [] if smoke else kernels.targets(record["results"], record["ceilings"])
+        if report:
+            report({"passed": True, "versions": stack_versions(), "precompile": head_start, "record": record})
+    return {"passed": True, "versions": stack_versions(), "precompile": head_start, "record": record}
 
 
-def attention_speed(smoke: bool) -> dict:
+def attention_speed(smoke: bool, shard=(0, 1), report=None) -> dict:
+    """bench/attention.py one (batch, context) at a time, with its launch-configuration sweep (five
+    configurations beside the default): a cut stage keeps the cases it finished."""
     from bench import attention as bench_attention
 
-    argv = ["--smoke"] if smoke else ["--batches", "1", "32", "--contexts", "8192", "32768", "--samples", "20"]
-    record = _bench_record(lambda out: bench_attention.main([*argv, "--no-sweep", "--out", str(out)]))
+    record = None
+    cases = [None] if smoke else [(b, c) for b in (1, 32) for c in (8192, 32768)]
+    for case in cases:
+        argv = ["--smoke"] if smoke else ["--batches", str(case[0]), "--contexts", str(case[1]), "--samples", "20"]
+        part = _bench_record(lambda out: bench_attention.main([*argv, "--out", str(out)]))
+        if record is None:
+            record = part
+        else:
+            record["rows"] += part["rows"]
+        record["targets"] = [] if smoke else bench_attention.evaluate_targets(record["rows"],
+                                                                             record["copy_bytes_per_s"])
+        if report:
+            report({"passed": True, "versions": stack_versions(), "record": record})
     return {"passed": True, "versions": stack_versions(), "record": record}
 
 
-def engine_speed(smoke: bool) -> dict:
+def engine_speed(smoke: bool, shard=(0, 1), report=None) -> dict:
+    """lowbit bench's serving run: transformers' baseline first (a minute's work at most, and every
+    'ahead of transformers' headline needs it), then fp16, W4, W4 + INT4 KV, each row saved as it
+    ends (the W4 engine's start-up tunes every Linear at 24 M buckets: the long part)."""
     interpret_if(smoke)
     from evals import serving
 
-    record = serving.run(smoke=smoke, configs=tuple(serving.CONFIGS), batches=(1, 32), prompt_lens=(512,),
-                         output_len=128, arrivals=0, baseline=True, prefill_chunk=4096)
+    common = dict(smoke=smoke, batches=(1, 32), prompt_lens=(512,), output_len=128, arrivals=0, prefill_chunk=4096)
+    baseline = serving.run(configs=(), baseline=True, **common)
+    transformers_rows, head_start = baseline["transformers"], None
+
+    def save(record):
+        record["transformers"] = transformers_rows
+        if report:
+            report({"passed": True, "versions": stack_versions(), "precompile": head_start, "record": record})
+
+    save(baseline)
+    head_start = None if smoke else precompile("engine-speed")
+    record = serving.run(configs=tuple(serving.CONFIGS), baseline=False, on_row=save, **common)
+    record["transformers"] = transformers_rows
     print(serving.table(record))
-    return {"passed": True, "versions": stack_versions(), "record": record}
-
-
-# ---------------------------------------------------------------------------------- headlines
-
-ENGINE_TARGETS = {"w4_itl_vs_fp16": 2.8, "w4_int4kv_itl_vs_fp16": 3.0, "bandwidth_floor_fraction": 0.7}
-
-
-def _engine_headlines(record: dict, copy_bw: float | None) -> list[dict]:
-    batch1 = {r["config"]: r for r in record["engine"] if r.get("batch") == 1 and "mode" not in r}
-    out = []
-
-    def itl(config):
-        r = batch1.get(config)
-        return r and r["itl_s"]["mean"]
-
-    for config, key in (("w4g128", "w4_itl_vs_fp16"), ("w4g128+kv-int4", "w4_int4kv_itl_vs_fp16")):
-        if itl(config) and itl("fp16"):
-            ratio = itl("fp16") / itl(config)
-            out.append({"target": f"{config} batch-1 ITL >= {ENGINE_TARGETS[key]}x faster than fp16 "
-                                  f"(prompt {batch1[config]['prompt_len']})",
-                        "measured": round(ratio, 3), "met": ratio >= ENGINE_TARGETS[key]})
-    for config, r in batch1.items():
-        if copy_bw and r.get("bytes_per_step") and r["itl_s"]["mean"]:
-            frac = r["bytes_per_step"] / copy_bw / r["itl_s"]["mean"]
-            goal = ENGINE_TARGETS["bandwidth_floor_fraction"]
-            out.append({"target": f"{config} batch-1 ITL >= {goal:.0%} of the bandwidth floor",
-                        "measured": round(frac, 3), "met": frac >= goal})
-    hf = {(r["batch"], r["prompt_len"]): r["output_tokens_per_s"] for r in record.get("transformers", [])}
-    for r in record["engine"]:
-        base = hf.get((r.get("batch"), r.get("prompt_len")))
-        if base:
-            ratio = r["output_tokens_per_s"] / base
-            out.append({"target": f"{r['config']} batch {r['batch']} prompt {r['prompt_len']} ahead of "
-                                  "transformers fp16 (tok/s)",
-                        "measured": round(ratio, 3), "met": ratio > 1.0})
-    return out
-
-
-def headlines(stages: dict) -> dict:
-    """Per stage: the lines of the table (targets with measured values, or check counts)."""
-    copy_bw = stages.get("env", {}).get("ceilings", {}).get("copy_bytes_per_s")
-    out = {}
-    for name, s in stages.items():
-        if "error" in s:
-            out[name] = [{"target": "stage ran", "measured": s["error"].strip().splitlines()[-1][:160], "met": False}]
-        elif name == "env":
-            c = s["ceilings"]
-            v = s["versions"]
-            out[name] = [{"target": "ceilings", "measured": f"copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
-                                                            f"{c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", "met": None},
-                         {"target": "stack", "measured": f"torch {v['torch']}, triton {v['triton']}, "
-                                                         f"numpy {v['numpy']}", "met": None},
-                         {"target": "absent optional packages",
-                          "measured": ", ".join(s.get("absent_packages", {})) or "none", "met": None}]
-        elif name in ("weights", "attention", "engine"):
-            good = s["cases"] - len(s["failed"])
-            worst = f", worst rel. error {s['worst_rel_error']:.1e}" if "worst_rel_error" in s else ""
-            out[name] = [{"target": "cases correct", "measured": f"{good}/{s['cases']}{worst}", "met": s["passed"]}]
-        elif name == "tests":
-            absent = sum(skip["tests"] for skip in s.get("skipped_for_absent_packages", []))
-            out[name] = [{"target": "pytest", "measured": ", ".join(f"{n} {k}" for k, n in s["counts"].items())
-                          + (f" ({absent} for absent {', '.join(s['absent_packages'])})" if absent else ""),
-                          "met": s["passed"]}]
-        elif name == "kernel-speed":
-            out[name] = s["record"].get("targets", []) + _peer_headlines(s["record"])
-        elif name == "attention-speed":
-            out[name] = s["record"].get("targets", [])
-        elif name == "engine-speed":
-            out[name] = _engine_headlines(s["record"], copy_bw)
-        if "versions" in s and name in out:  # a speed figure is read with the stack that made it
-            for line in out[name]:
-                line["versions"] = f"torch {s['versions']['torch']}, triton {s['versions']['triton']}"
-    return out
-
-
-def _peer_headlines(record: dict) -> list[dict]:
-    """Per row count M: our speed-up over cuBLAS fp16 and over PyTorch's int4 kernel, as the geometric
-    mean over the shapes where both ran (no target: the peer is there to read ours against)."""
-    lines = []
-    for M in sorted({r["M"] for r in record.get("ratios", [])}):
-        for peer in ("torch_fp16", "torch_int4"):
-            got = [r[f"vs_{peer}"] for r in record["ratios"] if r["M"] == M and r.get(f"vs_{peer}")]
-            if got:
-                mean = math.exp(sum(math.log(v) for v in got) / len(got))
-                lines.append({"target": f"M={M} vs {peer.replace('_', '-')} (geomean of {len(got)} shapes)",
-                              "measured": round(mean, 3), "met": None})
-    return lines
-
-
-def summary_table(record: dict, names: list[str]) -> str:
-    versions = next((s["versions"] for s in record["stages"].values() if "versions" in s), None)
-    lines = [f"gpu_check on {record['device']}, commit {record['commit']}"
-             + (f", torch {versions['torch']}, triton {versions['triton']}" if versions else "")
-             + (" (SMOKE: CPU interpreter, no timing means anything)" if record.get("smoke") else ""),
-             f"{'stage':<16} {'result':<6} {'wall':>7}  headline",
-             "-" * 100]
-    for name in names:
-        s = record["stages"][name]
-        heads = record["headlines"].get(name) or [{"target": "no targets (smoke, or none measured)",
-                                                   "measured": "-", "met": None}]
-        for i, h in enumerate(heads):
-            met = "" if h["met"] is None else ("  [met]" if h["met"] else "  [NOT met]")
-            left = f"{name:<16} {'pass' if s.get('passed') else 'FAIL':<6} {s['wall_s']:>6.0f}s" if i == 0 else " " * 31
-            measured = f"{h['measured']:.3g}" if isinstance(h["measured"], float) else h["measured"]
-            lines.append(f"{left}  {h['target']}: {measured}{met}")
-    return "\n".join(lines)
+    return {"passed": True, "versions": stack_versions(), "precompile": head_start, "record": record}

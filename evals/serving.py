@@ -245,10 +245,13 @@ def kv_budget(device: torch.device, reserve: int) -> int | None:
 
 def run(smoke: bool = False, configs=tuple(CONFIGS), batches=(1, 8, 32), prompt_lens=(512, 4096), output_len=256,
         arrivals: int = 64, rate: float = 4.0, baseline: bool = True, prefill_chunk: int = 4096,
-        reserve_bytes: int = 8 * 2**30, seed: int = 0, progress=print) -> dict:
-    """Every case; returns the results record (with device, versions and commit)."""
+        reserve_bytes: int = 8 * 2**30, seed: int = 0, progress=print, on_row=None) -> dict:
+    """Every case; returns the results record (with device, versions and commit). ``on_row(record)``
+    is called after each case's row is added, so a caller cut off mid-run keeps the finished rows."""
     from evals.provenance import commit, provenance
     from runtime.engine import Engine
+
+    on_row = on_row or (lambda record: None)
 
     code_version = commit()  # before the run: a commit made meanwhile cannot mislabel it
     if smoke:
@@ -288,11 +291,13 @@ def run(smoke: bool = False, configs=tuple(CONFIGS), batches=(1, 8, 32), prompt_
                 result = engine_batch(engine, batch, prompt_len, output_len, seed)
                 result["bytes_per_step"] = bytes_per_step(engine, batch, prompt_len, output_len)
                 record["engine"].append({"config": name, **info, "startup_s": startup, **result})
+                on_row(record)
                 progress(f"[{name}] batch {batch} prompt {prompt_len}: {result['output_tokens_per_s']:.1f} tok/s, "
                          f"TTFT {result['ttft_s']['mean'] * 1e3:.1f} ms, ITL {_ms(result['itl_s']['mean'])} ms")
         if arrivals:
             result = engine_arrivals(engine, arrivals, rate, min(prompt_lens), output_len, seed)
             record["engine"].append({"config": name, "mode": "continuous", **info, "startup_s": startup, **result})
+            on_row(record)
             progress(f"[{name}] {arrivals} arrivals at {rate}/s: {result['output_tokens_per_s']:.1f} tok/s, "
                      f"TTFT p50 {result['ttft_s']['p50'] * 1e3:.1f} ms, preemptions {result['preemptions']}")
         engine.shutdown()
@@ -306,6 +311,7 @@ def run(smoke: bool = False, configs=tuple(CONFIGS), batches=(1, 8, 32), prompt_
             for batch in batches:
                 result = transformers_batch(hf, batch, prompt_len, output_len, seed)
                 record["transformers"].append({"config": "transformers-fp16", **result})
+                on_row(record)
                 progress(f"[transformers fp16] batch {batch} prompt {prompt_len}: "
                          f"{result['output_tokens_per_s']:.1f} tok/s")
         del hf

@@ -142,3 +142,121 @@ def test_the_torch_int4_peer_matches_the_dense_weight_and_takes_cudas_layout():
         out = on_gpu(torch.empty(3, K, dtype=torch.float16))
     assert tuple(on_gpu.weight.shape) == (N // 8, K // (TORCH_INT4_INNER_K_TILES * 16), 32, TORCH_INT4_INNER_K_TILES // 2)
     assert tuple(out.shape) == (3, N) and out.dtype == torch.bfloat16
+
+
+def test_the_two_calls_run_every_stage_once_within_their_budgets():
+    """--call 1 and --call 2 are the whole check: every stage once, steps in order, a step's
+    stages at once only where they time nothing, each call's budgets inside ~5.5 minutes."""
+    import argparse
+
+    from bench import gpu_check
+
+    ap = argparse.ArgumentParser()
+    steps = {n: gpu_check.plan(argparse.Namespace(call=n, stages=None), ap) for n in gpu_check.CALLS}
+    names = [name for call in steps.values() for step in call for name in step]
+    assert sorted(names) == sorted(gpu_check.BY_NAME)
+    for call in steps.values():
+        for step in call:
+            assert len(step) == 1 or not any(name.endswith("-speed") for name in step), step
+        assert sum(max(gpu_check.BY_NAME[n].budget_s for n in step) for step in call) <= 330
+    assert gpu_check.plan(argparse.Namespace(call=None, stages="env,weights+tests"), ap) == [["env"], ["weights", "tests"]]
+
+
+def test_a_stage_cut_at_its_budget_keeps_what_it_reported(tmp_path, monkeypatch):
+    """The child saved a partial result and then ran past its budget: the parent kills it and
+    keeps the partial result, failed, with why."""
+    import argparse
+
+    from bench import gpu_check
+
+    script = ("import json, sys, time; from pathlib import Path; "
+              "Path(sys.argv[1]).write_text(json.dumps({'passed': True, 'cases': 1, 'results': [{'passed': True}], "
+              "'failed': [], 'partial': True})); print('reported', flush=True); time.sleep(60)")
+    monkeypatch.setattr(gpu_check, "child_command",
+                        lambda name, out, shard, smoke: [sys.executable, "-c", script, str(out)])
+    args = argparse.Namespace(smoke=False, commit="abc1234")
+    result = gpu_check.run_stage(gpu_check.Stage("weights", 3, None, shards=2), args, 3)
+    assert result["passed"] is False and result["cases"] == 2 and len(result["results"]) == 2
+    assert "ran out of its 3 s budget; what it had measured is kept" in result["error"]
+    assert result["wall_s"] < 30 and "reported" in "\n".join(result["output_tail"])
+
+
+def test_a_stage_that_raises_after_reporting_keeps_its_results(tmp_path, monkeypatch):
+    from bench import gpu_check
+
+    def stage(smoke, shard, report):
+        report({"passed": True, "record": {"rows": [1]}})
+        raise RuntimeError("the second row broke")
+
+    monkeypatch.setitem(gpu_check.BY_NAME, "fake", gpu_check.Stage("fake", 10, stage))
+    out = tmp_path / "result.json"
+    gpu_check.child("fake", out, smoke=True, shard=(0, 1))
+    result = json.loads(out.read_text())
+    assert result["record"] == {"rows": [1]} and result["passed"] is False
+    assert "the second row broke" in result["error"]
+
+
+def test_shards_merge_into_one_stage_result():
+    from bench.gpu_stages import merge_shards
+
+    a = {"passed": True, "cases": 2, "results": [{"passed": True}] * 2, "failed": [], "worst_rel_error": 1e-4}
+    b = {"passed": False, "cases": 1, "results": [{"passed": False}], "failed": [{"passed": False}],
+         "worst_rel_error": 3e-3}
+    merged = merge_shards([a, b])
+    assert merged["passed"] is False and merged["cases"] == 3 and len(merged["results"]) == 3
+    assert merged["worst_rel_error"] == 3e-3 and len(merged["failed"]) == 1
+    tests = merge_shards([{"passed": True, "counts": {"passed": 3}, "failures": []},
+                          {"passed": True, "counts": {"passed": 1, "skipped": 2}, "failures": []}])
+    assert tests["counts"] == {"passed": 4, "skipped": 2} and tests["passed"] is True
+
+
+def test_the_weight_check_runs_two_fixed_configurations_per_row_count():
+    """No autotuning in the weight check: the default of each M regime and one with other tiles."""
+    import torch
+
+    from bench.correctness import launch_configs, quantized_linear, weight_cases
+
+    case = weight_cases(smoke=True)[0]
+    kw, _ = quantized_linear(case, torch.device("cpu"), 0)
+    for M in (1, 3, 17, 300):
+        (label, default), (other_label, other) = launch_configs(M, kw)
+        assert (label, other_label) == ("default", "other-tiles")
+        assert (default.block_m, default.block_n) != (other.block_m, other.block_n)
+
+
+def test_precompile_replays_exactly_the_compiles_it_counted():
+    """bench/gpu_compiles: the tasks recorded for a stage, rebuilt in a worker on meta tensors, launch
+    with Triton's warmup (compile only) and give the same compile keys as the stage's own launches.
+    (A process of its own: the counting needs the compiled kernels, not the interpreter's.)"""
+    script = textwrap.dedent("""
+        import json, torch
+        from unittest import mock
+        from triton.runtime.jit import JITFunction
+        from bench import gpu_compiles
+        counted = gpu_compiles.COUNTERS["kernel-speed"]()
+        seen, warmups = set(), []
+        def run(fn, *args, grid, warmup, **kwargs):
+            warmups.append(warmup)
+            seen.add(gpu_compiles.compile_key(fn, args, kwargs))
+        with mock.patch.object(JITFunction, "run", run), \\
+                mock.patch.object(torch.cuda, "get_device_capability", lambda *args: (9, 0)):
+            done, errors = gpu_compiles.compile_tasks(counted["tasks"])
+        print(json.dumps(dict(tunings=counted["tunings"], compiles=counted["matmul_compiles"],
+                              tasks=len(counted["tasks"]), done=done, errors=errors, seen=len(seen),
+                              all_warmup=all(warmups))))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tunings"] == 15 and got["compiles"] > 0 and got["errors"] == []
+    assert got["done"] == got["tasks"] and got["seen"] == got["compiles"] and got["all_warmup"]
+
+
+def test_a_failed_precompile_costs_the_stage_nothing_but_its_time():
+    """Where it cannot run (no GPU here): the speed stages' head start reports why and returns."""
+    from bench import gpu_stages
+
+    result = gpu_stages.precompile("kernel-speed")
+    assert "error" in result or result["error_count"] > 0
