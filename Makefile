@@ -98,10 +98,10 @@ llama-cpp-lib: $(LLAMA_CPP)/.lib
 
 llama-cpp: $(LLAMA_CPP)/.built
 
-# On a lent GPU machine, whose python3 holds torch with CUDA: correctness first, then speed
-# (bench/gpu_check.py's docstring gives the two-call split; STAGES=env,weights picks stages).
+# On a lent GPU machine, whose python3 holds torch with CUDA: CALL=1 then CALL=2, one device call
+# each (bench/gpu_check.py's docstring); STAGES=env,weights+attention picks stages instead.
 gpu-check:
-	python3 -m bench.gpu_check $(if $(STAGES),--stages $(STAGES)) $(if $(COMMIT),--commit $(COMMIT))
+	python3 -m bench.gpu_check $(if $(CALL),--call $(CALL)) $(if $(STAGES),--stages $(STAGES)) $(if $(COMMIT),--commit $(COMMIT))
 
 # Wheels for packages the GPU machine lacks (its env stage names them), into .whl/ to carry:
 # make gpu-wheels PACKAGES="greenlet==3.1.1"
