@@ -277,16 +277,25 @@ class NarrowLinear(nn.Module):
     faster at every M measured, bench/cpu_decode.py), the output back in the activations'. Same
     parameter names as ``nn.Linear``, so a tied lm_head still shares the embedding's tensor."""
 
+    GEMV_ROWS = 4  # rows runtime/native/decode_ops.cpp's bf16 product takes (1.3-2.5x torch.mv on
+    # SmolLM2's lm_head at one row, level on the 1B model's, whose 263 MB stream from memory)
+    native = None  # that module where it runs (AVX512-BF16; Decoder.use_native_ops), else PyTorch
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(-1, x.shape[-1])
+        if self.native is not None and a.shape[0] <= self.GEMV_ROWS and self.weight.dtype == torch.bfloat16:
+            # the rows rounded to bf16 as below, float32 sums not rounded to bf16 (within its rounding)
+            y = self.native.bf16_gemv(self.weight, a).to(x.dtype).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
         # weight @ x.T (a matrix-vector product for one row): oneDNN's bf16 F.linear ran 1.1-1.7x
         # slower on lm_head's shapes from 1 to 128 rows (bench/results/cpu/NOTES.md); the transpose
         # back is folded into the copy to the activations' dtype
-        a = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)
+        a = a.to(self.weight.dtype)
         y = torch.mv(self.weight, a[0])[None] if a.shape[0] == 1 else (self.weight @ a.t()).t()
         y = y.to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias

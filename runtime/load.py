@@ -14,7 +14,7 @@ from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
-from runtime import cpu_linear, selfcheck
+from runtime import cpu_linear, native, selfcheck
 from runtime.linear import QuantLinear
 from quant.architectures import architecture
 from runtime.model import MLP, Attention, Decoder, DecoderConfig, plain_linear
@@ -243,6 +243,8 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     decoder.activation_dtype = dtype
     run_narrow_linears(decoder, dtype)
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
+    # on CPU their native counterparts where they build (None with LOWBIT_NATIVE=0: PyTorch)
+    decoder.use_native_ops(native.load("decode_ops") if device.type == "cpu" else None, dtype)
     # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
     decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
     cpu = use_cpu_kernels(cpu_kernels)

@@ -125,6 +125,7 @@ def plain_linear(name: str, in_features: int, out_features: int, bias: bool) -> 
 
 class Attention(nn.Module):
     kernels = False
+    native = None  # runtime/native/decode_ops.cpp's RoPE of q and k in one call (Decoder.use_native_ops)
 
     def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
         super().__init__()
@@ -171,7 +172,10 @@ class Attention(nn.Module):
         the RoPE ops of rotating each: a decode step is dispatch-bound, bench/results/cpu/NOTES.md)."""
         B, T, _ = qkv.shape
         h, kv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
-        qk = apply_rope(qkv[..., :(h + kv) * d].view(B, T, h + kv, d), token_major(cos), token_major(sin))
+        if self.native is not None:  # the same products and sums, bit for bit, in one call
+            qk = self.native.rope_qk(qkv, cos, sin, h, kv)
+        else:
+            qk = apply_rope(qkv[..., :(h + kv) * d].view(B, T, h + kv, d), token_major(cos), token_major(sin))
         v = qkv[..., (h + kv) * d:].view(B, T, kv, d)
         return self.scale_queries(qk[:, :, :h].transpose(1, 2)), qk[:, :, h:].transpose(1, 2), v.transpose(1, 2)
 
@@ -212,6 +216,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     kernels = False
+    native = None  # runtime/native/decode_ops.cpp's SiLU-and-multiply (Decoder.use_native_ops)
     # set by runtime.load.prepare where gate_up and down both run the CPU kernels: their bf16 activations
     # stay bf16 in between (the kernels return the input's dtype), two conversions fewer per layer
     cpu_kernel_dtype: torch.dtype | None = None
@@ -222,15 +227,20 @@ class MLP(nn.Module):
             gate, up = getattr(self, self.names[0]), getattr(self, self.names[1])
             return down(self.act(gate(x)) * up(x))
         if self.cpu_kernel_dtype is not None:
-            gate, up = self.gate_up_proj(x.to(self.cpu_kernel_dtype)).chunk(2, dim=-1)
-            return down(self.act(gate) * up).to(x.dtype)
+            return down(self.activate(self.gate_up_proj(x.to(self.cpu_kernel_dtype)))).to(x.dtype)
         gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load (or stored so)
         if self.kernels and self.act_name == "silu":
             from runtime.kernels.small_ops import silu_mul
 
             return down(silu_mul(gate_up))
+        return down(self.activate(gate_up))
+
+    def activate(self, gate_up):
+        """act(gate) * up of the joined projection's output (one native call where it is built)."""
+        if self.native is not None:
+            return self.native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return down(self.act(gate) * up)
+        return self.act(gate) * up
 
 
 class Block(nn.Module):
@@ -364,6 +374,23 @@ class Decoder(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = on
+
+    def use_native_ops(self, module, dtype: torch.dtype) -> None:
+        """On CPU, the decode step's small ops as ``runtime/native/decode_ops.cpp`` (``module``, from
+        ``runtime.native.load``; None: PyTorch): add + RMSNorm and RoPE of q and k where activations
+        are float32 (the kernels' dtype), SiLU-and-multiply of silu MLPs, lm_head's bf16 product for
+        few rows (``cpu_linear.NarrowLinear``). One call each where PyTorch ran several ops of a few
+        microseconds on a decode step's one row (bench/results/cpu/NOTES.md)."""
+        from runtime.cpu_linear import NarrowLinear
+
+        float32 = module if dtype == torch.float32 else None
+        for m in self.modules():
+            if type(m) is RMSNorm or isinstance(m, Attention):
+                m.native = float32
+            elif isinstance(m, MLP):
+                m.native = module if m.act_name == "silu" else None
+            elif isinstance(m, NarrowLinear):
+                m.native = module if module is not None and module.gemv_usable() else None
 
     def join_projections(self) -> None:
         """q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (at load,

@@ -10,6 +10,9 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     kernels = False  # the fused Triton kernel (Decoder.use_kernels), else PyTorch
+    # runtime/native/decode_ops.cpp where it is built, on CPU with float32 activations
+    # (Decoder.use_native_ops): the add and the norm one call, not two ATen ops of several kernels
+    native = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,6 +34,8 @@ class RMSNorm(nn.Module):
             from runtime.kernels.small_ops import add_rmsnorm
 
             return add_rmsnorm(x, residual, self.weight, self.eps)
+        if self.native is not None:
+            return self.native.add_rms_norm(x, residual, self.weight, self.eps)
         s = x if residual is None else x + residual
         return self(s), s
 
@@ -39,6 +44,8 @@ class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by ``1 + weight``, in float32, rounded once (as transformers does).
     The fused add + RMSNorm kernel rounds before it scales by ``weight``, so these norms always run
     as PyTorch (two launches more per norm on a GPU; a kernel with the offset is later work)."""
+
+    native = None  # as on the GPU: no native op with the offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
