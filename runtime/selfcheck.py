@@ -10,6 +10,10 @@ run each once per process and compare it with its reference within ``runtime.tol
 compile error, a launch error or a result outside the bound sends that configuration to its
 reference path (``QuantLinear.fall_back``, the PyTorch small ops, SDPA over the dequantized cache)
 with one warning naming the kernel, the configuration, the GPU, the Triton release and the error.
+A quantized Linear is checked per M regime (``selfcheck_cases.check_linear``): a launch
+configuration that fails is remembered (the tuner leaves it out) and the regime's next candidate
+is checked; a regime none passes runs the reference for its rows only, and the whole Linear falls
+back only when no regime passes (one warning says what failed and what runs instead).
 Where nothing runs on Triton (CPU) it does nothing. :func:`kernel_table` is what ``lowbit doctor``
 prints. Skipped by ``runtime.load(..., self_check=False)`` or ``LOWBIT_SELF_CHECK=0``.
 A GEMM configuration tuned later, at the first call of a shape (``Model.generate``), is checked
@@ -35,6 +39,7 @@ from runtime.tolerances import SELF_CHECK_ENV as ENV_SWITCH  # noqa: F401 (the C
 from runtime.tolerances import Mismatch, checks_switched_off
 
 _OUTCOMES: dict[tuple, str | None] = {}  # configuration key -> None (passed) or what failed: once per process
+_PARTLY: dict[tuple, str] = {}  # configuration key -> what failed in a configuration that passed otherwise
 
 
 class SelfCheckError(ValueError):
@@ -130,15 +135,19 @@ def _outcome(config: Config) -> str | None:
         return _OUTCOMES[config.key]
     try:
         with torch.inference_mode():
-            config.check()
+            partly = config.check()
         error = None
     except Exception as e:  # noqa: BLE001 - a compile error, a launch error or a mismatch: all mean "do not run it"
-        error = describe_error(e)
+        error, partly = describe_error(e), None
     _OUTCOMES[config.key] = error
     if error is not None:
         warnings.warn(f"self-check: {config.kernel} [{config.config}] failed on {device_name(config)}, "
                       f"Triton {triton_version()}: {error}; it runs {config.reference} instead (correct, slower)",
                       stacklevel=3)
+    elif partly:  # a quantized Linear: some launch configurations failed, others run instead
+        _PARTLY[config.key] = partly
+        warnings.warn(f"self-check: {config.kernel} [{config.config}] on {device_name(config)}, Triton "
+                      f"{triton_version()}: {partly}", stacklevel=3)
     return error
 
 
@@ -178,7 +187,7 @@ def kernel_table(decoder, dtype: torch.dtype, kv_scheme=None) -> list[dict]:
     rows = []
     for c in configs:
         failed = _OUTCOMES.get(c.key)
-        why = None if c.fused else (f"fell back: {failed}" if failed else c.why_not)
+        why = _PARTLY.get(c.key) if c.fused else (f"fell back: {failed}" if failed else c.why_not)
         rows.append({"kernel": c.kernel, "configuration": c.config, "runs": "fused" if c.fused else c.instead,
                      "reference": c.reference, "why": why})
     return rows

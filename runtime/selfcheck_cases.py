@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from runtime.tolerances import compare, poison
+from runtime.tolerances import Mismatch, compare, poison
 
 LINEAR_ROWS = (1, 5, 40, 65)  # an M per launch regime of matmul_configs.candidate_configs (65: a masked 128-row tile)
 CHECKED_OUTPUTS = 256  # output rows of a large Linear the reference computes, at each end
@@ -36,7 +36,7 @@ class Config:
     key: tuple
     fused: bool
     why_not: str | None = None
-    check: Callable[[], None] | None = None
+    check: Callable[[], str | None] | None = None  # raises when it fails; may return what failed in part
     fall_back: Callable[[str], None] | None = None
     instead: str = "reference"  # what runs when it is not fused
 
@@ -107,12 +107,19 @@ def _linears_fall_back(layers, reason: str, dtype: torch.dtype) -> None:
         layer.materialize(dtype)  # the dense weight now, so the first request does not build it
 
 
-def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> None:
+def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> str | None:
     """The kernel's ``x @ W.T + b`` at each row count against float64 over the dequantized weight.
-    ``tuned``: a row count whose tuning found no configuration is skipped (its rows run the reference)."""
+
+    ``tuned`` (an Engine): the configuration tuned for each row count (one whose tuning found none
+    is skipped: its rows run the reference); a failure raises. Otherwise each row count stands for
+    its M regime: the regime's candidates, untimed, in order, until one passes. Each that fails is
+    remembered for this weight (``matmul_tuning.remember_failure``: the tuner leaves it out in this
+    process), so a regime none passes finds no configuration when tuned and runs dequantize + matmul
+    for its rows, while the other regimes keep the kernels. Raises the first failure when no regime
+    passes (the whole Linear falls back); returns what failed and what runs instead when some did."""
+    from runtime.kernels import matmul_tuning as tuning
     from runtime.kernels import quant_matmul as qm
     from runtime.kernels.matmul_configs import candidate_configs
-    from runtime.kernels.matmul_tuning import NoConfiguration
 
     kw = layer._kernel if layer._kernel is not None else layer.kernel_weight()
     bias = None if layer.bias is None else layer.bias.detach()
@@ -120,12 +127,9 @@ def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) 
     outputs = _checked_outputs(layer.out_features, 32 // layer.scheme.bits)
     dense = torch.cat([_dense_rows(layer, a, b, dtype) for a, b in outputs]).double()
     picked = torch.cat([torch.arange(a, b) for a, b in outputs]).to(device)
-    for M in rows:
+
+    def run(M: int, config) -> None:
         x = random((M, layer.in_features), dtype, device, seed=M)
-        try:
-            config = qm.choose_config(M, kw, dtype, device) if tuned else candidate_configs(M, kw)[0]
-        except NoConfiguration:
-            continue
         poison(M * layer.out_features, dtype, device)
         out = qm.quant_matmul(x, kw, bias, config=config)
         ref = x.double() @ dense.T
@@ -133,9 +137,66 @@ def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) 
             ref = ref + bias[picked].double()
         compare(out.index_select(-1, picked), ref, dtype, f"M={M} ({launch_name(config)})")
 
+    if tuned:
+        for M in rows:
+            try:
+                config = qm.choose_config(M, kw, dtype, device)
+            except tuning.NoConfiguration:
+                continue
+            run(M, config)
+        return None
+    notes, errors, passed = [], [], 0
+    for M in rows:
+        candidates, _ = tuning.usable(candidate_configs(M, kw), kw, dtype, device)
+        failed = []
+        for config in candidates:
+            try:
+                run(M, config)
+            except Exception as e:  # noqa: BLE001 - a compile error, a launch error or a mismatch: the next one
+                tuning.remember_failure(kw, dtype, device, config, tuning.one_line(e))
+                failed.append((config, e))
+                continue
+            passed += 1
+            if failed:
+                notes.append(f"{_failures(M, failed)}; the tuner leaves {'it' if len(failed) == 1 else 'them'} out "
+                             f"in this process, {launch_name(config)} passed")
+            break
+        else:
+            errors += [e for _, e in failed]
+            notes.append(f"{_failures(M, failed) if failed else f'M={M}: every candidate is known to fail here'}; "
+                         f"no configuration passed for {regime_rows(M, kw)}: those rows run dequantize + matmul")
+    if not passed:
+        raise errors[0] if errors else RuntimeError("; ".join(notes))
+    return "; ".join(notes) or None
+
+
+def _failures(M: int, failed: list) -> str:
+    return "; ".join(f"M={M} ({launch_name(c)}): {_describe(e)}" for c, e in failed)
+
+
+def _describe(e: Exception) -> str:
+    from runtime.kernels.matmul_tuning import one_line
+
+    return str(e) if isinstance(e, Mismatch) else one_line(e)
+
+
+def regime_rows(M: int, kw, largest: int = 1024) -> str:
+    """The row counts tuned with the same candidates as ``M`` (its regime), e.g. ``M=17..64``."""
+    from runtime.kernels.matmul_configs import candidate_configs
+
+    same = candidate_configs(M, kw)
+    lo, hi = M, M
+    while lo > 1 and candidate_configs(lo - 1, kw) == same:
+        lo -= 1
+    while hi < largest and candidate_configs(hi + 1, kw) == same:
+        hi += 1
+    return f"M={lo}" if lo == hi else f"M={lo}..{hi}" if hi < largest else f"M>={lo}"
+
 
 def launch_name(config) -> str:
     """A ``MatmulConfig`` in a few words: which loop, its tile, split and warps."""
+    if getattr(config, "dense", False):
+        return f"dense (dequantize x{config.block_n}, {config.num_warps} warps, then cuBLAS)"
     loop = f"tl.dot {config.block_m}x{config.block_n}" if config.use_dot else f"GEMV x{config.block_n}"
     return f"{loop}, split-K {config.split_k}, {config.num_warps} warps, {config.num_stages} stages"
 

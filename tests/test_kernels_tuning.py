@@ -28,6 +28,12 @@ qm_launch = qm.launch  # the real launch, for stand-ins that count launches and 
 FAST, MIDDLE, SLOW = MatmulConfig(16, 64), MatmulConfig(16, 32), MatmulConfig(32, 64)
 
 
+@pytest.fixture(autouse=True)
+def no_known_failures(monkeypatch):
+    """Each test starts with no configuration known to fail (kept per process), and leaves none."""
+    monkeypatch.setattr(tuning, "_FAILED", {})
+
+
 def kernel_weight(act_order=False, n=N, seed=0):
     scheme = QuantScheme(4, 32, symmetric=False)
     g = torch.Generator().manual_seed(seed)
@@ -138,6 +144,61 @@ def test_the_switch_skips_the_check_not_the_timing(monkeypatch):
     monkeypatch.setenv(SELF_CHECK_ENV, "0")
     stand_in = Candidates({FAST: 2.0, SLOW: 1.0}, wrong={SLOW})
     assert tune(monkeypatch, stand_in) == SLOW
+
+
+def test_a_configuration_that_failed_is_not_timed_again_for_that_weight(monkeypatch):
+    """The fastest is wrong at M=5: at another M of the same weight it is left out before timing
+    (never launched), and when nothing else is left the error says why it was left out."""
+    stand_in = Candidates({FAST: 1.0, MIDDLE: 2.0, SLOW: 3.0}, wrong={FAST})
+    with pytest.warns(UserWarning, match="failed its check"):
+        assert tune(monkeypatch, stand_in) == MIDDLE
+    launched = []
+    counting = Candidates({FAST: 1.0, MIDDLE: 2.0, SLOW: 3.0})
+    real_launch = counting.launch
+    counting.launch = lambda x, kw, bias, out, config: launched.append(config) or real_launch(x, kw, bias, out, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tune(monkeypatch, counting, M=40) == MIDDLE
+    assert FAST not in launched and MIDDLE in launched
+    assert tune(monkeypatch, Candidates({FAST: 1.0, SLOW: 2.0}), kw=kernel_weight(n=48)) == FAST  # another weight
+    with pytest.raises(tuning.NoConfiguration, match="known to give wrong results") as caught:
+        tune(monkeypatch, Candidates({FAST: 1.0}), M=7)
+    assert "failed its check earlier in this process" in str(caught.value) and "relative error" in str(caught.value)
+
+
+H200_TRITON_36 = ((9, 0), (3, 6))
+TMA_STAGES_3, TMA_STAGES_4, ROWS_32 = MatmulConfig(128, 64, num_stages=3), MatmulConfig(128, 64, num_stages=4), \
+    MatmulConfig(32, 64, num_stages=3)
+
+
+@pytest.mark.parametrize("stack, left_out", [
+    (H200_TRITON_36, {TMA_STAGES_3}),
+    (((9, 0), (3, 9)), set()),  # a later Triton: the rule does not reach it
+    (((8, 0), (3, 6)), set()),  # no TMA on sm_80
+    (((10, 0), (3, 6)), set()),  # seen on sm_90 only
+])
+def test_the_known_wrong_rule_leaves_out_tma_tiles_with_three_stages_on_sm90_triton36(monkeypatch, stack, left_out):
+    monkeypatch.setattr(tuning, "stack", lambda device: stack)
+    stand_in = Candidates({TMA_STAGES_3: 1.0, TMA_STAGES_4: 2.0, ROWS_32: 3.0})
+    launched = []
+    real_launch = stand_in.launch
+    stand_in.launch = lambda x, kw, bias, out, config: launched.append(config) or real_launch(x, kw, bias, out, config)
+    chosen = tune(monkeypatch, stand_in, M=128)
+    assert set(stand_in.times) - set(launched) == left_out
+    assert chosen == (TMA_STAGES_4 if left_out else TMA_STAGES_3)
+    kept, why = tuning.usable(list(stand_in.times), kernel_weight(), torch.float16, torch.device("cpu"))
+    assert [w.split(":")[0] for w in why] == [f"{c}" for c in left_out]
+    assert all("Triton <= 3.6" in w and "num_stages=3" in w and "NOTES.md" in w for w in why)
+
+
+def test_the_rule_reads_where_tma_starts_from_the_kernel(monkeypatch):
+    """``block_m >= quant_matmul.TMA_MIN_BLOCK_M`` is what makes a launch read activations by TMA:
+    moved, the rule moves with it (no copy of the constant)."""
+    monkeypatch.setattr(tuning, "stack", lambda device: H200_TRITON_36)
+    configs, kw, cpu = [TMA_STAGES_3, MatmulConfig(64, 128), ROWS_32], kernel_weight(), torch.device("cpu")
+    assert tuning.usable(configs, kw, torch.float16, cpu)[0] == [ROWS_32]
+    monkeypatch.setattr(qm, "TMA_MIN_BLOCK_M", 128)
+    assert tuning.usable(configs, kw, torch.float16, cpu)[0] == [MatmulConfig(64, 128), ROWS_32]
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -1,8 +1,10 @@
 """The self-check on first use (runtime/selfcheck.py), on CPU tensors in the Triton interpreter
 (QuantLinear sent to the kernels as on a GPU, the way tests/test_kernels_linear.py does): a kernel
 that raises and one that returns wrong numbers each send their configuration, and only it, to the
-reference path with one warning that names it; the model then computes what the reference path
-computes; `lowbit doctor` shows the fallback; the real kernels pass; the switches turn it off.
+reference path with one warning that names it (a quantized Linear's failing launch configuration
+gives way to its M regime's next candidate; a regime none passes runs the reference for its rows);
+the model then computes what the reference path computes; `lowbit doctor` shows the fallback; the
+real kernels pass; the switches turn it off.
 
 Injected kernels stand in for the real ones (instant); only the passing test runs the real ones."""
 
@@ -19,6 +21,7 @@ from runtime import linear as linear_module  # noqa: E402
 from runtime import selfcheck  # noqa: E402
 from runtime import selfcheck_cases as cases  # noqa: E402
 from runtime.kernels import attention as attention_kernels  # noqa: E402
+from runtime.kernels import matmul_tuning as tuning  # noqa: E402
 from runtime.kernels import quant_matmul, small_ops  # noqa: E402
 from runtime.kernels.weight_layout import reference_matmul  # noqa: E402
 from runtime.tolerances import Mismatch  # noqa: E402
@@ -46,6 +49,8 @@ def fresh_outcomes(monkeypatch):
     """Each test starts with nothing checked (outcomes are kept per process), and its injected
     failures stay out of the other tests' process-wide outcomes."""
     monkeypatch.setattr(selfcheck, "_OUTCOMES", {})
+    monkeypatch.setattr(selfcheck, "_PARTLY", {})
+    monkeypatch.setattr(tuning, "_FAILED", {})
 
 
 @pytest.fixture
@@ -115,11 +120,12 @@ def test_a_wrong_linear_kernel_falls_back_and_the_model_computes_the_reference(c
 
 
 def test_a_failing_kernel_sends_only_its_configuration_to_the_reference(checkpoint, kernels_on_cpu, monkeypatch):
-    """The GEMV of the gate/up shape fails to compile; the other shapes (here: a stand-in that is
-    right) stay on the kernels, and the gate/up layer computes the reference's output."""
+    """Every launch of the gate/up shape fails to compile (in every M regime, so the layer falls
+    back whole); the other shapes (here: a stand-in that is right) stay on the kernels, and the
+    gate/up layer computes the reference's output."""
 
     def kernel(x, kw, bias=None, config=None):
-        if kw.out_features == GATE_UP and not config.use_dot:
+        if kw.out_features == GATE_UP:
             raise RuntimeError("PassManager::run failed (an injected compile error)")
         return reference_matmul(x, kw, bias)
 
@@ -143,6 +149,99 @@ def test_a_failing_kernel_sends_only_its_configuration_to_the_reference(checkpoi
     assert not caught  # no second warning at each forward
     torch.testing.assert_close(out, torch.nn.functional.linear(x, mlp.gate_up_proj.dequantized_weight(torch.float16)))
     assert [r["runs"] for r in rows_of(model, "quant_matmul")].count("reference") == 1
+
+
+class Launches:
+    """Stands in for ``quant_matmul.launch`` (and so for the GPU) in the self-check and in tuning:
+    the reference's output, except for the gate/up shape's configurations ``fails`` picks, which
+    raise an injected compile error. Tuning runs on CPU tensors as on a GPU, its timer replaced."""
+
+    def __init__(self, monkeypatch, fails):
+        self.fails, self.launched = fails, []
+        monkeypatch.setattr(quant_matmul, "launch", self.launch)
+        monkeypatch.setattr(quant_matmul, "tunes_on", lambda device: True)
+        monkeypatch.setattr(quant_matmul, "_TUNED", {})
+        monkeypatch.setattr(quant_matmul, "_NO_CONFIGURATION", {})
+        monkeypatch.setattr(tuning, "time_ms", lambda fn: fn() or 1.0)
+        monkeypatch.setattr(linear_module, "_REPORTED_UNTUNED", set())
+
+    def launch(self, x2, kw, bias, out, config):
+        if kw.out_features == GATE_UP:
+            self.launched.append((x2.shape[0], config))
+            if self.fails(config):
+                raise RuntimeError("PassManager::run failed (an injected compile error)")
+        out.copy_(reference_matmul(x2, kw, bias))
+
+    def gate_up(self, M):
+        return [config for rows, config in self.launched if rows == M]
+
+
+def gate_up_layer(model):
+    [mlp] = [m for m in model.decoder.modules() if hasattr(m, "gate_up_proj")]
+    return mlp.gate_up_proj
+
+
+def test_a_failing_launch_configuration_gives_way_to_the_regimes_next_candidate(checkpoint, kernels_on_cpu,
+                                                                                monkeypatch):
+    """The untimed default of M=5's regime fails for the gate/up shape: the self-check checks the
+    next candidate, which passes; the layer stays on the kernels in every regime, one warning names
+    both, and the tuner never launches the failed configuration again in this process."""
+    from runtime.kernels.matmul_configs import candidate_configs
+
+    kw = None
+
+    def default_of_m5(config):
+        return config == candidate_configs(5, kw)[0]
+
+    launches = Launches(monkeypatch, default_of_m5)
+    kw = linear_module.QuantLinear(64, GATE_UP, QuantScheme(4, 32, symmetric=False)).kernel_weight()
+    first, second = candidate_configs(5, kw)[:2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_on_kernels(checkpoint, small_ops=False)
+    [message] = [str(w.message) for w in caught]
+    assert message.startswith("self-check: quant_matmul [w4 g32 asym, 64->320, float16: gate_up_proj x1] on ")
+    assert f"M=5 ({cases.launch_name(first)}): RuntimeError: PassManager::run failed" in message
+    assert f"the tuner leaves it out in this process, {cases.launch_name(second)} passed" in message
+    assert launches.gate_up(5) == [first, second]
+    layer = gate_up_layer(model)
+    assert not any(m.fallback_reason for m in quant_layers(model))
+    [row] = [r for r in rows_of(model, "quant_matmul") if "gate_up" in r["configuration"]]
+    assert row["runs"] == "fused" and "PassManager" in row["why"]
+
+    launches.launched.clear()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next fastest runs: no warning at the forward
+        out = layer(x)
+    tuned = launches.gate_up(5)
+    assert set(tuned) == set(candidate_configs(5, kw)) - {first}  # timed (and the winner checked, then run)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.dequantized_weight(torch.float16)))
+
+
+def test_a_regime_no_candidate_passes_runs_the_reference_for_its_rows_only(checkpoint, kernels_on_cpu, monkeypatch):
+    """Every GEMV (M=1's regime) of the gate/up shape fails: the layer keeps the kernels for more
+    rows; one row runs dequantize + matmul, found when M=1 is tuned (nothing left to time)."""
+    launches = Launches(monkeypatch, lambda config: not config.use_dot)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_on_kernels(checkpoint, small_ops=False)
+    [message] = [str(w.message) for w in caught]
+    assert "gate_up_proj x1" in message and "M=1 (GEMV x128" in message and "PassManager" in message
+    assert "no configuration passed for M=1: those rows run dequantize + matmul" in message
+    gemvs = launches.gate_up(1)
+    assert gemvs and all(not c.use_dot for c in gemvs) and len(set(gemvs)) == len(gemvs)  # each checked once
+    layer = gate_up_layer(model)
+    assert layer.fallback_reason is None
+    launches.launched.clear()
+    one, three = (torch.randn(M, 64, generator=torch.Generator().manual_seed(M)).to(DEVICE, torch.float16)
+                  for M in (1, 3))
+    with pytest.warns(UserWarning, match="known to give wrong results here.*run the dense reference"):
+        out = layer(one)
+    assert launches.gate_up(1) == []  # nothing launched: every candidate is known to fail
+    torch.testing.assert_close(out, torch.nn.functional.linear(one, layer.dequantized_weight(torch.float16)))
+    layer(three)
+    assert launches.gate_up(3) and all(c.use_dot for c in launches.gate_up(3))  # more rows: the kernels
 
 
 def test_a_wrong_small_op_falls_back_alone(checkpoint, monkeypatch):

@@ -17,16 +17,25 @@ Only the process-wide switch ``LOWBIT_SELF_CHECK=0`` (``lowbit --no-self-check``
 not the timing. ``runtime.load(..., self_check=False)`` does not: it skips one model's load-time and
 Engine start-up checks (``runtime/selfcheck.py``), while a tuned configuration is kept per process
 and serves every model of that shape, so it is checked whichever model tuned it.
+
+Configurations known to give wrong results are left out before timing, each with its reason (in
+``NoConfiguration``'s message when nothing is left): those that failed a check in this process for
+the same weight shape (this tuner's check or the load-time self-check: :func:`remember_failure`),
+and those a rule of :data:`KNOWN_WRONG` names for this GPU and Triton release. A winner is kept on
+disk for later processes (``runtime/kernels/tuning_cache.py``); a process that finds one checks it
+before use instead of timing the candidates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Callable
 
 import torch
 
+from runtime.kernels import tuning_cache
 from runtime.kernels.matmul_configs import MatmulConfig
 from runtime.kernels.weight_layout import KernelWeight, dequantize_kernel_weight, interleave_word_rows, word_rows
 from runtime.tolerances import checks_switched_off, compare
@@ -53,20 +62,136 @@ def shape_name(M: int, kw: KernelWeight, dtype: torch.dtype) -> str:
             f"{str(dtype).removeprefix('torch.')}")
 
 
+# -- configurations known to give wrong results --------------------------------------------------------
+
+_FAILED: dict[tuple, dict[MatmulConfig, str]] = {}  # weight shape -> configuration -> what failed (this process)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownWrong:
+    """A kind of configuration that gave wrong results on a GPU architecture (``major``, compute
+    capability) under Triton releases up to ``triton_up_to``; ``evidence`` says where it was seen."""
+
+    what: str
+    major: int
+    triton_up_to: tuple[int, int]
+    applies: Callable[[MatmulConfig, tuple[int, int]], bool]
+    evidence: str
+
+    def reason(self, config: MatmulConfig, capability: tuple[int, int] | None, triton: tuple[int, int]) -> str | None:
+        if capability is None or capability[0] != self.major or triton > self.triton_up_to:
+            return None
+        if not self.applies(config, capability):
+            return None
+        return (f"known to give wrong results on sm_{self.major}x with Triton <= "
+                f"{'.'.join(map(str, self.triton_up_to))}: {self.what} ({self.evidence})")
+
+
+def tma_activations(config: MatmulConfig, capability: tuple[int, int]) -> bool:
+    """Whether the launch reads activation tiles through a TMA descriptor (``quant_matmul.
+    activations_by_tma``, for an input that meets TMA's alignment, as the check's and most are).
+    Read from the loaded module: quant_matmul imports this one (it tunes through it), so importing
+    it here would close a circle; it is loaded wherever a configuration is launched."""
+    quant_matmul = sys.modules["runtime.kernels.quant_matmul"]
+    return config.use_dot and config.block_m >= quant_matmul.TMA_MIN_BLOCK_M and capability[0] >= 9
+
+
+KNOWN_WRONG = (
+    KnownWrong("tl.dot with activations by TMA and num_stages=3", major=9, triton_up_to=(3, 6),
+               applies=lambda config, capability: config.num_stages == 3 and tma_activations(config, capability),
+               evidence="H200, Triton 3.6.0, commit 1213cd1: 128x64 and 256x128 tiles wrong at M=65..4096, the "
+                        "same tiles with 2 or 4 stages right; suspected cause Triton issue 9433: "
+                        "bench/results/gpu/NOTES.md"),
+)
+
+
+def stack(device: torch.device) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+    """The GPU's compute capability (None off CUDA) and the Triton release (major, minor): what the
+    rules of ``KNOWN_WRONG`` read (the seam tests replace to stand for a GPU)."""
+    import triton
+
+    release = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    return (torch.cuda.get_device_capability(device) if device.type == "cuda" else None), release
+
+
+def weight_key(kw: KernelWeight, dtype: torch.dtype, device: torch.device) -> tuple:
+    """What a known failure is kept for: the weight's shape and format, the dtype and the device
+    (every M: a configuration wrong at one row count is not trusted at another)."""
+    return kw.out_features, kw.in_features, kw.bits, kw.group_len, kw.zeros is None, dtype, str(device)
+
+
+def remember_failure(kw: KernelWeight, dtype: torch.dtype, device: torch.device, config: MatmulConfig,
+                     reason: str) -> None:
+    """``config`` failed a check for this weight: it is not tuned or checked again in this process."""
+    _FAILED.setdefault(weight_key(kw, dtype, device), {})[config] = reason
+
+
+def usable(candidates: list[MatmulConfig], kw: KernelWeight, dtype: torch.dtype,
+           device: torch.device) -> tuple[list[MatmulConfig], list[str]]:
+    """The candidates not known to give wrong results, in order, and why each other one is left out."""
+    failed = _FAILED.get(weight_key(kw, dtype, device), {})
+    capability, release = stack(device)
+    kept, left_out = [], []
+    for config in candidates:
+        why = (f"failed its check earlier in this process: {failed[config]}" if config in failed
+               else next(filter(None, (rule.reason(config, capability, release) for rule in KNOWN_WRONG)), None))
+        if why is None:
+            kept.append(config)
+        else:
+            left_out.append(f"{config}: {why}")
+    return kept, left_out
+
+
 def tune(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device, candidates: list[MatmulConfig],
          launch: Launch) -> MatmulConfig:
-    """The fastest candidate for ``M`` rows that runs and matches the reference."""
+    """The fastest candidate for ``M`` rows that runs and matches the reference (a winner kept on
+    disk by an earlier process, once it passes its check here)."""
+    kept, failed = usable(candidates, kw, dtype, device)
+    if not kept:
+        raise NoConfiguration(f"quant_matmul ({shape_name(M, kw, dtype)}): every one of the {len(candidates)} "
+                              f"candidate configurations is known to give wrong results here: " + "; ".join(failed))
+    cached = tuning_cache.load(M, kw, dtype, device, candidates)
+    if cached in kept:
+        if _cached_passes(M, kw, dtype, device, cached, candidates, launch):
+            return cached
+        kept.remove(cached)  # remembered as failing: not timed again
+        failed.append(f"{cached}: failed its check")
+    winner = _timed_winner(M, kw, dtype, device, kept, failed, launch)
+    if not checks_switched_off():  # only a checked winner is kept for other processes
+        tuning_cache.store(M, kw, dtype, device, candidates, winner)
+    return winner
+
+
+def _cached_passes(M, kw, dtype, device, config: MatmulConfig, candidates, launch: Launch) -> bool:
+    """Whether the winner an earlier process kept passes its check in this one (a failure is
+    remembered, its file discarded, and the candidates are timed again)."""
+    if checks_switched_off():
+        return True
+    try:
+        check(M, kw, dtype, device, config, launch)
+    except Exception as e:  # noqa: BLE001 - a wrong result or a failure on the check's input
+        remember_failure(kw, dtype, device, config, one_line(e))
+        tuning_cache.discard(M, kw, dtype, device, candidates)
+        warnings.warn(f"quant_matmul ({shape_name(M, kw, dtype)}): the tuning cache's configuration {config} failed "
+                      f"its check: {one_line(e)}; the entry is discarded and the candidates are timed again",
+                      stacklevel=4)
+        return False
+    return True
+
+
+def _timed_winner(M, kw, dtype, device, candidates: list[MatmulConfig], failed: list[str],
+                  launch: Launch) -> MatmulConfig:
     x = torch.randn(M, kw.in_features, dtype=dtype, device=device)
     out = torch.empty(M, kw.out_features, dtype=dtype, device=device)
-    timed, failed = [], []
+    timed = []
     for config in candidates:
         try:
             timed.append((time_ms(lambda config=config: launch(x, kw, None, out, config)), config))
         except Exception as e:  # noqa: BLE001 - any compile or launch failure: skip this one, keep why
-            failed.append(f"{config}: {_one_line(e)}")
+            failed.append(f"{config}: {one_line(e)}")
     if not timed:
         raise NoConfiguration(f"quant_matmul ({shape_name(M, kw, dtype)}): none of the {len(candidates)} candidate "
-                              f"configurations compiled and ran on this GPU: " + "; ".join(failed))
+                              f"configurations tried compiled and ran on this GPU: " + "; ".join(failed))
     timed.sort(key=lambda pair: pair[0])
     if checks_switched_off():
         return timed[0][1]
@@ -75,14 +200,15 @@ def tune(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.device, can
         try:
             check(M, kw, dtype, device, config, launch)
         except Exception as e:  # noqa: BLE001 - a wrong result or a failure on the check's input
-            mismatched.append((config, _one_line(e)))
+            mismatched.append((config, one_line(e)))
+            remember_failure(kw, dtype, device, config, one_line(e))
             continue
         if mismatched:
             first, error = mismatched[0]
             warnings.warn(f"quant_matmul ({shape_name(M, kw, dtype)}): the fastest configuration {first} failed its "
-                          f"check: {error}; {config} runs instead", stacklevel=3)
+                          f"check: {error}; {config} runs instead", stacklevel=4)
         return config
-    did_not_run = "; did not run: " + "; ".join(failed) if failed else ""
+    did_not_run = "; left out or did not run: " + "; ".join(failed) if failed else ""
     raise NoConfiguration(f"quant_matmul ({shape_name(M, kw, dtype)}): no configuration that ran matches the "
                           f"reference: " + "; ".join(f"{c}: {e}" for c, e in mismatched) + did_not_run)
 
@@ -122,6 +248,6 @@ def columns(kw: KernelWeight, a: int, b: int) -> KernelWeight:
     return dataclasses.replace(kw, qweight=qweight, scales=cut(kw.scales), zeros=cut(kw.zeros), out_features=b - a)
 
 
-def _one_line(e: Exception, limit: int = 300) -> str:
+def one_line(e: Exception, limit: int = 300) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text if len(text) <= limit else '...' + text[-limit:]}"
