@@ -8,6 +8,10 @@ Llama-3-8B and -70B projections) and every row count M, it times
 
 * ``lowbit``: ``runtime.kernels.quant_matmul`` on a random weight quantized with quant's own
   math (4-bit, group 128, asymmetric: scales and zero points included), autotuned first;
+* ``lowbit-dense`` (row counts the tuner offers dense configurations for, ``DENSE_MIN_M`` and up):
+  ``quant_matmul`` forced to the first dense configuration (the weight dequantized into scratch by
+  ``runtime/kernels/dequantize_weight.py``, then cuBLAS), whichever the tuner picked; and
+  ``dequantize`` (``M`` 0: once per shape), that dequantization alone;
 * ``torch-fp16``: ``torch.nn.functional.linear`` with the dense fp16 weight (cuBLAS);
 * ``torch-int4`` (4-bit only): PyTorch's own int4 kernel, ``aten._weight_int4pack_mm`` on the
   weight packed by ``aten._convert_weight_to_int4pack`` (tinygemm, the kernel gpt-fast and torchao
@@ -51,7 +55,7 @@ ROWS = [1, 4, 16, 64, 256, 1024, 4096]
 # eager timing would measure Python, not the kernel. Larger M runs as plain launches.
 GRAPH_MAX_M = 256
 # --smoke: the interpreter on CPU, N not a multiple of our tiles (but of the int4 peer's 16)
-SMOKE_SHAPES, SMOKE_ROWS = ["256x80"], [1, 16]
+SMOKE_SHAPES, SMOKE_ROWS = ["256x80"], [1, 16, 260]
 TORCH_INT4_INNER_K_TILES = 8  # tinygemm's widest K tiling (what gpt-fast and torchao pack with)
 
 
@@ -186,14 +190,49 @@ def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, devic
                                          {"config": config.__dict__, "rel_error_vs_dense": err, "activations": str(dtype)}),
                                         ("torch-fp16", t_16, dense.nbytes, {"activations": str(dtype)})):
             out.append({**row, "impl": impl, **timing(t, M, N, K, w_bytes + io_bytes), "weight_bytes": w_bytes, **extra})
-        out.append({**row, "impl": "torch-int4", **time_torch_int4(peer_copies, peer_skipped, x, dense, samples, device,
-                                                                    graph)})
-        t_i4 = out[-1].get("median_s")
+        ours = out[-2]
+        peer = {**row, "impl": "torch-int4", **time_torch_int4(peer_copies, peer_skipped, x, dense, samples, device,
+                                                                graph)}
+        dense_rows = time_dense_path(q_copies, kw, x, dense, row, samples, device,
+                                     dequantized_alone=not any(r["impl"] == "dequantize" for r in out))
+        out += [peer, *dense_rows]
+        t_i4 = peer.get("median_s")
         print(f"{shape:>11} M={M:<5} lowbit {t_q * 1e6:9.1f} us   fp16 {t_16 * 1e6:9.1f} us   "
-              + (f"torch-int4 {t_i4 * 1e6:9.1f} us   " if t_i4 else f"torch-int4 {out[-1]['status']}   ")
+              + (f"torch-int4 {t_i4 * 1e6:9.1f} us   " if t_i4 else f"torch-int4 {peer['status']}   ")
               + f"vs fp16 {t_16 / t_q:5.2f}x" + (f"  vs int4 {t_i4 / t_q:5.2f}x" if t_i4 else "")
-              + f"   {out[-3]['gb_per_s']:7.0f} GB/s  {out[-3]['tflops']:6.1f} TFLOP/s", flush=True)
+              + f"   {ours['gb_per_s']:7.0f} GB/s  {ours['tflops']:6.1f} TFLOP/s"
+              + "".join(f"   {r['impl']} {r['median_s'] * 1e6:9.1f} us" for r in dense_rows), flush=True)
     return out
+
+
+def time_dense_path(q_copies, kw, x, dense, row: dict, samples: int, device, dequantized_alone: bool) -> list[dict]:
+    """The dense configuration's rows for ``x``'s M where the tuner offers one (none otherwise):
+    ``lowbit-dense`` (dequantize into scratch + cuBLAS), checked against the dense weight first, and,
+    when ``dequantized_alone``, the dequantization alone (``M`` 0: it does not depend on the rows)."""
+    from runtime.kernels import quant_matmul as qm
+    from runtime.kernels.matmul_configs import candidate_configs
+
+    config = next((c for c in candidate_configs(x.shape[0], kw) if c.dense), None)
+    if config is None:
+        return []
+    M, K = x.shape
+    N = kw.out_features
+    err = rel_error(qm.quant_matmul(x, kw, config=config), F.linear(x, dense))
+    if err > 1e-2:
+        raise AssertionError(f"{row['shape']} M={M}: the dense path differs from the dense reference ({err:.2e})")
+    # graph=False: a dense configuration is never captured (the scratch buffer; matmul_configs.DENSE_MIN_M)
+    t = median_seconds_per_call([lambda w=w: qm.quant_matmul(x, w, config=config) for w in q_copies], samples,
+                                device, graph=False)[0]
+    w_bytes = kernel_weight_bytes(kw)
+    rows = [{**row, "impl": "lowbit-dense", **timing(t, M, N, K, w_bytes + (M * K + M * N) * x.element_size()),
+             "weight_bytes": w_bytes, "config": config.__dict__, "rel_error_vs_dense": err, "activations": str(x.dtype)}]
+    if dequantized_alone:
+        t = median_seconds_per_call([lambda w=w: qm.dense_weight(w, x.dtype, x.device, config) for w in q_copies],
+                                    samples, device, graph=False)[0]
+        moved = w_bytes + N * K * x.element_size()  # packed weight, scales, zero points read; dense weight written
+        rows.append({**row, "M": 0, "cuda_graph": False, "impl": "dequantize", "median_s": t, "gb_per_s": moved / t / 1e9,
+                     "bytes_moved": moved, "config": config.__dict__})
+    return rows
 
 
 def timing(t: float, M: int, N: int, K: int, nbytes: int) -> dict:
@@ -222,15 +261,21 @@ def time_torch_int4(copies, skipped: str | None, x, dense, samples: int, device,
 
 def ratios(results: list[dict]) -> list[dict]:
     """Per shape and M: our speed-up over cuBLAS fp16 and over PyTorch's int4 kernel (None where
-    the peer did not run)."""
+    the peer did not run); where the dense path ran, its speed-up over cuBLAS fp16 and over the
+    tuned kernel (above 1: faster than it)."""
     by = {(r["shape"], r["M"], r["impl"]): r for r in results}
     out = []
     for (shape, M, impl), r in by.items():
         if impl != "lowbit":
             continue
         peers = {name: by.get((shape, M, name), {}).get("median_s") for name in ("torch-fp16", "torch-int4")}
-        out.append({"shape": shape, "M": M,
-                    **{f"vs_{name.replace('-', '_')}": t and t / r["median_s"] for name, t in peers.items()}})
+        ratio = {"shape": shape, "M": M,
+                 **{f"vs_{name.replace('-', '_')}": t and t / r["median_s"] for name, t in peers.items()}}
+        dense = by.get((shape, M, "lowbit-dense"))
+        if dense:  # the dense path (dequantize into scratch + cuBLAS) over fp16 cuBLAS, and over the fused kernel
+            ratio["dense_vs_torch_fp16"] = peers["torch-fp16"] and peers["torch-fp16"] / dense["median_s"]
+            ratio["dense_vs_fused"] = r["median_s"] / dense["median_s"]
+        out.append(ratio)
     return out
 
 
@@ -315,7 +360,9 @@ def main(argv=None):
         "provenance": with_triton(provenance(device), code_version),
         "scheme": f"w{args.bits} g{args.group} asymmetric (scales {args.dtype}, int8 zero points)",
         "activations": args.dtype,
-        "peers": ("torch-fp16: F.linear on the dense weight (cuBLAS); torch-int4: aten._weight_int4pack_mm "
+        "peers": ("torch-fp16: F.linear on the dense weight (cuBLAS); lowbit-dense: quant_matmul's first dense "
+                  "configuration (dequantize into scratch + cuBLAS), dequantize: that dequantization alone (M 0); "
+                  "torch-int4: aten._weight_int4pack_mm "
                   f"(tinygemm, inner K tiles {TORCH_INT4_INNER_K_TILES}, bf16 activations) on the same codes, "
                   "scales and zero points; ratios = peer time / our time"),
         "method": ("median of per-call times; each sample calls once per weight copy, copies together 3x L2; "
