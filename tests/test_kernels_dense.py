@@ -45,7 +45,7 @@ def test_the_dense_weight_is_what_the_fused_kernel_feeds_its_dot(bits, group, sy
     kw, _, _ = layer(bits, group, sym, act_order, N, K)
     buffer = torch.full((N * K + 64,), float("nan"), dtype=dtype, device=DEVICE)
     dense = buffer[: N * K].view(N, K)
-    dq.dequantize_into(kw, dense, 64, 4, qm.dequant_type(bits, dtype, qm.interpreting()), not qm.interpreting())
+    qm.dense_weight(kw, dense, dense_config(64, 4))
     assert buffer[N * K :].isnan().all()
     fed_to_dot = torch.empty(K, N, dtype=dtype, device=DEVICE)  # launch takes inputs in the weight's order
     qm.launch(torch.eye(K, dtype=dtype, device=DEVICE), kw, None, fed_to_dot, MatmulConfig(64, 32))
@@ -100,16 +100,21 @@ def test_dense_configurations_only_for_rows_no_cuda_graph_captures():
 
 def test_the_scratch_is_one_buffer_grown_to_the_largest_weight(monkeypatch):
     monkeypatch.setattr(dq, "_SCRATCH", {})
-    small = dq.scratch(8, 16, torch.float16, torch.device("cpu"))
-    large = dq.scratch(32, 16, torch.float16, torch.device("cpu"))
-    again = dq.scratch(8, 16, torch.float16, torch.device("cpu"))
+
+    def view(N, K, dtype=torch.float16):
+        with dq.scratch(N, K, dtype, torch.device("cpu")) as buffer:
+            assert dq._SCRATCH_LOCK.locked()  # held while the caller writes and reads it
+            return buffer
+
+    small, large, again = view(8, 16), view(32, 16), view(8, 16)
     assert small.shape == again.shape == (8, 16) and large.shape == (32, 16)
     assert again.data_ptr() == large.data_ptr() and len(dq._SCRATCH) == 1  # grown once, then reused
-    dq.scratch(8, 16, torch.bfloat16, torch.device("cpu"))
-    assert len(dq._SCRATCH) == 2  # one per (device, dtype)
+    view(8, 16, torch.bfloat16)
+    assert len(dq._SCRATCH) == 2 and not dq._SCRATCH_LOCK.locked()  # one per (device, dtype)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
-        dq.scratch(8, 16, torch.float16, torch.device("cuda"))
+        with dq.scratch(8, 16, torch.float16, torch.device("cuda")):
+            pass
 
 
 def test_bad_dense_launches_are_refused():

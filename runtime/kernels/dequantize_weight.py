@@ -13,12 +13,15 @@ output row is contiguous: ``8 Q`` fp16/bf16 values, stored as 16-byte vectors.
 
 The scratch is one buffer per (device, dtype), grown to the largest weight seen and kept: the
 memory of one layer's dense weight (the largest quantized Linear's ``N * K * 2`` bytes), reused by
-every layer in stream order. It is never allocated or used inside CUDA-graph capture (a graph
+every layer in stream order, one thread at a time (a lock held from the dequantization to the GEMM). It is never allocated or used inside CUDA-graph capture (a graph
 would keep the address of a buffer that a later, larger weight frees): ``quant_matmul`` refuses a
 dense configuration there, and ``matmul_configs`` offers it only above the captured row counts.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 import triton
@@ -78,17 +81,21 @@ def dequantize_into(kw: KernelWeight, out: torch.Tensor, block_n: int, num_warps
 
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_SCRATCH_LOCK = threading.Lock()  # two threads must not interleave their writes and GEMMs on one buffer
 
 
-def scratch(N: int, K: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+@contextlib.contextmanager
+def scratch(N: int, K: int, dtype: torch.dtype, device: torch.device):
     """A ``[N, K]`` view of the (device, dtype) scratch buffer, grown (the old one freed first) when
-    a larger weight comes. Callers use it in stream order and never keep it past their GEMM."""
+    a larger weight comes; held by this thread inside the ``with``, where the caller enqueues the
+    dequantization and the GEMM that reads it, on one stream (the GPU runs them in that order)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the dense weight's scratch buffer cannot be used inside CUDA-graph capture: a "
                            "graph would keep the address of a buffer that a larger weight later frees")
-    key = (torch.device(device), dtype)
-    buffer = _SCRATCH.get(key)
-    if buffer is None or buffer.numel() < N * K:
-        _SCRATCH.pop(key, None)  # freed before the larger one is allocated: one buffer's memory at a time
-        buffer = _SCRATCH[key] = torch.empty(N * K, dtype=dtype, device=device)
-    return buffer[: N * K].view(N, K)
+    with _SCRATCH_LOCK:
+        key = (torch.device(device), dtype)
+        buffer = _SCRATCH.get(key)
+        if buffer is None or buffer.numel() < N * K:
+            _SCRATCH.pop(key, None)  # freed before the larger one is allocated: one buffer's memory at a time
+            buffer = _SCRATCH[key] = torch.empty(N * K, dtype=dtype, device=device)
+        yield buffer[: N * K].view(N, K)

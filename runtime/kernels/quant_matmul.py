@@ -277,11 +277,12 @@ def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: t
     """One configuration's launch into ``out [M, N]``; ``x2 [M, K]`` has unit column stride and its
     columns already in the weight's (act-order) order, as ``quant_matmul`` passes them."""
     if config.dense:  # the weight dequantized into scratch, then one cuBLAS GEMM
-        weight = dense_weight(kw, x2.dtype, x2.device, config)
-        if bias is None:
-            torch.mm(x2, weight.t(), out=out)
-        else:
-            torch.addmm(bias.to(x2.dtype), x2, weight.t(), out=out)
+        with scratch(kw.out_features, kw.in_features, x2.dtype, x2.device) as weight:
+            dense_weight(kw, weight, config)
+            if bias is None:
+                torch.mm(x2, weight.t(), out=out)
+            else:
+                torch.addmm(bias.to(x2.dtype), x2, weight.t(), out=out)
         return
     if not config.use_dot:  # one row: runtime/kernels/gemv.py
         launch_gemv(x2, kw, bias, out, config.block_n, config.num_warps, config.split_k, interpreting())
@@ -321,14 +322,11 @@ def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: t
         )
 
 
-def dense_weight(kw: KernelWeight, dtype: torch.dtype, device: torch.device,
-                 config: MatmulConfig) -> torch.Tensor:
-    """``kw`` dequantized into the (device, dtype) scratch buffer, ``[N, K]`` with inputs in the
-    weight's (act-order) order: valid until the next dense weight is written on this stream."""
-    weight = scratch(kw.out_features, kw.in_features, dtype, device)
+def dense_weight(kw: KernelWeight, weight: torch.Tensor, config: MatmulConfig) -> None:
+    """``kw`` dequantized into ``weight [N, K]`` (fp16/bf16: the activation dtype), inputs in the
+    weight's (act-order) order, by a dense configuration's launch."""
     dequantize_into(kw, weight, config.block_n, config.num_warps,
-                    dequant_type(kw.bits, dtype, interpreting()), not interpreting())
-    return weight
+                    dequant_type(kw.bits, weight.dtype, interpreting()), not interpreting())
 
 
 # -- choosing a configuration -----------------------------------------------------------------------
