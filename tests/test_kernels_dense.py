@@ -123,3 +123,39 @@ def test_bad_dense_launches_are_refused():
     kw, _, _ = layer(4, 128, False, False, 64, 256)
     with pytest.raises(ValueError, match=r"contiguous \[64, 256\]"):
         dq.dequantize_into(kw, torch.empty(256, 64, dtype=torch.float16, device=DEVICE), 64, 4, None, False)
+
+
+# Variants bench/sass.py's cases (4/8-bit g128, whole tiles) leave out: a group smaller than a tile
+# (one scale per field), one group per row, 2 bits, columns past N and a ragged last K tile (masks).
+COMPILE_SCRIPT = """
+import json, sys
+from bench.sass import static_report
+from runtime.kernels.dequantize_weight import _dequantize_kernel
+from runtime.kernels.quant_matmul import TORCH_DTYPES, dequant_type
+reports = []
+for bits, dtype, group, tile_group, even_n, even_k, aligned in json.loads(sys.argv[1]):
+    constexprs = dict(BITS=bits, GROUP=group, HAS_ZERO=True, SCALE_PER_TILE=tile_group,
+                      DEQUANT=dequant_type(bits, TORCH_DTYPES[dtype], False), DEQUANT_ASM=True, BLOCK_N=64,
+                      EVEN_N=even_n, EVEN_K=even_k)
+    signature = {"qw_ptr": "*i32", "s_ptr": "*" + dtype, "z_ptr": "*i8", "out_ptr": "*" + dtype, "N": "i32", "K": "i32"}
+    reports.append(static_report(_dequantize_kernel, signature, constexprs, 4, 1, "sm_90a",
+                                 divisible_by_16=("qw_ptr", "s_ptr", "z_ptr", "out_ptr", *aligned)))
+print(json.dumps([{k: r[k] for k in ("registers", "spill_instructions", "local_bytes", "global_stores")} for r in reports]))
+"""
+
+
+def test_the_dequantization_compiles_for_sm_90a_in_every_variant(triton_release):
+    """No spills anywhere; 16-byte stores wherever K is a multiple of 16 (Triton specializes such
+    sizes at launch: output rows start 16-byte aligned), masked or not."""
+    import json
+
+    # bits, dtype, group, one group a tile, no column past N, no ragged K tile (as launch passes them),
+    # the sizes Triton sees divisible by 16
+    variants = [(4, "fp16", 32, False, True, True, ["N", "K"]), (8, "bf16", 4096, True, False, True, ["K"]),
+                (2, "fp16", 64, False, True, False, ["N", "K"]), (4, "bf16", 128, True, False, False, [])]
+    run = triton_release.run(["-c", COMPILE_SCRIPT, json.dumps(variants)], timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for variant, report in zip(variants, json.loads(run.stdout.strip().splitlines()[-1])):
+        assert report["spill_instructions"] == 0 and report["local_bytes"] == 0, (variant, report)
+        if "K" in variant[-1]:
+            assert set(report["global_stores"]) == {"STG.E.128"}, (variant, report)
