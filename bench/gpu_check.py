@@ -105,23 +105,34 @@ CALLS = {
 SMOKE_BUDGET_S = 600
 SMOKE_SHARDS = 2  # a smoke run splits stages in two at most (CI has 2 cores): the merge is still checked
 TAIL_LINES = 40
+SAVE_EVERY_S = 10  # how often a running stage's partial results reach the results file
 
 
-def run_stage(stage: Stage, args, budget: int) -> dict:
-    """The stage's shards, each in a child process, at once; their results merged."""
+def run_stage(stage: Stage, args, budget: int, on_progress=None) -> dict:
+    """The stage's shards, each in a child process, at once; their results merged. ``on_progress``
+    gets the merged partial results while they run (the results file keeps them if the device call
+    itself is cut)."""
     shards = min(stage.shards, SMOKE_SHARDS) if args.smoke else stage.shards
     started = time.time()
+    latest = {}
+
+    def on_partial(i: int, result: dict) -> None:
+        latest[i] = result
+        if on_progress:
+            on_progress(gpu_stages.merge_shards([latest[k] for k in sorted(latest)]))
+
     with ThreadPoolExecutor(max_workers=shards) as pool:
-        parts = list(pool.map(lambda i: run_child(stage, args, budget, (i, shards)), range(shards)))
+        parts = list(pool.map(lambda i: run_child(stage, args, budget, (i, shards), lambda r: on_partial(i, r)),
+                              range(shards)))
     merged = gpu_stages.merge_shards([{k: v for k, v in p.items() if k != "output_tail"} for p in parts])
     tail = [line for p in parts for line in p["output_tail"]][-TAIL_LINES:]
     return {**merged, "shards": shards, "wall_s": round(time.time() - started, 1), "budget_s": budget,
             "output_tail": tail}
 
 
-def run_child(stage: Stage, args, budget: int, shard: tuple[int, int]) -> dict:
+def run_child(stage: Stage, args, budget: int, shard: tuple[int, int], on_partial=None) -> dict:
     """One child process: its output streams through, its result (or, cut at the budget, what it
-    reported last) comes back as JSON."""
+    reported last) comes back as JSON; ``on_partial`` gets each partial result it saves meanwhile."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
         cmd = child_command(stage.name, result_file, shard, args.smoke)
@@ -133,11 +144,7 @@ def run_child(stage: Stage, args, budget: int, shard: tuple[int, int]) -> dict:
         tail = collections.deque(maxlen=TAIL_LINES)
         reader = threading.Thread(target=_relay, args=(proc.stdout, label, tail), daemon=True)
         reader.start()
-        try:
-            proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        wait_watching(proc, started + budget, result_file, on_partial)
         reader.join(timeout=5)
         wall = time.time() - started
         result = json.loads(result_file.read_text()) if result_file.exists() else None
@@ -147,6 +154,27 @@ def run_child(stage: Stage, args, budget: int, shard: tuple[int, int]) -> dict:
             kept = "; what it had measured is kept" if result else ""
             result = {**(result or {}), "passed": False, "error": f"{label}: {why}{kept}"}
         return {**result, "wall_s": round(wall, 1), "output_tail": list(tail)}
+
+
+def wait_watching(proc, deadline: float, result_file: Path, on_partial) -> None:
+    """Wait for ``proc`` until ``deadline`` (then kill its process group), passing each new version of
+    its result file to ``on_partial`` every SAVE_EVERY_S."""
+    seen = None
+    while True:
+        try:
+            proc.wait(timeout=max(0.1, min(SAVE_EVERY_S, deadline - time.time())))
+            return
+        except subprocess.TimeoutExpired:
+            if time.time() >= deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return
+        if on_partial and result_file.exists() and result_file.stat().st_mtime != seen:
+            seen = result_file.stat().st_mtime
+            try:
+                on_partial(json.loads(result_file.read_text()))
+            except (OSError, ValueError):  # replaced meanwhile: the next look reads it
+                seen = None
 
 
 def child_command(name: str, result_file: Path, shard: tuple[int, int], smoke: bool) -> list[str]:
@@ -264,7 +292,14 @@ def main(argv=None) -> int:
     def run_and_save(name: str) -> None:
         stage = BY_NAME[name]
         budget = SMOKE_BUDGET_S if args.smoke else round(stage.budget_s * args.budget_scale)
-        result = {**run_stage(stage, args, budget), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+        def save_partial(partial: dict) -> None:  # replaced by the stage's result when it ends
+            with lock:
+                record["stages"][name] = {**partial, "passed": False, "wall_s": 0, "error": (
+                    "still running when last saved: the device call ended before the stage did")}
+                save(record, path)
+
+        result = {**run_stage(stage, args, budget, save_partial), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         with lock:
             record["stages"][name] = result
             save(record, path)

@@ -209,7 +209,7 @@ def merge_shards(parts: list[dict]) -> dict:
             elif key == "counts":
                 merged[key] = {k: merged.get(key, {}).get(k, 0) + value.get(k, 0)
                                for k in {**merged.get(key, {}), **value}}
-            elif key == "worst_rel_error":
+            elif key in ("worst_rel_error", "exit_code"):
                 merged[key] = max(merged.get(key, value), value)
             elif key == "error":
                 merged[key] = (merged[key] + "\n" if key in merged else "") + value

@@ -174,8 +174,11 @@ def test_a_stage_cut_at_its_budget_keeps_what_it_reported(tmp_path, monkeypatch)
               "'failed': [], 'partial': True})); print('reported', flush=True); time.sleep(60)")
     monkeypatch.setattr(gpu_check, "child_command",
                         lambda name, out, shard, smoke: [sys.executable, "-c", script, str(out)])
+    monkeypatch.setattr(gpu_check, "SAVE_EVERY_S", 0.5)
     args = argparse.Namespace(smoke=False, commit="abc1234")
-    result = gpu_check.run_stage(gpu_check.Stage("weights", 3, None, shards=2), args, 3)
+    progress = []
+    result = gpu_check.run_stage(gpu_check.Stage("weights", 3, None, shards=2), args, 3, progress.append)
+    assert progress and progress[-1]["cases"] == 2  # saved while it ran too (a cut device call keeps it)
     assert result["passed"] is False and result["cases"] == 2 and len(result["results"]) == 2
     assert "ran out of its 3 s budget; what it had measured is kept" in result["error"]
     assert result["wall_s"] < 30 and "reported" in "\n".join(result["output_tail"])
