@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import multiprocessing
 import re
 import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.sass import BIN_DIR, compile_kernel, disassemble, find_loops
+from bench.sass import BIN_DIR, compile_kernel, disassemble, find_loops, resource_usage
 from bench.sass_dataflow import _mma_operands, reads_writes
 
 ROUNDS = 3  # main-loop iterations walked: the second and third see what the first left in flight
@@ -136,6 +140,7 @@ class DotLaunch:
     bits: int
     dtype: str  # "fp16" / "bf16"
     x_tma: bool
+    form: str = "candidate"  # or how it was derived from one (--alternatives)
 
     def name(self) -> str:
         c = self.config
@@ -150,8 +155,13 @@ def weight(bits: int):
     return KernelWeight(None, None, None, None, 8192, 8192, bits, 128)
 
 
-def tuner_cases(choosable: bool = False) -> list[DotLaunch]:
-    """Every tl.dot launch of the module docstring (``choosable``: on sm_90 under this Triton)."""
+ALTERNATIVES = {"step_tiles=2": dict(step_tiles=2), "num_stages=1": dict(num_stages=1)}
+
+
+def tuner_cases(choosable: bool = False, alternatives: tuple = ()) -> list[DotLaunch]:
+    """Every tl.dot launch of the module docstring (``choosable``: on sm_90 under this Triton);
+    ``alternatives`` (names in ``ALTERNATIVES``): with each one-tile-per-iteration candidate above
+    the decode rows, those forms of it too (what a hazard-free candidate list could be made of)."""
     import torch
 
     from runtime.kernels import quant_matmul  # noqa: F401 (matmul_tuning reads TMA_MIN_BLOCK_M from it)
@@ -165,10 +175,16 @@ def tuner_cases(choosable: bool = False) -> list[DotLaunch]:
             configs = [c for c in candidate_configs(M, kw) if c.use_dot]
             if choosable:
                 configs = usable_on_sm90(configs, kw, matmul_tuning, torch)
-            for config in configs:
+            forms = {c: "candidate" for c in configs}
+            if alternatives and M > 16:
+                for config in [c for c in configs if c.step_tiles == 1]:
+                    for form in alternatives:
+                        change = ALTERNATIVES[form]
+                        forms.setdefault(dataclasses.replace(config, **change), form)
+            for config, form in forms.items():
                 for dtype in ("fp16", "bf16"):
                     for x_tma in (False, True) if config.block_m >= quant_matmul.TMA_MIN_BLOCK_M else (False,):
-                        cases.append(DotLaunch(regime, config, bits, dtype, x_tma))
+                        cases.append(DotLaunch(regime, config, bits, dtype, x_tma, form))
     return cases
 
 
@@ -197,7 +213,9 @@ def check(case: DotLaunch) -> dict:
     kc = dot_case(weight(case.bits), case.dtype, label, REGIMES[case.regime], case.config, "sm_90a", case.x_tma)
     kernel = compile_kernel(kc.kernel_fn, kc.signature, kc.constexprs, kc.num_warps, kc.num_stages, "sm_90a",
                             kc.divisible_by_16)
-    return hazards([ins for ins in disassemble(kernel.asm["cubin"]) if ins.base != "NOP"])
+    sass = [ins for ins in disassemble(kernel.asm["cubin"]) if ins.base != "NOP"]
+    return {**hazards(sass), "registers": resource_usage(kernel.asm["cubin"])["registers"],
+            "spill_instructions": sum(ins.base in ("STL", "LDL") for ins in sass)}
 
 
 def summary(name: str, r: dict) -> str:
@@ -209,18 +227,21 @@ def summary(name: str, r: dict) -> str:
     return "\n".join(lines)
 
 
-def scan(cases: list[DotLaunch], only: str | None = None, echo=print) -> list[dict]:
-    """One report per launch (compiled once per ``compile_key``)."""
-    done, reports = {}, []
+def scan(cases: list[DotLaunch], only: str | None = None, echo=print, jobs: int = 1) -> list[dict]:
+    """One report per launch, each distinct kernel (``compile_key``) compiled once, ``jobs`` at a time."""
+    cases = [case for case in cases if not only or only in case.name()]
+    distinct = list({compile_key(case): case for case in cases}.values())
+    if jobs > 1:  # fork: the children inherit the imported kernels
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            walked = dict(zip(map(compile_key, distinct), pool.map(check, distinct)))
+    else:
+        walked = {compile_key(case): check(case) for case in distinct}
+    reports = []
     for case in cases:
-        if only and only not in case.name():
-            continue
-        key = compile_key(case)
-        if key not in done:
-            done[key] = check(case)
-        reports.append({"name": case.name(), "regime": case.regime, "config": dataclasses.asdict(case.config), "bits": case.bits, "dtype": case.dtype,
-            "x_tma": case.x_tma, **done[key]})
-        echo(summary(case.name(), reports[-1]))
+        reports.append({"name": case.name(), "regime": case.regime, "config": dataclasses.asdict(case.config),
+                        "bits": case.bits, "dtype": case.dtype, "x_tma": case.x_tma, "form": case.form,
+                        **walked[compile_key(case)]})
+        echo(summary(case.name() + ("" if case.form == "candidate" else f" ({case.form})"), reports[-1]))
     return reports
 
 
@@ -234,9 +255,22 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path, help="write the reports here (bench/results/kernels/wgmma-hazard-triton<v>.json)")
     ap.add_argument("--choosable", action="store_true",
                     help="only the launches the tuner may choose on sm_90 under this Triton (matmul_tuning.usable)")
+    ap.add_argument("--alternatives", nargs="+", default=(), choices=list(ALTERNATIVES),
+                    help="also these forms of each one-tile-per-iteration candidate above 16 rows")
     ap.add_argument("--only", help="only launches whose name contains this")
+    ap.add_argument("--jobs", type=int, default=1, help="compile this many kernels at a time")
+    ap.add_argument("--sass", nargs="+", type=Path,
+                    help="walk these cuobjdump -sass texts instead (prints one JSON report per file)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="main-loop iterations walked (with --sass)")
     args = ap.parse_args(argv)
-    reports = scan(tuner_cases(args.choosable), args.only, echo=lambda line: print(line, flush=True))
+    if args.sass:
+        from bench.sass_dataflow import parse_sass
+
+        print(json.dumps([hazards([i for i in parse_sass(f.read_text()) if i.base != "NOP"], args.rounds)
+                          for f in args.sass]))
+        return
+    reports = scan(tuner_cases(args.choosable, args.alternatives), args.only,
+                   echo=lambda line: print(line, flush=True), jobs=args.jobs)
     free = sum(r["hazard_free"] for r in reports)
     print(f"triton {triton.__version__}: {free} of {len(reports)} launches hazard-free")
     if args.json:
@@ -244,6 +278,7 @@ def main(argv=None) -> None:
         write_result(args.json, {
             "commit": commit(), "triton": triton.__version__, "ptxas": ptxas.strip().splitlines()[-1],
             "arch": "sm_90a", "rounds": ROUNDS, "choosable_only": args.choosable,
+            "alternatives": args.alternatives, "command": "python -m bench.wgmma_hazard " + " ".join(argv or sys.argv[1:]),
             "weight": "8192x8192, asymmetric group 128, EVEN_N", "hazard_free": free, "launches": len(reports),
             "reports": reports})
 
