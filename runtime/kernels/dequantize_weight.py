@@ -7,15 +7,18 @@ layout ``torch.nn.functional.linear`` takes: ``x @ W.T`` goes to cuBLAS as a tra
 no copy. Each program dequantizes one K tile of ``BLOCK_N`` outputs with the fused kernel's own
 code (``weight_tile``: ``tile_groups``, ``group_rows``, ``integer_tile``, ``dequantized``,
 ``input_order``), so the dense weight holds, bit for bit, the values the fused kernel feeds
-``tl.dot``; it stores the tile transposed. A thread's 16-byte load of four word rows of one
-column holds ``8 Q`` consecutive inputs of that column (``weight_layout``), so its part of an
-output row is contiguous: ``8 Q`` fp16/bf16 values, stored as 16-byte vectors.
+``tl.dot``, and stores the tile transposed: 8 consecutive inputs a thread (one 16-byte store), a
+warp writing whole rows of the tile (at 4 bits two rows of 128 inputs, 256 contiguous bytes each:
+the layout Triton picks for the store, read off the compiled code). At 64 weights a thread (the configurations
+``matmul_configs`` offers) the compiler reaches that layout by passing the packed words, not the
+dense tile, through shared memory (bench/results/kernels/NOTES.md).
 
 The scratch is one buffer per (device, dtype), grown to the largest weight seen and kept: the
 memory of one layer's dense weight (the largest quantized Linear's ``N * K * 2`` bytes), reused by
-every layer in stream order, one thread at a time (a lock held from the dequantization to the GEMM). It is never allocated or used inside CUDA-graph capture (a graph
-would keep the address of a buffer that a later, larger weight frees): ``quant_matmul`` refuses a
-dense configuration there, and ``matmul_configs`` offers it only above the captured row counts.
+every layer in stream order, one thread at a time (a lock held from the dequantization to the
+GEMM). It is never allocated or used inside CUDA-graph capture (a graph would keep the address of
+a buffer that a later, larger weight frees): :func:`scratch` refuses there, and ``matmul_configs``
+offers dense configurations only above the row counts decode graphs capture.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
                    for st in (3, 4, 2)]
         if M >= DENSE_MIN_M:  # see DENSE_MIN_M. 64 weights a thread (4-bit): the compiler then moves the
             # packed words, not the dense tile, through shared memory (3 barriers; at 128 a thread it
-            # moved the whole fp16 tile, 39 barriers; sm_90a, Triton 3.6 and 3.9, bench/sass_weights.py)
+            # moved the whole fp16 tile, 39 barriers; sm_90a, Triton 3.6 and 3.9, bench/results/kernels/NOTES.md)
             configs += [dense_config(64, 4), dense_config(128, 8)]
     kept = [c for c in configs if c.split_k <= num_tiles]
     return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
