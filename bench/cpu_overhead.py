@@ -20,8 +20,11 @@ first) and for this tree (with ``--overlay PATHS``: REV with those paths from th
 alone), in child processes alternating round by round, medians per configuration. Policies: a child process per
 OpenMP setting (it must be set before torch loads), ``passive`` (OMP_WAIT_POLICY=PASSIVE, the CLI's
 default), ``active``, ``default`` (neither set: libgomp spins a while, then sleeps), timed in
-alternating rounds, each at 1 and 2 threads, batch 1 and 8. Raw JSON with device, versions, commit,
-command and the load average.
+alternating rounds, each at 1 and 2 threads, batch 1 and 8. ``--native-ops``: the decoder's small ops
+on ``runtime/native/decode_ops.cpp`` (``Decoder.use_native_ops``) against the PyTorch ops, switched on
+the same models in one process, alternating round by round (plain decoder steps, medians), with the
+largest logit difference of a forward each way. Raw JSON with device, versions, commit, command and
+the load average.
 """
 
 from __future__ import annotations
@@ -111,6 +114,46 @@ def breakdown(model, batch: int, path: str, steps: int, repeats: int) -> dict:
         kinds = per_step(accounts, steps, sum(c for c, _ in wrapped), sum(w for _, w in wrapped))
     return {"step_cpu_ms": median_ms(plain, 0), "step_wall_ms": median_ms(plain, 1), "steps": len(plain),
             "wrapped_step_cpu_ms": sum(c for c, _ in wrapped) / steps / 1e6, "kinds": kinds}
+
+
+def native_ops(shape: str, rounds: int, steps: int) -> dict:
+    """Plain decoder steps with the native decode ops on and off on the same models, alternating."""
+    from runtime import native
+
+    module = native.load("decode_ops")
+    if module is None:
+        raise SystemExit("--native-ops: runtime/native/decode_ops.cpp cannot be built here")
+    models = {"float32": random_model(SHAPES[shape], quantized=False), "w4": random_model(SHAPES[shape], quantized=True)}
+    ids = torch.randint(0, SHAPES[shape]["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(2))
+    out, samples = {"shape": shape, "rounds": rounds, "steps": steps}, {}
+    with torch.inference_mode():
+        for name, model in models.items():
+            logits = []
+            for on in (None, module):
+                model.decoder.use_native_ops(on, torch.float32)
+                logits.append(model.decoder(ids))
+            out[f"{name}_max_logit_difference"] = float((logits[0] - logits[1]).abs().max())
+            out[f"{name}_largest_logit"] = float(logits[0].abs().max())
+    for _ in range(rounds):
+        for batch in (1, 8):
+            for name, model in models.items():
+                for label, on in (("torch", None), ("native", module)):
+                    model.decoder.use_native_ops(on, torch.float32)
+                    decoder_steps(model, batch, 2)
+                    samples.setdefault(f"{name}_b{batch}_{label}_cpu_ms", []).extend(
+                        c / 1e6 for c, _ in decoder_steps(model, batch, steps))
+        print(shape, "round done, load", os.getloadavg()[0], flush=True)
+    out["median_cpu_ms"] = {k: statistics.median(v) for k, v in samples.items()}
+    m = out["median_cpu_ms"]
+    ratios = {f"{name}_b{b}_native_over_torch": m[f"{name}_b{b}_native_cpu_ms"] / m[f"{name}_b{b}_torch_cpu_ms"]
+              for name in models for b in (1, 8)}
+    for b in (1, 8):
+        for label in ("torch", "native"):
+            ratios[f"w4_over_float32_b{b}_{label}"] = m[f"w4_b{b}_{label}_cpu_ms"] / m[f"float32_b{b}_{label}_cpu_ms"]
+    out["ratios"] = ratios
+    out["load_average_end"] = os.getloadavg()
+    print(json.dumps({k: out[k] for k in ("median_cpu_ms", "ratios")}), flush=True)
+    return out
 
 
 def itl_child(shape: str, steps: int, repeats: int) -> dict:
@@ -208,7 +251,8 @@ def main():
     ap.add_argument("--overlay", default="", help="with --compare: the after tree is REV with these paths "
                                                    "(comma-separated) from this tree, not the whole tree")
     ap.add_argument("--policies", default="", help="e.g. passive,active,default: the OpenMP comparison")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare and --policies")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare, --policies and --native-ops")
+    ap.add_argument("--native-ops", action="store_true", help="time the native decode ops against PyTorch's")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per breakdown row / per --compare child")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (breakdown and --compare)")
@@ -237,10 +281,12 @@ def main():
               "runtime_from": str(Path(runtime.__file__).parent.parent),  # commit: that tree's (unknown: no .git)
               "tree_commit": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                             text=True).stdout.strip(),
-              "load_average_start": os.getloadavg(), "breakdown": [], "compare": [], "policies": []}
+              "load_average_start": os.getloadavg(), "breakdown": [], "compare": [], "policies": [], "native_ops": []}
     for shape in args.shapes.split(","):
-        models = {"float32": random_model(SHAPES[shape], quantized=False), "w4": random_model(SHAPES[shape], quantized=True)}
-        for path in filter(None, args.paths.split(",")):
+        paths = list(filter(None, args.paths.split(",")))
+        models = {"float32": random_model(SHAPES[shape], quantized=False),
+                  "w4": random_model(SHAPES[shape], quantized=True)} if paths else {}
+        for path in paths:
             for batch in (1, 8):
                 for name, model in models.items():
                     row = {"shape": shape, "model": name, "batch": batch, "path": path,
@@ -251,6 +297,8 @@ def main():
         if args.compare:
             overlay = list(filter(None, args.overlay.split(",")))
             result["compare"].append(compare(args.compare, overlay, shape, args.rounds, args.steps, args.threads))
+        if args.native_ops:
+            result["native_ops"].append(native_ops(shape, args.rounds, args.steps))
         if args.policies:
             result["policies"].append(policies(shape, args.policies.split(","), args.rounds, args.steps))
     write_result(args.out, result)

@@ -144,5 +144,6 @@ def test_the_decoder_runs_them_where_built_and_pytorch_without(tmp_path, monkeyp
 
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     off = runtime.load(path, cpu_kernels=True)
-    assert all(m.native is None for m in off.decoder.modules() if isinstance(m, (RMSNorm, Attention, MLP, NarrowLinear)))
+    kinds = (RMSNorm, Attention, MLP, NarrowLinear)
+    assert all(m.native is None for m in off.decoder.modules() if isinstance(m, kinds))
     assert float((off.logits(ids) - want).abs().max()) < 0.02 * float(want.abs().max())

@@ -185,7 +185,9 @@ LOWBIT_AVX512BF16 void silu_mul_row_avx512(const float* g, const float* u, int64
   }
 }
 
-inline __m512 bf16x16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 bf16x16_to_float(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 LOWBIT_AVX512BF16 void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o) {
   for (int64_t i = 0; i < width; i += 16) {
