@@ -1,11 +1,12 @@
 """What the quantized matmul compiles and tunes in each gpu_check stage, counted without a GPU.
 
     python -m bench.gpu_compiles [--stages weights,engine,kernel-speed,engine-speed]
+    python -m bench.gpu_compiles --stages kernel-speed --offline 8    # with .venv-triton36's python too
 
 On the lent GPU the stages' time went to compiling (Triton JIT, ptxas) and to the autotuner, which
 times every candidate configuration of each (M bucket, shape) once. Here nothing compiles, so the
 kernels' launches are recorded instead of run: ``quant_matmul``'s real ``launch`` computes every
-constexpr and argument, and a stand-in kernel object keeps the key Triton compiles per (the kernel,
+constexpr and argument, and a stand-in for ``JITFunction.run`` keeps the key Triton compiles per (the kernel,
 its constexprs, num_warps/num_stages, and for each other integer whether it is 1 or divisible by 16,
 Triton's specialization; tensors by dtype). ``tunes_on`` is forced on and ``matmul_tuning.tune``
 replaced by one that launches each candidate once (as the timing does) and returns the default. Each
@@ -17,7 +18,10 @@ writes and the fused small ops are not counted here (a few kernels per KV scheme
 ``precompile(stage)`` (on a GPU; the speed stages call it first) compiles the same launches in
 parallel processes, each launch once with Triton's ``warmup`` (compile, no run) on meta tensors,
 into Triton's on-disk cache, where the stage's own tuning then finds them: compiling is one CPU
-core a process, and the tuner would compile its candidates one after another.
+core a process, and the tuner would compile its candidates one after another. ``--offline N``
+checks that without a GPU: N of a stage's launches compiled that way for sm_90a with a stand-in
+driver (Triton's compiler and ptxas need no GPU), then the same launches on real tensors in a new
+process, which must find every kernel in Triton's cache.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import time
 from unittest import mock
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compile_key(fn, args, kwargs) -> tuple:
@@ -144,16 +150,17 @@ def meta_kernel_weight(module):
                        scheme.symmetric)
 
 
-def meta_weight(K: int, N: int, bits: int, group_len: int, symmetric: bool, scale_dtype=torch.float16):
-    """A kernel weight's layout (``weight_layout.KernelWeight``) on the meta device."""
+def meta_weight(K: int, N: int, bits: int, group_len: int, symmetric: bool, scale_dtype=torch.float16,
+                device: str = "meta"):
+    """A kernel weight's layout (``weight_layout.KernelWeight``), on the meta device by default."""
     from runtime.kernels.weight_layout import KernelWeight
 
     groups = -(-K // group_len)
     tile_k = 16 * 32 // bits
     k_pad = -(-K // tile_k) * tile_k
-    zeros = None if symmetric else torch.empty(groups, N, dtype=torch.int8, device="meta")
-    return KernelWeight(torch.empty(k_pad * bits // 32, N, dtype=torch.int32, device="meta"),
-                        torch.empty(groups, N, dtype=scale_dtype, device="meta"), zeros, None, K, N, bits, group_len)
+    zeros = None if symmetric else torch.empty(groups, N, dtype=torch.int8, device=device)
+    return KernelWeight(torch.empty(k_pad * bits // 32, N, dtype=torch.int32, device=device),
+                        torch.empty(groups, N, dtype=scale_dtype, device=device), zeros, None, K, N, bits, group_len)
 
 
 def engine_start_up(kernel_weights: list, largest_m: int, dtype=torch.float16) -> None:
@@ -223,7 +230,7 @@ COUNTERS = {"weights": count_weights, "engine": lambda: count_engine(tuning=Fals
             "engine-speed": count_engine_speed}
 
 
-def compile_tasks(tasks: list) -> tuple[int, list[str]]:
+def compile_tasks(tasks: list, device: str = "meta") -> tuple[int, list[str]]:
     """In a worker process on the GPU machine: each task's launch with Triton's warmup (compile into
     the on-disk cache, run nothing). Returns how many compiled and the errors of the others."""
     from triton.runtime.jit import JITFunction
@@ -242,9 +249,9 @@ def compile_tasks(tasks: list) -> tuple[int, list[str]]:
                               block_m >= qm.TMA_MIN_BLOCK_M):
         for (K, N, bits, group_len, symmetric), M, dtype, has_bias, config in tasks:
             dtype = getattr(torch, dtype)
-            kw = meta_weight(K, N, bits, group_len, symmetric, dtype)
-            x, out = (torch.empty(M, n, dtype=dtype, device="meta") for n in (K, N))
-            bias = torch.empty(N, dtype=dtype, device="meta") if has_bias else None
+            kw = meta_weight(K, N, bits, group_len, symmetric, dtype, device)
+            x, out = (torch.empty(M, n, dtype=dtype, device=device) for n in (K, N))
+            bias = torch.empty(N, dtype=dtype, device=device) if has_bias else None
             try:
                 qm.launch(x, kw, bias, out, config)
                 done += 1
@@ -266,10 +273,66 @@ def precompile(stage: str, workers: int | None = None, timeout_s: float = 60) ->
             "wall_s": round(time.time() - started, 1), "errors": errors[:3], "error_count": len(errors)}
 
 
+class StandInDriver:
+    """What ``JITFunction.run`` asks of Triton's driver before it compiles, for sm_90a, on a machine
+    without a GPU (the compiler and ptxas need none)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def offline(stage: str, limit: int) -> dict:
+    """Without a GPU: ``limit`` of the stage's tasks (spread over its list) compiled for sm_90a the way
+    ``compile_tasks`` does (warmup on meta tensors) into a fresh Triton cache, then the same launches
+    on real CPU tensors in a fresh process, which must find every kernel in that cache."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        env.pop("TRITON_INTERPRET", None)
+        runs = []
+        for device in ("meta", "cpu"):
+            code = f"from bench.gpu_compiles import offline_run; offline_run({stage!r}, {limit}, {device!r})"
+            proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode:
+                raise RuntimeError(proc.stderr[-3000:])
+            runs.append({**json.loads(proc.stdout.strip().splitlines()[-1]), "cache_entries": len(os.listdir(cache))})
+    return {"stage": stage, "compile": runs[0], "replay": runs[1], "replay_hit_cache":
+            runs[1]["cache_entries"] == runs[0]["cache_entries"] and runs[1]["done"] == runs[0]["done"]}
+
+
+def offline_run(stage: str, limit: int, device: str) -> None:
+    from triton.runtime.driver import driver
+
+    driver.set_active(StandInDriver())
+    tasks = COUNTERS[stage]()["tasks"]
+    tasks = tasks[::max(1, len(tasks) // limit)][:limit]
+    with mock.patch.object(torch.cuda, "get_device_capability", lambda *args: (9, 0)):
+        wall, cpu = time.perf_counter(), time.process_time()
+        done, errors = compile_tasks(tasks, device)
+    print(json.dumps({"device": device, "tasks": len(tasks), "done": done, "errors": errors[:3],
+                      "wall_s": round(time.perf_counter() - wall, 2), "cpu_s": round(time.process_time() - cpu, 2)}))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default=",".join(COUNTERS), help=f"comma-separated, of {', '.join(COUNTERS)}")
+    ap.add_argument("--offline", metavar="N", type=int, help="instead: compile N of each stage's tasks for sm_90a "
+                    "here (no GPU), then check real launches find them in Triton's cache")
     args = ap.parse_args(argv)
+    if args.offline:
+        print(json.dumps([offline(name, args.offline) for name in args.stages.split(",")], indent=1))
+        return 0
     out = {name: {k: v for k, v in COUNTERS[name]().items() if k != "tasks"} for name in args.stages.split(",")}
     print(json.dumps(out, indent=1))
     return 0

@@ -263,3 +263,14 @@ def test_a_failed_precompile_costs_the_stage_nothing_but_its_time():
 
     result = gpu_stages.precompile("kernel-speed")
     assert "error" in result or result["error_count"] > 0
+
+
+def test_precompiled_kernels_are_found_by_real_launches_under_each_triton_release(triton_release):
+    """What the speed stages' precompile relies on, without a GPU: warmup launches on meta tensors
+    compile for sm_90a through Triton's own binder and compiler, and the same launches on real tensors
+    in a new process find every one of them in Triton's cache (no compile of their own)."""
+    run = triton_release.run(["-m", "bench.gpu_compiles", "--stages", "kernel-speed", "--offline", "3"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    (result,) = json.loads(run.stdout)
+    assert result["compile"]["done"] == result["compile"]["tasks"] == 3 and not result["compile"]["errors"]
+    assert result["compile"]["cache_entries"] >= 3 and result["replay_hit_cache"], result
