@@ -27,7 +27,7 @@ RUNTIME_MODULES = ["runtime", "runtime.kernels.quant_matmul", "runtime.kernels.a
                    "evals.diagnose", "lowbit.cli", "bench.kernels", "bench.attention", "bench.correctness"]
 GPU_TEST_FILES = ["tests/test_kernels_linear.py", "tests/test_kernels_tuning.py", "tests/test_kernels_attention.py",
                   "tests/test_small_ops.py", "tests/test_engine.py", "tests/test_engine_prefill.py",
-                  "tests/test_runtime.py"]
+                  "tests/test_runtime.py", "tests/test_kernels_dense.py"]
 # Packages the runtime never needs and the lent GPU machine's image lacks: what each is for. The env
 # stage lists the absent ones; tests that need one skip (pytest.importorskip) and the tests stage
 # reports them. (greenlet, for one, is imported only when a calibration pass runs.)

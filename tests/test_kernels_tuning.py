@@ -352,3 +352,19 @@ def test_load_without_the_self_check_still_checks_what_is_tuned(checkpoint, monk
         model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, self_check=False, cpu_kernels=False)
         model.logits(IDS)
     assert {M for off, M in checked if not off} == {len(IDS[0])} and not [c for c in checked if c[0]]
+
+
+def test_untuned_choice_skips_a_configuration_known_to_fail(monkeypatch):
+    """Where nothing is timed (the interpreter here; a bucket first met during a CUDA-graph capture
+    on a GPU) the first candidate not known to fail runs, and none left is an error, not a wrong one."""
+    monkeypatch.setattr(qm, "_TUNED", {})
+    monkeypatch.setattr(qm, "_NO_CONFIGURATION", {})
+    kw, cpu = kernel_weight(), torch.device("cpu")
+    first, second = candidate_configs(5, kw)[:2]
+    assert qm.choose_config(5, kw, torch.float16, cpu) == first
+    tuning.remember_failure(kw, torch.float16, cpu, first, "wrong on purpose")
+    assert qm.choose_config(5, kw, torch.float16, cpu) == second
+    for config in candidate_configs(5, kw):
+        tuning.remember_failure(kw, torch.float16, cpu, config, "wrong on purpose")
+    with pytest.raises(tuning.NoConfiguration, match="every candidate is known to fail"):
+        qm.choose_config(5, kw, torch.float16, cpu)

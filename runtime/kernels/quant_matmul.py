@@ -339,7 +339,7 @@ def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.de
     """The tuned configuration for this shape, timed and checked against the reference on first use
     (``runtime/kernels/matmul_tuning.py``).
 
-    Not timed (the default candidate is used, and not cached) where ``tunes_on`` says no. When no
+    Not timed (the first candidate not known to fail is used, and not cached) where ``tunes_on`` says no. When no
     candidate runs and matches the reference, every call for the shape raises
     ``matmul_tuning.NoConfiguration`` (tuned once: the outcome is kept); ``QuantLinear`` then runs
     the dense reference for those rows.
@@ -351,8 +351,12 @@ def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.de
     if key in _NO_CONFIGURATION:
         raise matmul_tuning.NoConfiguration(_NO_CONFIGURATION[key])  # a new error: no traceback piles up
     candidates = candidate_configs(M, kw)
-    if not tunes_on(device):
-        return candidates[0]
+    if not tunes_on(device):  # the first candidate not known to be wrong here (a bucket first met in a capture)
+        kept, left_out = matmul_tuning.usable(candidates, kw, dtype, device)
+        if not kept:
+            raise matmul_tuning.NoConfiguration(f"quant_matmul ({matmul_tuning.shape_name(M, kw, dtype)}): every "
+                                                f"candidate is known to fail here: " + "; ".join(left_out))
+        return kept[0]
     try:
         _TUNED[key] = matmul_tuning.tune(m_bucket(M), kw, dtype, device, candidates, launch)
     except matmul_tuning.NoConfiguration as e:
