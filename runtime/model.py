@@ -384,13 +384,14 @@ class Decoder(nn.Module):
         from runtime.cpu_linear import NarrowLinear
 
         float32 = module if dtype == torch.float32 else None
+        taken = module if dtype in (torch.float32, torch.bfloat16) else None  # SiLU's and the gemv's dtypes
         for m in self.modules():
             if type(m) is RMSNorm or isinstance(m, Attention):
                 m.native = float32
             elif isinstance(m, MLP):
-                m.native = module if m.act_name == "silu" else None
+                m.native = taken if m.act_name == "silu" else None
             elif isinstance(m, NarrowLinear):
-                m.native = module if module is not None and module.gemv_usable() else None
+                m.native = taken if taken is not None and taken.gemv_usable() else None
 
     def join_projections(self) -> None:
         """q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (at load,

@@ -147,3 +147,15 @@ def test_the_decoder_runs_them_where_built_and_pytorch_without(tmp_path, monkeyp
     kinds = (RMSNorm, Attention, MLP, NarrowLinear)
     assert all(m.native is None for m in off.decoder.modules() if isinstance(m, kinds))
     assert float((off.logits(ids) - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+def test_float16_models_keep_the_pytorch_ops():
+    from runtime.model import Decoder, DecoderConfig
+
+    cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    decoder = Decoder(cfg)
+    decoder.use_native_ops(ops, torch.float16)  # neither the norm, RoPE, SiLU nor the gemv takes float16
+    assert all(getattr(m, "native", None) is None for m in decoder.modules())
+    decoder.use_native_ops(ops, torch.bfloat16)  # bf16 activations: SiLU-and-multiply only
+    assert [type(m) for m in decoder.modules() if getattr(m, "native", None) is not None] == [MLP]
