@@ -70,6 +70,26 @@ def test_the_walk_flags_writes_to_a_registers_of_wgmmas_in_flight(tmp_path):
     assert walk(tmp_path, [loop("0x1")], rounds=1)[0]["a_writes"] == 0  # the hazard is across iterations
 
 
+def test_releases_with_the_hazard_get_two_tile_forms(monkeypatch):
+    """matmul_configs.wgmma_hazard reads the release; under one with the hazard every one-tile tl.dot
+    candidate is offered as two tiles on two stages (GEMV, dense and decode forms unchanged)."""
+    from runtime.kernels import matmul_configs
+    from runtime.kernels.weight_layout import KernelWeight
+
+    assert [matmul_configs.wgmma_hazard(v) for v in ("3.6.0", "3.8.0", "3.9.0", "3.10.1")] == [True, True, False, False]
+    kw = KernelWeight(None, None, None, None, 8192, 8192, 4, 128)
+    newest = {M: matmul_configs.candidate_configs(M, kw) for M in (1, 16, 64, 4096)}
+    monkeypatch.setattr(matmul_configs.triton, "__version__", "3.6.0")
+    for M, configs in newest.items():
+        offered = matmul_configs.candidate_configs(M, kw)
+        assert all(c.step_tiles == 2 for c in offered if c.use_dot)
+        expected = [c if not c.use_dot or c.step_tiles > 1 else
+                    matmul_configs.MatmulConfig(c.block_m, c.block_n, c.split_k, group_m=c.group_m,
+                                                num_warps=c.num_warps, num_stages=2, step_tiles=2) for c in configs]
+        assert offered == list(dict.fromkeys(expected)), M
+    assert len(matmul_configs.candidate_configs(4096, kw)) < len(newest[4096])  # the stage counts merge
+
+
 def test_the_walk_sees_triton36s_hazard_in_the_real_kernel(triton_release):
     """128x64, 4 warps, 3 stages, TMA, W4 fp16 (the H200's failing launch): hazardous under 3.6."""
     script = ("import json; from bench.wgmma_hazard import DotLaunch, check; "
@@ -85,13 +105,10 @@ def test_the_walk_sees_triton36s_hazard_in_the_real_kernel(triton_release):
         assert report["hazard_free"], report
 
 
-def test_every_launch_the_tuner_may_choose_on_sm90_under_triton36_is_hazard_free(triton_release, tmp_path, request):
+def test_every_launch_the_tuner_may_choose_on_sm90_under_triton36_is_hazard_free(triton_release, tmp_path):
     if not triton_release.version.startswith("3.6."):
         pytest.skip("asserted under Triton 3.6 (the lent GPU's release); the other releases: "
                     "bench/results/kernels/wgmma-hazard-*.json")
-    request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        "missing fix: runtime/kernels/matmul_configs.candidate_configs must offer only hazard-free tl.dot "
-        "forms under Triton releases carrying issue 9433 (bench/results/kernels/wgmma-hazard-*.json)")))
     out = tmp_path / "hazard.json"
     run = triton_release.run(["-m", "bench.wgmma_hazard", "--choosable", "--jobs", "2", "--json", out], timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]

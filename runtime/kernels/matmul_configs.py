@@ -3,6 +3,7 @@ are bucketed for tuning (``runtime.kernels.quant_matmul`` times them and launche
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import triton
@@ -20,6 +21,13 @@ DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
 # dense configuration must never be chosen for an M a graph holds (the scratch buffer would be
 # captured), so 256 is also the floor. Whether it wins above is the tuner's timing on the GPU.
 DENSE_MIN_M = 257
+# Triton issue 9433: releases before this one pipeline a one-K-tile tl.dot loop with wgmmas still
+# reading their A registers (the dequantized weight) when the next iteration writes them (PTX:
+# undefined behaviour; the H200's wrong 3-stage results, bench/results/gpu/NOTES.md). Two tiles per
+# iteration compile to wait_group 0. bench/wgmma_hazard.py on sm_90a (bench/results/kernels/NOTES.md):
+# one-tile candidates hazardous under 3.6.0 (all but some W8 bf16), 3.7.1 and 3.8.0, none under 3.9.0;
+# two-tile ones free under each.
+WGMMA_HAZARD_FIXED_IN = (3, 9)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ def m_bucket(M: int) -> int:
 
 
 def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
-    """What the autotuner times for M rows; the first is the untimed default."""
+    """What the autotuner times for M rows; the first is the untimed default. Under a Triton release
+    with issue 9433's hazard, tl.dot configurations in their hazard-free form (``hazard_free``)."""
     num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
     if M == 1:  # the GEMV: 4 or 2 columns a thread, K split to fill the GPU (gemv.default_split)
         configs = []
@@ -85,7 +94,25 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
             # moved the whole fp16 tile, 39 barriers; sm_90a, Triton 3.6 and 3.9, bench/results/kernels/NOTES.md)
             configs += [dense_config(64, 4), dense_config(128, 8)]
     kept = [c for c in configs if c.split_k <= num_tiles]
-    return kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)]
+    return hazard_free(kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)])
+
+
+def wgmma_hazard(version: str | None = None) -> bool:
+    """Whether a Triton release (default: the installed one) compiles one-tile tl.dot loops with
+    issue 9433's register hazard (``WGMMA_HAZARD_FIXED_IN``)."""
+    release = tuple(int(part) for part in (version or triton.__version__).split(".")[:2])
+    return release < WGMMA_HAZARD_FIXED_IN
+
+
+def hazard_free(configs: list[MatmulConfig]) -> list[MatmulConfig]:
+    """``configs`` as offered under the installed Triton: where it carries the hazard, each one-tile
+    tl.dot configuration becomes two tiles an iteration on two stages (the decode rows' form: the
+    same two tiles ahead as three stages of one; speed unmeasured), duplicates dropped. On every
+    GPU: the tuner's candidates do not depend on the device."""
+    if not wgmma_hazard():
+        return configs
+    return list(dict.fromkeys(dataclasses.replace(c, step_tiles=2, num_stages=2) if c.use_dot and c.step_tiles == 1
+                              else c for c in configs))
 
 
 def dense_config(block_n: int = 64, num_warps: int = 4) -> MatmulConfig:
