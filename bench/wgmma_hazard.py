@@ -155,13 +155,15 @@ def weight(bits: int):
     return KernelWeight(None, None, None, None, 8192, 8192, bits, 128)
 
 
+FORMATS = ("w4-fp16", "w4-bf16", "w8-fp16", "w8-bf16")
 ALTERNATIVES = {"step_tiles=2": dict(step_tiles=2), "num_stages=1": dict(num_stages=1)}
 
 
-def tuner_cases(choosable: bool = False, alternatives: tuple = ()) -> list[DotLaunch]:
+def tuner_cases(choosable: bool = False, alternatives: tuple = (), formats: tuple = FORMATS) -> list[DotLaunch]:
     """Every tl.dot launch of the module docstring (``choosable``: on sm_90 under this Triton);
     ``alternatives`` (names in ``ALTERNATIVES``): with each one-tile-per-iteration candidate above
-    the decode rows, those forms of it too (what a hazard-free candidate list could be made of)."""
+    the decode rows, those forms of it too (what a hazard-free candidate list could be made of);
+    ``formats``: the weight bits and activation dtypes (``FORMATS``)."""
     import torch
 
     from runtime.kernels import quant_matmul  # noqa: F401 (matmul_tuning reads TMA_MIN_BLOCK_M from it)
@@ -169,7 +171,7 @@ def tuner_cases(choosable: bool = False, alternatives: tuple = ()) -> list[DotLa
     from runtime.kernels.matmul_configs import candidate_configs
 
     cases = []
-    for bits in (4, 8):
+    for bits in sorted({int(f[1]) for f in formats}):
         kw = weight(bits)
         for regime, M in REGIMES.items():
             configs = [c for c in candidate_configs(M, kw) if c.use_dot]
@@ -182,7 +184,7 @@ def tuner_cases(choosable: bool = False, alternatives: tuple = ()) -> list[DotLa
                         change = ALTERNATIVES[form]
                         forms.setdefault(dataclasses.replace(config, **change), form)
             for config, form in forms.items():
-                for dtype in ("fp16", "bf16"):
+                for dtype in [f.split("-")[1] for f in formats if f.startswith(f"w{bits}-")]:
                     for x_tma in (False, True) if config.block_m >= quant_matmul.TMA_MIN_BLOCK_M else (False,):
                         cases.append(DotLaunch(regime, config, bits, dtype, x_tma, form))
     return cases
@@ -215,6 +217,7 @@ def check(case: DotLaunch) -> dict:
                             kc.divisible_by_16)
     sass = [ins for ins in disassemble(kernel.asm["cubin"]) if ins.base != "NOP"]
     return {**hazards(sass), "registers": resource_usage(kernel.asm["cubin"])["registers"],
+            "shared_bytes": int(kernel.metadata.shared),
             "spill_instructions": sum(ins.base in ("STL", "LDL") for ins in sass)}
 
 
@@ -231,11 +234,12 @@ def scan(cases: list[DotLaunch], only: str | None = None, echo=print, jobs: int 
     """One report per launch, each distinct kernel (``compile_key``) compiled once, ``jobs`` at a time."""
     cases = [case for case in cases if not only or only in case.name()]
     distinct = list({compile_key(case): case for case in cases}.values())
-    if jobs > 1:  # fork: the children inherit the imported kernels
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            walked = dict(zip(map(compile_key, distinct), pool.map(check, distinct)))
-    else:
-        walked = {compile_key(case): check(case) for case in distinct}
+    walked = {}
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:  # children inherit
+        for i, (case, report) in enumerate(zip(distinct, pool.map(check, distinct))):  # the imported kernels
+            walked[compile_key(case)] = report
+            print(f"[{i + 1}/{len(distinct)}] {case.name()}: {report['a_writes']} A writes", file=sys.stderr,
+                  flush=True)
     reports = []
     for case in cases:
         reports.append({"name": case.name(), "regime": case.regime, "config": dataclasses.asdict(case.config),
@@ -257,6 +261,7 @@ def main(argv=None) -> None:
                     help="only the launches the tuner may choose on sm_90 under this Triton (matmul_tuning.usable)")
     ap.add_argument("--alternatives", nargs="+", default=(), choices=list(ALTERNATIVES),
                     help="also these forms of each one-tile-per-iteration candidate above 16 rows")
+    ap.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS, help="weight bits and dtypes")
     ap.add_argument("--only", help="only launches whose name contains this")
     ap.add_argument("--jobs", type=int, default=1, help="compile this many kernels at a time")
     ap.add_argument("--sass", nargs="+", type=Path,
@@ -269,7 +274,7 @@ def main(argv=None) -> None:
         print(json.dumps([hazards([i for i in parse_sass(f.read_text()) if i.base != "NOP"], args.rounds)
                           for f in args.sass]))
         return
-    reports = scan(tuner_cases(args.choosable, args.alternatives), args.only,
+    reports = scan(tuner_cases(args.choosable, args.alternatives, tuple(args.formats)), args.only,
                    echo=lambda line: print(line, flush=True), jobs=args.jobs)
     free = sum(r["hazard_free"] for r in reports)
     print(f"triton {triton.__version__}: {free} of {len(reports)} launches hazard-free")
@@ -278,7 +283,7 @@ def main(argv=None) -> None:
         write_result(args.json, {
             "commit": commit(), "triton": triton.__version__, "ptxas": ptxas.strip().splitlines()[-1],
             "arch": "sm_90a", "rounds": ROUNDS, "choosable_only": args.choosable,
-            "alternatives": args.alternatives, "command": "python -m bench.wgmma_hazard " + " ".join(argv or sys.argv[1:]),
+            "alternatives": args.alternatives, "formats": args.formats, "command": "python -m bench.wgmma_hazard " + " ".join(argv or sys.argv[1:]),
             "weight": "8192x8192, asymmetric group 128, EVEN_N", "hazard_free": free, "launches": len(reports),
             "reports": reports})
 
