@@ -22,8 +22,8 @@ OpenMP setting (it must be set before torch loads), ``passive`` (OMP_WAIT_POLICY
 default), ``active``, ``default`` (neither set: libgomp spins a while, then sleeps), timed in
 alternating rounds, each at 1 and 2 threads, batch 1 and 8. ``--native-ops``: the decoder's small ops
 on ``runtime/native/decode_ops.cpp`` (``Decoder.use_native_ops``) against the PyTorch ops, switched on
-the same models in one process, alternating round by round (plain decoder steps, medians), with the
-largest logit difference of a forward each way. Raw JSON with device, versions, commit, command and
+the same models in one process, alternating round by round (plain decoder steps, medians; ``Engine.step``s
+with ``--native-ops-path engine``), with the largest logit difference of a forward each way. Raw JSON with device, versions, commit, command and
 the load average.
 """
 
@@ -116,8 +116,8 @@ def breakdown(model, batch: int, path: str, steps: int, repeats: int) -> dict:
             "wrapped_step_cpu_ms": sum(c for c, _ in wrapped) / steps / 1e6, "kinds": kinds}
 
 
-def native_ops(shape: str, rounds: int, steps: int) -> dict:
-    """Plain decoder steps with the native decode ops on and off on the same models, alternating."""
+def native_ops(shape: str, rounds: int, steps: int, path: str = "decoder") -> dict:
+    """Plain steps of ``path`` (``PATHS``) with the native decode ops on and off, the same models, alternating."""
     from runtime import native
 
     module = native.load("decode_ops")
@@ -125,7 +125,7 @@ def native_ops(shape: str, rounds: int, steps: int) -> dict:
         raise SystemExit("--native-ops: runtime/native/decode_ops.cpp cannot be built here")
     models = {"float32": random_model(SHAPES[shape], quantized=False), "w4": random_model(SHAPES[shape], quantized=True)}
     ids = torch.randint(0, SHAPES[shape]["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(2))
-    out, samples = {"shape": shape, "rounds": rounds, "steps": steps}, {}
+    out, samples, run = {"shape": shape, "path": path, "rounds": rounds, "steps": steps}, {}, PATHS[path]
     with torch.inference_mode():
         for name, model in models.items():
             logits = []
@@ -139,9 +139,9 @@ def native_ops(shape: str, rounds: int, steps: int) -> dict:
             for name, model in models.items():
                 for label, on in (("torch", None), ("native", module)):
                     model.decoder.use_native_ops(on, torch.float32)
-                    decoder_steps(model, batch, 2)
+                    run(model, batch, 2)
                     samples.setdefault(f"{name}_b{batch}_{label}_cpu_ms", []).extend(
-                        c / 1e6 for c, _ in decoder_steps(model, batch, steps))
+                        c / 1e6 for c, _ in run(model, batch, steps))
         print(shape, "round done, load", os.getloadavg()[0], flush=True)
     out["median_cpu_ms"] = {k: statistics.median(v) for k, v in samples.items()}
     m = out["median_cpu_ms"]
@@ -253,6 +253,7 @@ def main():
     ap.add_argument("--policies", default="", help="e.g. passive,active,default: the OpenMP comparison")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare, --policies and --native-ops")
     ap.add_argument("--native-ops", action="store_true", help="time the native decode ops against PyTorch's")
+    ap.add_argument("--native-ops-path", default="decoder", choices=sorted(PATHS), help="the steps --native-ops times")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per breakdown row / per --compare child")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (breakdown and --compare)")
@@ -298,7 +299,7 @@ def main():
             overlay = list(filter(None, args.overlay.split(",")))
             result["compare"].append(compare(args.compare, overlay, shape, args.rounds, args.steps, args.threads))
         if args.native_ops:
-            result["native_ops"].append(native_ops(shape, args.rounds, args.steps))
+            result["native_ops"].append(native_ops(shape, args.rounds, args.steps, args.native_ops_path))
         if args.policies:
             result["policies"].append(policies(shape, args.policies.split(","), args.rounds, args.steps))
     write_result(args.out, result)
