@@ -21,9 +21,13 @@ import pytest
 # 3.6.0 (the lent GPU machine's): W8 M=16 takes 227 loop instructions (3.55 per weight): 3.6
 # pipelines the two K tiles of an iteration with 5 barriers instead of 2 and does not merge the
 # scale/zero loads of tiles sharing a group (bench/results/kernels/sass-*-triton3.6.0.json).
+# W4 prefill under 3.6 launches two K tiles an iteration on two stages (matmul_configs.hazard_free:
+# Triton issue 9433's register hazard): 155680 bytes of shared memory, 1 CTA per SM (172 registers
+# would allow 2). Correct before fast; speed unmeasured (bench/results/kernels/NOTES.md).
 KNOWN_MISSED = {
     "3.9": set(),
-    "3.6": {("w8g128 fp16 small-m", "max_loop_instructions_per_unit")},
+    "3.6": {("w8g128 fp16 small-m", "max_loop_instructions_per_unit"),
+            ("w4g128 fp16 prefill", "min_ctas_per_sm"), ("w4g128 bf16 prefill", "min_ctas_per_sm")},
 }
 
 
