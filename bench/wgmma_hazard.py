@@ -1,15 +1,17 @@
 """Static check of Triton issue 9433's register hazard in the fused matmul, on sm_90a SASS, no GPU.
 
     python -m bench.wgmma_hazard [--json bench/results/kernels/wgmma-hazard-triton<version>.json]
-                                 [--choosable] [--only TEXT]
+        [--choosable] [--alternatives step_tiles=2] [--formats w4-fp16 ...] [--jobs N] [--only TEXT]
+    python -m bench.wgmma_hazard --sass dump.sass   # walk a cuobjdump -sass text (JSON report)
 
 A Hopper ``wgmma`` (SASS ``HGMMA``) runs asynchronously: it reads its A operand (here the
 dequantized weight tile, in registers) and its accumulator some time after it is issued, until a
 ``wgmma.wait_group`` (SASS ``WARPGROUP.DEPBAR.LE gsb0, n``: at most ``n`` committed groups still in
 flight) retires it. PTX makes writing those registers before then undefined behaviour. Triton 3.6's
-pipeliner waits with ``wait_group 7`` after each of 8 register-A wgmmas, and ptxas lets the next
-loop iteration's dequantization write the A registers of wgmmas still in flight
-(bench/results/gpu/NOTES.md, "Why num_stages=3 tl.dot configurations were wrong on the H200").
+pipeliner waits with ``wait_group 7`` after each of 8 register-A wgmmas (3.7/3.8: ``wait_group 1``
+after each of 2 groups of 4), and ptxas lets the next loop iteration's dequantization write the A
+registers of wgmmas still in flight (bench/results/gpu/NOTES.md, "Why num_stages=3 tl.dot
+configurations were wrong on the H200"; per release: bench/results/kernels/NOTES.md).
 
 The walk (:func:`hazards`): the kernel's SASS in address order, one path: everything before the
 main loop, the loop's body ``ROUNDS`` times (a hazard across iterations shows from the second),
