@@ -1,7 +1,7 @@
 """Static check of Triton issue 9433's register hazard in the fused matmul, on sm_90a SASS, no GPU.
 
     python -m bench.wgmma_hazard [--json bench/results/kernels/wgmma-hazard-triton<version>.json]
-        [--choosable] [--alternatives step_tiles=2] [--formats w4-fp16 ...] [--jobs N] [--only TEXT]
+        [--alternatives step_tiles=2] [--formats w4-fp16 ...] [--jobs N] [--only TEXT]
     python -m bench.wgmma_hazard --sass dump.sass   # walk a cuobjdump -sass text (JSON report)
 
 A Hopper ``wgmma`` (SASS ``HGMMA``) runs asynchronously: it reads its A operand (here the
@@ -25,8 +25,8 @@ or writes its accumulator (``accumulator_accesses``). Predicated instructions co
 :func:`tuner_cases` lists every ``tl.dot`` launch the tuner can choose (``matmul_configs.
 candidate_configs`` in each M regime; fp16 and bf16; W4 and W8 asymmetric group 128; TMA
 activations where the tile reads them by TMA on sm_90, and the same tile without, as a misaligned
-input gets), compiled as ``bench/sass_weights.dot_case`` does; ``--choosable`` keeps only those the
-tuner may choose on sm_90 under the installed Triton (``matmul_tuning.usable``).
+input gets), compiled as ``bench/sass_weights.dot_case`` does. (The tuner leaves out of these only launches that
+failed a check in the process; what a Triton release compiles wrongly is never a candidate.)
 """
 
 from __future__ import annotations
@@ -161,15 +161,12 @@ FORMATS = ("w4-fp16", "w4-bf16", "w8-fp16", "w8-bf16")
 ALTERNATIVES = {"step_tiles=2": dict(step_tiles=2), "num_stages=1": dict(num_stages=1)}
 
 
-def tuner_cases(choosable: bool = False, alternatives: tuple = (), formats: tuple = FORMATS) -> list[DotLaunch]:
-    """Every tl.dot launch of the module docstring (``choosable``: on sm_90 under this Triton);
+def tuner_cases(alternatives: tuple = (), formats: tuple = FORMATS) -> list[DotLaunch]:
+    """Every tl.dot launch of the module docstring (the candidates under the installed Triton);
     ``alternatives`` (names in ``ALTERNATIVES``): with each one-tile-per-iteration candidate above
     the decode rows, those forms of it too (what a hazard-free candidate list could be made of);
     ``formats``: the weight bits and activation dtypes (``FORMATS``)."""
-    import torch
-
-    from runtime.kernels import quant_matmul  # noqa: F401 (matmul_tuning reads TMA_MIN_BLOCK_M from it)
-    from runtime.kernels import matmul_tuning
+    from runtime.kernels import quant_matmul
     from runtime.kernels.matmul_configs import candidate_configs
 
     cases = []
@@ -177,8 +174,6 @@ def tuner_cases(choosable: bool = False, alternatives: tuple = (), formats: tupl
         kw = weight(bits)
         for regime, M in REGIMES.items():
             configs = [c for c in candidate_configs(M, kw) if c.use_dot]
-            if choosable:
-                configs = usable_on_sm90(configs, kw, matmul_tuning, torch)
             forms = {c: "candidate" for c in configs}
             if alternatives and M > 16:
                 for config in [c for c in configs if c.step_tiles == 1]:
@@ -190,16 +185,6 @@ def tuner_cases(choosable: bool = False, alternatives: tuple = (), formats: tupl
                     for x_tma in (False, True) if config.block_m >= quant_matmul.TMA_MIN_BLOCK_M else (False,):
                         cases.append(DotLaunch(regime, config, bits, dtype, x_tma, form))
     return cases
-
-
-def usable_on_sm90(configs: list, kw, matmul_tuning, torch) -> list:
-    """``matmul_tuning.usable`` as on an sm_90 GPU under the installed Triton (its ``stack`` seam)."""
-    real = matmul_tuning.stack
-    matmul_tuning.stack = lambda device: ((9, 0), real(device)[1])
-    try:
-        return matmul_tuning.usable(configs, kw, torch.float16, torch.device("cpu"))[0]
-    finally:
-        matmul_tuning.stack = real
 
 
 def compile_key(case: DotLaunch) -> tuple:
@@ -259,8 +244,6 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the reports here (bench/results/kernels/wgmma-hazard-triton<v>.json)")
-    ap.add_argument("--choosable", action="store_true",
-                    help="only the launches the tuner may choose on sm_90 under this Triton (matmul_tuning.usable)")
     ap.add_argument("--alternatives", nargs="+", default=(), choices=list(ALTERNATIVES),
                     help="also these forms of each one-tile-per-iteration candidate above 16 rows")
     ap.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS, help="weight bits and dtypes")
@@ -276,7 +259,7 @@ def main(argv=None) -> None:
         print(json.dumps([hazards([i for i in parse_sass(f.read_text()) if i.base != "NOP"], args.rounds)
                           for f in args.sass]))
         return
-    reports = scan(tuner_cases(args.choosable, args.alternatives, tuple(args.formats)), args.only,
+    reports = scan(tuner_cases(args.alternatives, tuple(args.formats)), args.only,
                    echo=lambda line: print(line, flush=True), jobs=args.jobs)
     free = sum(r["hazard_free"] for r in reports)
     print(f"triton {triton.__version__}: {free} of {len(reports)} launches hazard-free")
@@ -284,7 +267,7 @@ def main(argv=None) -> None:
         ptxas = subprocess.run([str(BIN_DIR / "ptxas"), "--version"], capture_output=True, text=True).stdout
         write_result(args.json, {
             "commit": commit(), "triton": triton.__version__, "ptxas": ptxas.strip().splitlines()[-1],
-            "arch": "sm_90a", "rounds": ROUNDS, "choosable_only": args.choosable,
+            "arch": "sm_90a", "rounds": ROUNDS,
             "alternatives": args.alternatives, "formats": args.formats, "command": "python -m bench.wgmma_hazard " + " ".join(argv or sys.argv[1:]),
             "weight": "8192x8192, asymmetric group 128, EVEN_N", "hazard_free": free, "launches": len(reports),
             "reports": reports})

@@ -166,41 +166,6 @@ def test_a_configuration_that_failed_is_not_timed_again_for_that_weight(monkeypa
     assert "failed its check earlier in this process" in str(caught.value) and "relative error" in str(caught.value)
 
 
-H200_TRITON_36 = ((9, 0), (3, 6))
-TMA_STAGES_3, TMA_STAGES_4, ROWS_32 = MatmulConfig(128, 64, num_stages=3), MatmulConfig(128, 64, num_stages=4), \
-    MatmulConfig(32, 64, num_stages=3)
-
-
-@pytest.mark.parametrize("stack, left_out", [
-    (H200_TRITON_36, {TMA_STAGES_3}),
-    (((9, 0), (3, 9)), set()),  # a later Triton: the rule does not reach it
-    (((8, 0), (3, 6)), set()),  # no TMA on sm_80
-    (((10, 0), (3, 6)), set()),  # seen on sm_90 only
-])
-def test_the_known_wrong_rule_leaves_out_tma_tiles_with_three_stages_on_sm90_triton36(monkeypatch, stack, left_out):
-    monkeypatch.setattr(tuning, "stack", lambda device: stack)
-    stand_in = Candidates({TMA_STAGES_3: 1.0, TMA_STAGES_4: 2.0, ROWS_32: 3.0})
-    launched = []
-    real_launch = stand_in.launch
-    stand_in.launch = lambda x, kw, bias, out, config: launched.append(config) or real_launch(x, kw, bias, out, config)
-    chosen = tune(monkeypatch, stand_in, M=128)
-    assert set(stand_in.times) - set(launched) == left_out
-    assert chosen == (TMA_STAGES_4 if left_out else TMA_STAGES_3)
-    kept, why = tuning.usable(list(stand_in.times), kernel_weight(), torch.float16, torch.device("cpu"))
-    assert [w.split(":")[0] for w in why] == [f"{c}" for c in left_out]
-    assert all("Triton <= 3.6" in w and "num_stages=3" in w and "NOTES.md" in w for w in why)
-
-
-def test_the_rule_reads_where_tma_starts_from_the_kernel(monkeypatch):
-    """``block_m >= quant_matmul.TMA_MIN_BLOCK_M`` is what makes a launch read activations by TMA:
-    moved, the rule moves with it (no copy of the constant)."""
-    monkeypatch.setattr(tuning, "stack", lambda device: H200_TRITON_36)
-    configs, kw, cpu = [TMA_STAGES_3, MatmulConfig(64, 128), ROWS_32], kernel_weight(), torch.device("cpu")
-    assert tuning.usable(configs, kw, torch.float16, cpu)[0] == [ROWS_32]
-    monkeypatch.setattr(qm, "TMA_MIN_BLOCK_M", 128)
-    assert tuning.usable(configs, kw, torch.float16, cpu)[0] == [MatmulConfig(64, 128), ROWS_32]
-
-
 @pytest.mark.parametrize("act_order", [False, True])
 def test_the_real_kernels_pass_the_check(act_order):
     """The kernels themselves (interpreter), each M regime's default launch: the check's reference

@@ -20,8 +20,9 @@ and serves every model of that shape, so it is checked whichever model tuned it.
 
 Configurations known to give wrong results are left out before timing, each with its reason (in
 ``NoConfiguration``'s message when nothing is left): those that failed a check in this process for
-the same weight shape (this tuner's check or the load-time self-check: :func:`remember_failure`),
-and those a rule of :data:`KNOWN_WRONG` names for this GPU and Triton release. A winner is kept on
+the same weight shape (this tuner's check or the load-time self-check: :func:`remember_failure`).
+(What a Triton release is known to compile wrongly, matmul_configs leaves out of the candidates:
+``wgmma_hazard``.) A winner is kept on
 disk for later processes (``runtime/kernels/tuning_cache.py``); a process that finds one checks it
 before use instead of timing the candidates.
 """
@@ -29,7 +30,6 @@ before use instead of timing the candidates.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 from typing import Callable
 
@@ -67,56 +67,6 @@ def shape_name(M: int, kw: KernelWeight, dtype: torch.dtype) -> str:
 _FAILED: dict[tuple, dict[MatmulConfig, str]] = {}  # weight shape -> configuration -> what failed (this process)
 
 
-@dataclasses.dataclass(frozen=True)
-class KnownWrong:
-    """A kind of configuration that gave wrong results on a GPU architecture (``major``, compute
-    capability) under Triton releases up to ``triton_up_to``; ``evidence`` says where it was seen."""
-
-    what: str
-    major: int
-    triton_up_to: tuple[int, int]
-    applies: Callable[[MatmulConfig, tuple[int, int]], bool]
-    evidence: str
-
-    def reason(self, config: MatmulConfig, capability: tuple[int, int] | None, triton: tuple[int, int]) -> str | None:
-        if capability is None or capability[0] != self.major or triton > self.triton_up_to:
-            return None
-        if not self.applies(config, capability):
-            return None
-        return (f"known to give wrong results on sm_{self.major}x with Triton <= "
-                f"{'.'.join(map(str, self.triton_up_to))}: {self.what} ({self.evidence})")
-
-
-def tma_activations(config: MatmulConfig, capability: tuple[int, int]) -> bool:
-    """Whether the launch reads activation tiles through a TMA descriptor (``quant_matmul.
-    activations_by_tma``, for an input that meets TMA's alignment, as the check's and most are).
-    Read from the loaded module: quant_matmul imports this one (it tunes through it), so importing
-    it here would close a circle; it is loaded wherever a configuration is launched."""
-    quant_matmul = sys.modules["runtime.kernels.quant_matmul"]
-    return config.use_dot and config.block_m >= quant_matmul.TMA_MIN_BLOCK_M and capability[0] >= 9
-
-
-# The rule below is what the H200 showed. Its cause, Triton issue 9433's register hazard, reaches every
-# one-tile tl.dot loop under Triton < 3.9 (matmul_configs.wgmma_hazard): candidate_configs offers none
-# there, so the rule leaves out nothing it offers; it stays as the record of the observed failure.
-KNOWN_WRONG = (
-    KnownWrong("tl.dot with activations by TMA and num_stages=3", major=9, triton_up_to=(3, 6),
-               applies=lambda config, capability: config.num_stages == 3 and tma_activations(config, capability),
-               evidence="H200, Triton 3.6.0, commit 1213cd1: 128x64 and 256x128 tiles wrong at M=65..4096, the "
-                        "same tiles with 2 or 4 stages right; suspected cause Triton issue 9433: "
-                        "bench/results/gpu/NOTES.md"),
-)
-
-
-def stack(device: torch.device) -> tuple[tuple[int, int] | None, tuple[int, int]]:
-    """The GPU's compute capability (None off CUDA) and the Triton release (major, minor): what the
-    rules of ``KNOWN_WRONG`` read (the seam tests replace to stand for a GPU)."""
-    import triton
-
-    release = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    return (torch.cuda.get_device_capability(device) if device.type == "cuda" else None), release
-
-
 def weight_key(kw: KernelWeight, dtype: torch.dtype, device: torch.device) -> tuple:
     """What a known failure is kept for: the weight's shape and format, the dtype and the device
     (every M: a configuration wrong at one row count is not trusted at another)."""
@@ -133,15 +83,9 @@ def usable(candidates: list[MatmulConfig], kw: KernelWeight, dtype: torch.dtype,
            device: torch.device) -> tuple[list[MatmulConfig], list[str]]:
     """The candidates not known to give wrong results, in order, and why each other one is left out."""
     failed = _FAILED.get(weight_key(kw, dtype, device), {})
-    capability, release = stack(device)
-    kept, left_out = [], []
-    for config in candidates:
-        why = (f"failed its check earlier in this process: {failed[config]}" if config in failed
-               else next(filter(None, (rule.reason(config, capability, release) for rule in KNOWN_WRONG)), None))
-        if why is None:
-            kept.append(config)
-        else:
-            left_out.append(f"{config}: {why}")
+    kept = [config for config in candidates if config not in failed]
+    left_out = [f"{config}: failed its check earlier in this process: {failed[config]}"
+                for config in candidates if config in failed]
     return kept, left_out
 
 
