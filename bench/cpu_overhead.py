@@ -21,7 +21,7 @@ alone), in child processes alternating round by round, medians per configuration
 OpenMP setting (it must be set before torch loads), ``passive`` (OMP_WAIT_POLICY=PASSIVE, the CLI's
 default), ``active``, ``default`` (neither set: libgomp spins a while, then sleeps), timed in
 alternating rounds, each at 1 and 2 threads, batch 1 and 8. ``--native-ops``: the decoder's small ops
-on ``runtime/native/decode_ops.cpp`` (``Decoder.use_native_ops``) against the PyTorch ops, switched on
+on ``runtime/native/decode_ops.cpp`` (``runtime.load.use_native_ops``) against the PyTorch ops, switched on
 the same models in one process, alternating round by round (plain decoder steps, medians; ``Engine.step``s
 with ``--native-ops-path engine``), with the largest logit difference of a forward each way. Raw JSON with device, versions, commit, command and
 the load average.
@@ -119,6 +119,7 @@ def breakdown(model, batch: int, path: str, steps: int, repeats: int) -> dict:
 def native_ops(shape: str, rounds: int, steps: int, path: str = "decoder") -> dict:
     """Plain steps of ``path`` (``PATHS``) with the native decode ops on and off, the same models, alternating."""
     from runtime import native
+    from runtime.load import use_native_ops
 
     module = native.load("decode_ops")
     if module is None:
@@ -130,7 +131,7 @@ def native_ops(shape: str, rounds: int, steps: int, path: str = "decoder") -> di
         for name, model in models.items():
             logits = []
             for on in (None, module):
-                model.decoder.use_native_ops(on, torch.float32)
+                use_native_ops(model.decoder, on, torch.float32)
                 logits.append(model.decoder(ids))
             out[f"{name}_max_logit_difference"] = float((logits[0] - logits[1]).abs().max())
             out[f"{name}_largest_logit"] = float(logits[0].abs().max())
@@ -138,7 +139,7 @@ def native_ops(shape: str, rounds: int, steps: int, path: str = "decoder") -> di
         for batch in (1, 8):
             for name, model in models.items():
                 for label, on in (("torch", None), ("native", module)):
-                    model.decoder.use_native_ops(on, torch.float32)
+                    use_native_ops(model.decoder, on, torch.float32)
                     run(model, batch, 2)
                     samples.setdefault(f"{name}_b{batch}_{label}_cpu_ms", []).extend(
                         c / 1e6 for c, _ in run(model, batch, steps))

@@ -279,7 +279,7 @@ class NarrowLinear(nn.Module):
 
     GEMV_ROWS = 4  # rows runtime/native/decode_ops.cpp's bf16 product takes (1.3-2.5x torch.mv on
     # SmolLM2's lm_head at one row, level on the 1B model's, whose 263 MB stream from memory)
-    native = None  # that module where it runs (AVX512-BF16; Decoder.use_native_ops), else PyTorch
+    native = None  # that module where it runs (AVX512-BF16; runtime.load.use_native_ops), else PyTorch
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -17,7 +17,7 @@ from runtime.sampling import check_sampling
 from runtime import cpu_linear, native, selfcheck
 from runtime.linear import QuantLinear
 from quant.architectures import architecture
-from runtime.model import MLP, Attention, Decoder, DecoderConfig, plain_linear
+from runtime.model import MLP, Attention, Decoder, DecoderConfig, RMSNorm, plain_linear
 
 # Any of these makes a directory's tokenizer loadable by AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -244,7 +244,7 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     run_narrow_linears(decoder, dtype)
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
     # on CPU their native counterparts where they build (None with LOWBIT_NATIVE=0: PyTorch)
-    decoder.use_native_ops(native.load("decode_ops") if device.type == "cpu" else None, dtype)
+    use_native_ops(decoder, native.load("decode_ops") if device.type == "cpu" else None, dtype)
     # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
     decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
     cpu = use_cpu_kernels(cpu_kernels)
@@ -258,6 +258,23 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     decoder.self_check = self_check  # an Engine's start-up check reads it too
     if device.type == "cuda":  # elsewhere nothing runs on Triton (tests that send it to the interpreter check it)
         selfcheck.check_decoder(decoder, dtype, kv_scheme)
+
+
+def use_native_ops(decoder: Decoder, module, dtype: torch.dtype) -> None:
+    """On CPU, the decode step's small ops as ``runtime/native/decode_ops.cpp`` (``module``, from
+    ``runtime.native.load``; None: PyTorch): add + RMSNorm and RoPE of q and k where activations
+    are float32 (the kernels' dtype), SiLU-and-multiply of silu MLPs, lm_head's bf16 product for
+    few rows (``cpu_linear.NarrowLinear``). One call each where PyTorch ran several ops of a few
+    microseconds on a decode step's one row (bench/results/cpu/NOTES.md)."""
+    float32 = module if dtype == torch.float32 else None
+    taken = module if dtype in (torch.float32, torch.bfloat16) else None  # SiLU's and the gemv's dtypes
+    for m in decoder.modules():
+        if type(m) is RMSNorm or isinstance(m, Attention):
+            m.native = float32
+        elif isinstance(m, MLP):
+            m.native = taken if m.act_name == "silu" else None
+        elif isinstance(m, cpu_linear.NarrowLinear):
+            m.native = taken if taken is not None and taken.gemv_usable() else None
 
 
 def run_narrow_linears(decoder: Decoder, dtype: torch.dtype) -> None:

@@ -125,7 +125,7 @@ def plain_linear(name: str, in_features: int, out_features: int, bias: bool) -> 
 
 class Attention(nn.Module):
     kernels = False
-    native = None  # runtime/native/decode_ops.cpp's RoPE of q and k in one call (Decoder.use_native_ops)
+    native = None  # runtime/native/decode_ops.cpp's RoPE of q and k in one call (runtime.load.use_native_ops)
 
     def __init__(self, cfg: DecoderConfig, prefix: str, make_linear: LinearFactory):
         super().__init__()
@@ -216,7 +216,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     kernels = False
-    native = None  # runtime/native/decode_ops.cpp's SiLU-and-multiply (Decoder.use_native_ops)
+    native = None  # runtime/native/decode_ops.cpp's SiLU-and-multiply (runtime.load.use_native_ops)
     # set by runtime.load.prepare where gate_up and down both run the CPU kernels: their bf16 activations
     # stay bf16 in between (the kernels return the input's dtype), two conversions fewer per layer
     cpu_kernel_dtype: torch.dtype | None = None
@@ -374,24 +374,6 @@ class Decoder(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.kernels = on
-
-    def use_native_ops(self, module, dtype: torch.dtype) -> None:
-        """On CPU, the decode step's small ops as ``runtime/native/decode_ops.cpp`` (``module``, from
-        ``runtime.native.load``; None: PyTorch): add + RMSNorm and RoPE of q and k where activations
-        are float32 (the kernels' dtype), SiLU-and-multiply of silu MLPs, lm_head's bf16 product for
-        few rows (``cpu_linear.NarrowLinear``). One call each where PyTorch ran several ops of a few
-        microseconds on a decode step's one row (bench/results/cpu/NOTES.md)."""
-        from runtime.cpu_linear import NarrowLinear
-
-        float32 = module if dtype == torch.float32 else None
-        taken = module if dtype in (torch.float32, torch.bfloat16) else None  # SiLU's and the gemv's dtypes
-        for m in self.modules():
-            if type(m) is RMSNorm or isinstance(m, Attention):
-                m.native = float32
-            elif isinstance(m, MLP):
-                m.native = taken if m.act_name == "silu" else None
-            elif isinstance(m, NarrowLinear):
-                m.native = taken if taken is not None and taken.gemv_usable() else None
 
     def join_projections(self) -> None:
         """q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer (at load,

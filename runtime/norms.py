@@ -11,7 +11,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     kernels = False  # the fused Triton kernel (Decoder.use_kernels), else PyTorch
     # runtime/native/decode_ops.cpp where it is built, on CPU with float32 activations
-    # (Decoder.use_native_ops): the add and the norm one call, not two ATen ops of several kernels
+    # (runtime.load.use_native_ops): the add and the norm one call, not two ATen ops of several kernels
     native = None
 
     def __init__(self, dim: int, eps: float):

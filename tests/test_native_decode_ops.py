@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from runtime import native
 from runtime.cpu_linear import NarrowLinear
+from runtime.load import use_native_ops
 from runtime.model import MLP, Attention
 from runtime.norms import RMSNorm
 from runtime.rope import apply_rope, token_major
@@ -131,15 +132,15 @@ def test_the_decoder_runs_them_where_built_and_pytorch_without(tmp_path, monkeyp
     ids = torch.randint(0, model.decoder.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     got = model.logits(ids)
     assert len(list(model.generate(list(range(5, 15)), max_new_tokens=4))) == 4
-    model.decoder.use_native_ops(None, model.dtype)  # the PyTorch ops on the same weights
+    use_native_ops(model.decoder, None, model.dtype)  # the PyTorch ops on the same weights
     assert all(m.native is None for m in modules)
     want = model.logits(ids)
     # bf16 activations between the Linears: a last-bit difference may round one of them the other way
     assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
     one = ids[:1, :1]  # one row: lm_head on the gemv where it runs
-    model.decoder.use_native_ops(ops, model.dtype)
+    use_native_ops(model.decoder, ops, model.dtype)
     got_one = model.logits(one)
-    model.decoder.use_native_ops(None, model.dtype)
+    use_native_ops(model.decoder, None, model.dtype)
     torch.testing.assert_close(got_one, model.logits(one), rtol=2 ** -7, atol=0.02 * float(want.abs().max()))
 
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
@@ -155,7 +156,7 @@ def test_float16_models_keep_the_pytorch_ops():
     cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     decoder = Decoder(cfg)
-    decoder.use_native_ops(ops, torch.float16)  # neither the norm, RoPE, SiLU nor the gemv takes float16
+    use_native_ops(decoder, ops, torch.float16)  # neither the norm, RoPE, SiLU nor the gemv takes float16
     assert all(getattr(m, "native", None) is None for m in decoder.modules())
-    decoder.use_native_ops(ops, torch.bfloat16)  # bf16 activations: SiLU-and-multiply only
+    use_native_ops(decoder, ops, torch.bfloat16)  # bf16 activations: SiLU-and-multiply only
     assert [type(m) for m in decoder.modules() if getattr(m, "native", None) is not None] == [MLP]
