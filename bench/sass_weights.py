@@ -1,6 +1,7 @@
 """The weight kernels' cases for bench/sass.py: ``quant_matmul``'s tensor-core path and the M=1
 GEMV (``gemv.py``) at the configurations the runtime launches by default, with issue 15's
-budgets; the dense path's dequantization (``dequantize_weight.py``) at its configurations."""
+budgets; the few-row GEMV (``gemv_rows.py``) at M=4's first candidate; the dense path's
+dequantization (``dequantize_weight.py``) at its configurations."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ SASS_BUDGETS = {
     "gemv": {"max_loop_instructions_per_unit": 2.5, "min_prefetched_loads": 16, "max_loop_shared_stores": 0,
              "max_loop_barriers": 0},
     "small-m": {"max_loop_instructions_per_unit": 3.5},
+    # the few-row GEMV (gemv_rows.py): the GEMV's load budgets, and at most 8 thread-instructions per
+    # weight byte (an SM issues 128 a clock; the H200's copy rate is ~16 bytes per SM and clock at an
+    # assumed 1.98 GHz: bench/results/gpu/NOTES.md, "Small M"); per weight, 8 * bits / 8 (set per case)
+    "gemv-rows": {"max_spill_instructions": 0, "max_loop_shared_stores": 0, "max_loop_barriers": 0},
     # the issue's prefill budget: no spills, registers allowing 2 CTAs per SM, dequantization
     # (bench/sass_dataflow.py's slice, not the whole loop) at most 3 instructions per weight;
     # max_registers is filled in per case from its num_warps (prefill_budgets). min_ctas_per_sm
@@ -39,6 +44,7 @@ def weight_cases() -> list[KernelCase]:
     for bits, dtype in ((4, "fp16"), (4, "bf16"), (8, "fp16")):
         kw.bits = bits
         cases.append(gemv_case(kw, dtype))
+        cases.append(gemv_rows_case(kw, dtype, 4))
         for label, M in (("small-m", 16), ("prefill", 4096)):
             config = candidate_configs(M, kw)[0]
             for arch in ("sm_90a", "sm_80"):  # activations by TMA only where the GPU has it
@@ -97,6 +103,33 @@ def gemv_case(kw, dtype: str) -> KernelCase:
         units_per_iteration=config.num_warps * config.block_n * kw.tile_k,
         divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "K"),
         notes="default candidate for M=1 (candidate_configs(1)[0])", budgets={"sm_90a": SASS_BUDGETS["gemv"]})
+
+
+def gemv_rows_case(kw, dtype: str, M: int) -> KernelCase:
+    """runtime/kernels/gemv_rows.py at M rows' first few-row candidate for an 8192 x 8192 layer."""
+    from runtime.kernels.gemv import pair_type
+    from runtime.kernels.gemv_rows import _gemv_rows_kernel
+    from runtime.kernels.matmul_configs import few_row_gemvs
+    from runtime.kernels.quant_matmul import TORCH_DTYPES
+
+    config = few_row_gemvs(M, kw, TORCH_DTYPES[dtype])[0]
+    signature = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": "*i8",
+                 "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32", "count_ptr": "*i32",
+                 "M": "i32", "K": "i32", "stride_x": "i32", "tiles_per_split": "i32"}
+    constexprs = dict(N=kw.out_features, BITS=kw.bits, GROUP=kw.group_len, HAS_ZERO=True, HAS_BIAS=False,
+                      SPLIT=config.split_k > 1, PAIR=pair_type(kw.bits, TORCH_DTYPES[dtype]), ASM=True, EVEN_K=True,
+                      BLOCK_N=config.block_n, WARPS=config.num_warps, ROWS=config.block_m)
+    return KernelCase(
+        name=f"w{kw.bits}g{kw.group_len} {dtype} gemv-rows {config.block_m}x{config.block_n} w{config.num_warps} "
+             f"split{config.split_k}",
+        kernel_fn=_gemv_rows_kernel, signature=signature, constexprs=constexprs,
+        num_warps=config.num_warps, num_stages=1,
+        units_per_iteration=config.num_warps * config.block_n * kw.tile_k,  # one K tile per warp
+        divisible_by_16=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "K",
+                         "stride_x"),
+        notes=f"first few-row GEMV candidate for M={M} (matmul_configs.few_row_gemvs; tl.dot stays the default)",
+        budgets={"sm_90a": {**SASS_BUDGETS["gemv-rows"], "max_loop_instructions_per_unit": float(kw.bits),
+                            "min_prefetched_loads": 4 * config.block_n // 32}})
 
 
 # The dense path's dequantization (runtime/kernels/dequantize_weight.py): one K tile a program, no

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import triton
 
 from runtime.kernels.gemv import default_split
+from runtime.kernels.gemv_rows import MAX_ROWS, supports as gemv_rows_supports
 from runtime.kernels.weight_layout import KernelWeight
 
 DECODE_MAX_M = 16  # up to here the decode candidates (GEMV, split-K) are tuned
@@ -32,7 +34,8 @@ WGMMA_HAZARD_FIXED_IN = (3, 9)
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """One launch configuration. ``block_m == 1`` with ``use_dot=False`` is the GEMV path; ``dense``:
+    """One launch configuration. ``use_dot=False``: the GEMV path, ``block_m`` rows a program (1: gemv.py,
+    M=1 only; 2..16: gemv_rows.py, any M); ``dense``:
     dequantize into a scratch ``[N, K]`` weight (``dequantize_weight.py``, ``block_n`` outputs a
     program, ``num_warps``) and one cuBLAS GEMM (no row tile: ``block_m == 1``, ``use_dot=False``)."""
 
@@ -49,8 +52,8 @@ class MatmulConfig:
     def __post_init__(self):
         if any(b & (b - 1) for b in (self.block_m, self.block_n)):
             raise ValueError(f"block sizes must be powers of two, got {self.block_m}x{self.block_n}")
-        if not self.use_dot and self.block_m != 1:
-            raise ValueError("the GEMV path (use_dot=False) computes one row: block_m must be 1")
+        if not self.use_dot and self.block_m > MAX_ROWS:
+            raise ValueError(f"the GEMV path (use_dot=False) takes at most {MAX_ROWS} rows a program (block_m)")
         if self.use_dot and self.block_m < 16:
             raise ValueError("tl.dot needs block_m >= 16")
         if self.dense and (self.use_dot or self.block_m != 1 or self.split_k != 1):
@@ -63,9 +66,10 @@ def m_bucket(M: int) -> int:
     return M if M <= DECODE_MAX_M else 1 << (M - 1).bit_length()
 
 
-def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
-    """What the autotuner times for M rows; the first is the untimed default. Under a Triton release
-    with issue 9433's hazard, tl.dot configurations in their hazard-free form (``hazard_free``)."""
+def candidate_configs(M: int, kw: KernelWeight, dtype: torch.dtype | None = None) -> list[MatmulConfig]:
+    """What the autotuner times for M rows (``dtype``: the activations', None where any may come); the
+    first is the untimed default. Under a Triton release with issue 9433's hazard, tl.dot
+    configurations in their hazard-free form (``hazard_free``)."""
     num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
     if M == 1:  # the GEMV: 4 or 2 columns a thread, K split to fill the GPU (gemv.default_split)
         configs = []
@@ -79,6 +83,12 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
         configs = [MatmulConfig(16, bn, s, group_m=1, num_stages=2, step_tiles=2) for bn in (64, 128, 32)
                    for s in (4, 8, 2, 1, 16)]
         configs += [MatmulConfig(16, 256, s, group_m=1, num_warps=8, num_stages=2, step_tiles=2) for s in (1, 2)]
+        # Two stages wait for every copy at the top of each iteration and issue the next ones at its
+        # bottom (no overlap of a CTA's loads with its math); three or four keep one or two
+        # iterations' copies in flight (sm_90a, Triton 3.6: bench/results/gpu/NOTES.md, "Small M")
+        configs += [MatmulConfig(16, 64, s, group_m=1, num_stages=st, step_tiles=2) for st, s in
+                    ((3, 4), (3, 8), (3, 2), (4, 4))]
+        configs += few_row_gemvs(M, kw, dtype)
     elif M <= 64:
         configs = [MatmulConfig(bm, bn, s) for bm in (32, 64) for bn in (64, 128) for s in (2, 1, 4)]
     else:  # the dequantized tile is shared by block_m rows: large row tiles amortize it. First (the
@@ -95,6 +105,27 @@ def candidate_configs(M: int, kw: KernelWeight) -> list[MatmulConfig]:
             configs += [dense_config(64, 4), dense_config(128, 8)]
     kept = [c for c in configs if c.split_k <= num_tiles]
     return hazard_free(kept or [MatmulConfig(1, 64, 1, use_dot=False) if M == 1 else MatmulConfig(16, 64)])
+
+
+GEMV_ROWS_MAX_M = 8  # the few-row GEMV is offered up to here (its packed fmas grow with the rows)
+
+
+def few_row_gemvs(M: int, kw: KernelWeight, dtype: torch.dtype | None) -> list[MatmulConfig]:
+    """gemv_rows.py's candidates for M rows: all M rows in one program (the weight read once), 4 or 2
+    columns a thread (8 rows: 2 or 1, for registers), K split to fill the GPU. From 2 to
+    ``GEMV_ROWS_MAX_M`` rows: sm_90a SASS (Triton 3.6, W4 fp16) has 2.7 / 4.1-4.4 / 7.4 loop
+    instructions per weight at 2 / 4 / 8 rows, against an SM's 128 a clock; at 16 rows, 15.4
+    (bench/results/gpu/NOTES.md, "Small M"). Formats it runs: ``gemv_rows.supports``."""
+    if not 1 < M <= GEMV_ROWS_MAX_M or not gemv_rows_supports(kw.bits, dtype):
+        return []
+    rows = 1 << (M - 1).bit_length()
+    num_tiles = triton.cdiv(kw.in_features, kw.tile_k)
+    configs = []
+    for bn in (128, 64) if rows <= 4 else (64, 32):
+        split = default_split(kw.out_features, num_tiles, bn, 4)
+        configs += [MatmulConfig(rows, bn, s, use_dot=False, group_m=1, num_stages=1)
+                    for s in dict.fromkeys((split, max(1, split // 2), 2 * split))]
+    return configs
 
 
 def wgmma_hazard(version: str | None = None) -> bool:

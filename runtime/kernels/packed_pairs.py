@@ -2,7 +2,7 @@
 two PTX instructions on a 32-bit register holding two fp16/bf16 values, and, where ``ASM`` is
 false (the Triton interpreter cannot run inline assembly), the same instruction emulated on the
 same bits (each half in fp32, rounded to the pair's type as the packed instruction rounds), so
-CPU tests run the GPU's data flow."""
+CPU tests run the GPU's data flow. Used by the GEMVs (``gemv.py``, ``gemv_rows.py``)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,41 @@ def fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.c
         out = tl.inline_asm_elementwise(
             "{.reg .b32 d; " + FMA + " d, $2, $5, $3; " + FMA + " $0, $4, d, $1;}",
             "=r,r,r,r,r,r", [acc, v, nofs, xp, steps], dtype=tl.int32, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def offset_pair(v, nofs, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
+    """``v * STEP + nofs`` on packed 16-bit pairs: fma_pair's first half, for a weight pair that
+    meets several rows' activations (exact: small integers times a power of two)."""
+    if not ASM:
+        step: tl.constexpr = 1.0 if PAIR == tl.bfloat16 else (
+            0.0625 if STEP == 0x2C00 else (0.00390625 if STEP == 0x1C00 else 0.25))
+        lo = _half(v, 0, PAIR) * step + _half(nofs, 0, PAIR)
+        hi = _half(v, 1, PAIR) * step + _half(nofs, 1, PAIR)
+        out = _rounded_bits(lo, PAIR) | (_rounded_bits(hi, PAIR) << 16)
+    else:
+        tl.static_assert(PAIR == tl.bfloat16 or STEP == 0x2C00 or STEP == 0x1C00 or STEP == 0x3400,
+                         "fp16 steps: 1/4, 1/16, 1/256")
+        FMA: tl.constexpr = "fma.rn.f16x2" if PAIR == tl.float16 else "fma.rn.bf16x2"
+        STEPS: tl.constexpr = STEP * 0x10001 if PAIR == tl.float16 else 0x3F803F80  # both halves
+        steps = tl.full(v.shape, STEPS, tl.int32)  # a constant: ptxas takes it as an immediate
+        out = tl.inline_asm_elementwise(FMA + " $0, $1, $3, $2;", "=r,r,r,r", [v, nofs, steps], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def mac_pair(acc, xp, d, PAIR: tl.constexpr, ASM: tl.constexpr):
+    """``acc + x * d`` on packed 16-bit pairs (fma_pair's second half), rounded once per half."""
+    if not ASM:
+        lo = _half(acc, 0, PAIR) + _half(xp, 0, PAIR) * _half(d, 0, PAIR)
+        hi = _half(acc, 1, PAIR) + _half(xp, 1, PAIR) * _half(d, 1, PAIR)
+        out = _rounded_bits(lo, PAIR) | (_rounded_bits(hi, PAIR) << 16)
+    else:
+        FMA: tl.constexpr = "fma.rn.f16x2" if PAIR == tl.float16 else "fma.rn.bf16x2"
+        out = tl.inline_asm_elementwise(FMA + " $0, $2, $3, $1;", "=r,r,r,r", [acc, xp, d], dtype=tl.int32,
+                                        is_pure=True, pack=1)
     return out
 
 

@@ -22,9 +22,10 @@ One kernel, two inner loops, chosen per call by the number of rows M:
   (``activations_by_tma``): no per-tile address math or copies in the loop, zeros past M and K.
   ``step_tiles`` runs several K tiles per iteration (two for small M), sharing the loop's own
   instructions between them.
-* GEMV (M == 1, ``use_dot=False`` configurations): runtime/kernels/gemv.py, its own kernel
-  (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits reduced
-  inside the one launch).
+* GEMV (``use_dot=False`` configurations): runtime/kernels/gemv.py for M == 1 (``block_m`` 1), its
+  own kernel (each thread owns whole columns; packed 16-bit multiply-adds on CUDA cores; K splits
+  reduced inside the one launch); runtime/kernels/gemv_rows.py, the same design for ``block_m`` (2..16)
+  rows a program, each weight pair unpacked once for all of them (tuner candidates up to 8 rows).
 * dense (``dense=True`` configurations, offered from ``matmul_configs.DENSE_MIN_M`` = 257 rows):
   the weight dequantized into a reused scratch ``[N, K]`` buffer by runtime/kernels/dequantize_weight.py
   (the same tile code as the dot path, so the same values bit for bit), then one cuBLAS GEMM
@@ -66,6 +67,7 @@ import triton.language as tl
 from runtime.kernels import matmul_tuning
 from runtime.kernels.dequantize_weight import dequantize_into, scratch
 from runtime.kernels.gemv import launch_gemv
+from runtime.kernels.gemv_rows import launch_gemv_rows
 from runtime.kernels.matmul_configs import MatmulConfig, candidate_configs, m_bucket  # noqa: F401 (callers read them here too)
 from runtime.kernels.weight_layout import SUBTILE_K, KernelWeight
 from runtime.kernels.weight_tile import dequantized, group_rows, input_order, integer_tile, tile_groups
@@ -266,8 +268,8 @@ def quant_matmul(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = 
     if M == 0:
         return out.reshape(*lead, N)
     config = config or choose_config(M, kw, x.dtype, x.device)
-    if not config.use_dot and not config.dense and M != 1:
-        raise ValueError(f"the GEMV configuration computes one row, got M={M}")
+    if not config.use_dot and not config.dense and config.block_m == 1 and M != 1:
+        raise ValueError(f"the one-row GEMV configuration (block_m=1) computes one row, got M={M}")
     launch(x2, kw, bias, out, config)
     return out.reshape(*lead, N)
 
@@ -284,8 +286,12 @@ def launch(x2: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, out: t
             else:
                 torch.addmm(bias.to(x2.dtype), x2, weight.t(), out=out)
         return
-    if not config.use_dot:  # one row: runtime/kernels/gemv.py
+    if not config.use_dot and config.block_m == 1:  # one row: runtime/kernels/gemv.py
         launch_gemv(x2, kw, bias, out, config.block_n, config.num_warps, config.split_k, interpreting())
+        return
+    if not config.use_dot:  # block_m rows a program: runtime/kernels/gemv_rows.py
+        launch_gemv_rows(x2, kw, bias, out, config.block_m, config.block_n, config.num_warps, config.split_k,
+                         interpreting())
         return
     M, K = x2.shape
     N = kw.out_features
@@ -350,7 +356,7 @@ def choose_config(M: int, kw: KernelWeight, dtype: torch.dtype, device: torch.de
         return _TUNED[key]
     if key in _NO_CONFIGURATION:
         raise matmul_tuning.NoConfiguration(_NO_CONFIGURATION[key])  # a new error: no traceback piles up
-    candidates = candidate_configs(M, kw)
+    candidates = candidate_configs(M, kw, dtype)
     if not tunes_on(device):  # the first candidate not known to be wrong here (a bucket first met in a capture)
         kept, left_out = matmul_tuning.usable(candidates, kw, dtype, device)
         if not kept:
