@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
-from runtime import cpu_int4_gemm, native  # noqa: E402
+from runtime import cpu_int4_gemm, cpu_int4_layout, native  # noqa: E402
 from runtime import cpu_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +50,11 @@ def variants(n: int, k: int, rows: int, paths: list[str], g: torch.Generator) ->
     scale_zeros = (torch.rand(k // GROUP, n, 2, generator=g) * 0.01).bfloat16()
     dense = torch.randn(n, k, generator=g).bfloat16()
     a = torch.randn(rows, k, generator=g).bfloat16()
-    layout = cpu_linear.int4_layout()
+    layout = cpu_int4_layout.int4_layout()
     fns = {"aten": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(a, packed, GROUP, scale_zeros)}
     for path in paths:
         fns[path] = lambda path=path: cpu_int4_gemm.matmul(a, packed, GROUP, scale_zeros, layout, path=path)
-    if rows >= 16 and cpu_linear.int4_layout() is not None:  # Int4Slots' prefill path (native dequantizer)
+    if rows >= 16 and cpu_int4_layout.int4_layout() is not None:  # Int4Slots' prefill path (native dequantizer)
         slots = cpu_linear.Int4Slots(packed, scale_zeros, GROUP, None, 4)
         fns["scratch"] = lambda: F.linear(a, slots.dequantized(cpu_linear.scratch(k, n)))
     fns["dense"] = (lambda: torch.mv(dense, a[0])) if rows == 1 else (lambda: F.linear(a, dense))

@@ -18,6 +18,8 @@ This one (runtime/native/int4_gemm.cpp) applies scale and zero once per group on
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from runtime import native
@@ -28,6 +30,9 @@ AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile se
 # memory (as a model's decode reads them: 4.3 vs 5.7 GB/s) until the kernel prefetched 2 KB ahead (the
 # streamer restarts at every 4 KB page); now 1.2-1.4x aten's there (bench/results/cpu/NOTES.md)
 MIN_ROWS = 1
+# Packed weight bytes a thread must get before a layer's blocks split across threads: waking a
+# sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost more than a small layer's whole product
+PARALLEL_BYTES = 0
 
 
 def best_path() -> str | None:
@@ -43,19 +48,44 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     ``a`` bf16 [M, K] with 1 <= M <= :data:`MAX_ROWS`, or None where the kernel does not take the
     case (fewer than :data:`MIN_ROWS` rows, another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
     ``layout``, only the portable path here: a CPU without AVX512-BF16, or a layout other than
-    AVX512's blocks of 64). ``layout``: the :class:`runtime.cpu_linear.Int4Layout`
+    AVX512's blocks of 64). ``layout``: the :class:`runtime.cpu_int4_layout.Int4Layout`
     of ``packed`` (``int4_layout()``). ``path`` forces one of ``native.MATMUL_PATHS`` (tests, benches); it
     must run here."""
     if layout is None or a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
         return None
+    if path is None:
+        return linear(a, packed, group, scale_zeros, layout)
     kernel = native.matmul_kernel("int4_gemm") if native.enabled() else None
     if kernel is None:
         return None
-    module, best = kernel
-    if path is None:
-        if best == 0 or (layout.block_n, layout.halves) != (64, True) or a.shape[0] < MIN_ROWS:
-            return None  # only the portable loop would run, slower than aten's kernel; or one row
-        chosen = 1 if a.shape[0] <= AVX512_ROWS else best
-    else:
-        chosen = native.forced_path("int4_gemm", path)
-    return module.int4_matmul(a.contiguous(), packed, group, scale_zeros, layout.block_n, layout.halves, chosen)
+    return kernel[0].int4_linear(a, packed, group, scale_zeros, layout.block_n, layout.halves,
+                                 native.forced_path("int4_gemm", path), PARALLEL_BYTES)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor, layout) -> torch.Tensor | None:
+    """``x @ w.T`` for ``x`` float32 or bf16 [..., K] of :data:`MIN_ROWS`..:data:`MAX_ROWS` rows, in
+    ``x``'s dtype: the bf16 product of ``x.to(bfloat16)`` (as :func:`matmul`), widened for float32
+    (equal to ``matmul(x.to(bfloat16)).to(x.dtype)``, with neither conversion as an op of its own);
+    or None where :func:`matmul` would decline. One native call: a decode step makes 120 of these."""
+    chosen = _paths(layout) if native.enabled() else None
+    if chosen is None or x.dtype not in _DTYPES:
+        return None
+    rows = x.numel() // x.shape[-1]
+    if not MIN_ROWS <= rows <= MAX_ROWS:
+        return None
+    module, few, more = chosen
+    return module.int4_linear(x, packed, group, scale_zeros, layout.block_n, layout.halves,
+                              few if rows <= AVX512_ROWS else more, PARALLEL_BYTES)
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@lru_cache(maxsize=4)
+def _paths(layout) -> tuple | None:
+    """The kernel's module and the paths it runs for up to :data:`AVX512_ROWS` rows and for more, or
+    None where only the portable loop would run (slower than aten's kernel) or it cannot be built."""
+    kernel = native.matmul_kernel("int4_gemm")
+    if kernel is None or layout is None or kernel[1] == 0 or (layout.block_n, layout.halves) != (64, True):
+        return None
+    return kernel[0], 1, kernel[1]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from quant.affine import QuantScheme, choose_qparams, quantize
 from quant.packing import pack
-from runtime import cpu_int8_gemm, cpu_linear
+from runtime import cpu_int4_layout, cpu_int8_gemm, cpu_linear
 from runtime import linear as linear_module
 from runtime.linear import QuantLinear
 
@@ -144,11 +144,11 @@ def test_unsupported_reasons_name_what_the_kernels_refuse():
 
 
 def test_int4_layout_reads_back_every_block_shape():
-    assert cpu_linear.int4_layout() is not None
+    assert cpu_int4_layout.int4_layout() is not None
     for n in (16, 48, 64, 112, 960):
         u = torch.randint(0, 16, (n, 64), dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
-        assert torch.equal(cpu_linear.unpack_int4(packed, n, 64), u.to(torch.uint8))
+        assert torch.equal(cpu_int4_layout.unpack_int4(packed, n, 64), u.to(torch.uint8))
 
 
 def test_a_loaded_checkpoint_runs_the_cpu_kernels_close_to_the_reference(tmp_path):
@@ -250,7 +250,7 @@ def test_a_scratch_grown_under_inference_mode_is_written_outside_it(monkeypatch)
 
 # ---------------------------------------------------------------- the native dequantizer (runtime/native)
 
-LAYOUTS = [cpu_linear.Int4Layout(b, h) for b in (64, 32) for h in (True, False)]
+LAYOUTS = [cpu_int4_layout.Int4Layout(b, h) for b in (64, 32) for h in (True, False)]
 
 
 def native_weights():
@@ -260,7 +260,7 @@ def native_weights():
     return module
 
 
-def random_slots(n: int, k: int, group: int, layout: cpu_linear.Int4Layout, seed: int):
+def random_slots(n: int, k: int, group: int, layout: cpu_int4_layout.Int4Layout, seed: int):
     """Int4Slots packed in ``layout`` (any of the orders torch uses on some CPU) and its nibbles [N, K]."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
@@ -293,7 +293,7 @@ def test_native_dequantizer_reads_partial_blocks(n, layout):
 
 def test_native_dequantizer_splits_rows_across_threads_mid_group():
     """7 groups of 32 rows over 2 threads: a thread's range ends inside a group."""
-    module, layout = native_weights(), cpu_linear.int4_layout()
+    module, layout = native_weights(), cpu_int4_layout.int4_layout()
     slots, _ = random_slots(128, 224, 32, layout, seed=1)
     outs = []
     threads = torch.get_num_threads()
@@ -307,7 +307,7 @@ def test_native_dequantizer_splits_rows_across_threads_mid_group():
 
 
 def test_native_dequantizer_refuses_wrong_buffers():
-    module, layout = native_weights(), cpu_linear.int4_layout()
+    module, layout = native_weights(), cpu_int4_layout.int4_layout()
     slots, _ = random_slots(64, 128, 32, layout, seed=2)
     with pytest.raises(RuntimeError, match="out: a contiguous bf16 \\[K, N\\]"):
         module.dequantize_int4(slots.packed, slots.scale_zeros, 32, layout.block_n, layout.halves,
@@ -364,10 +364,16 @@ def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monke
     layer = quant_layer(96, 512, QuantScheme(4, 64, False), seed=5)
     layer.materialize(torch.float32)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(2))
-    served = record_results(cpu_int4_gemm, "matmul", monkeypatch)
+    entry = "linear" if rows < cpu_linear.NATIVE_DEQUANTIZE_ROWS else "matmul"  # decode's rows: one call from x
+    served = record_results(cpu_int4_gemm, entry, monkeypatch)
     out = layer(x)
     if cpu_int4_gemm.best_path() in ("avx512", "amx"):
-        assert served and (served[-1] is not None) == (rows >= cpu_int4_gemm.MIN_ROWS)  # one row: aten's
+        assert served and (served[-1] is not None) == (rows >= cpu_int4_gemm.MIN_ROWS)
+        # the decode call is the bf16 product of x.to(bf16), widened: equal to converting around matmul
+        a = x.to(cpu_linear.ACTIVATIONS)
+        before = cpu_int4_gemm.matmul(a, layer._cpu.packed, layer._cpu.group, layer._cpu.scale_zeros,
+                                      cpu_int4_layout.int4_layout()).float() + layer.bias
+        assert torch.equal(out, before)
         assert layer._cpu.dequantize_rows() == (cpu_linear.AMX_DEQUANTIZE_ROWS if cpu_int4_gemm.best_path() == "amx"
                                                 else cpu_linear.NATIVE_DEQUANTIZE_ROWS)
     monkeypatch.setenv("LOWBIT_NATIVE", "0")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime import cpu_int4_gemm, native
-from runtime.cpu_linear import Int4Layout, int4_layout
+from runtime.cpu_int4_layout import Int4Layout, int4_layout
 
 pytestmark = pytest.mark.skipif(native.load("int4_gemm") is None, reason="the native kernel cannot be built here")
 
@@ -99,3 +99,50 @@ def test_other_layouts_read_by_the_portable_loop(layout):
     a = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for path in paths_here():
         check_rounding(cpu_int4_gemm.matmul(a, packed, 32, scale_zeros, layout, path=path), a, u, scale_zeros, 32)
+
+
+@pytest.mark.parametrize("n", [576, 112])
+def test_float32_activations_give_the_bf16_product_widened(n):
+    """linear() on float32 [..., K] equals matmul() on x.to(bf16) widened back, bit for bit (the path a
+    decode step took before: convert, multiply, convert back), on every path, full and partial blocks,
+    whether or not the blocks split across threads; bf16 input returns matmul's bf16 exactly."""
+    k = 256
+    u, packed, scale_zeros = layer(n, k, 64, seed=3)
+    layout = int4_layout()
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 3, 8, 17):
+            x = torch.randn(rows, 1, k, generator=torch.Generator().manual_seed(rows)) * 3
+            a = x.reshape(rows, k).to(torch.bfloat16)
+            for path in paths_here():
+                before = cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, layout, path=path).float().view(rows, 1, n)
+                module = native.matmul_kernel("int4_gemm")[0]
+                for parallel_bytes, nthreads in ((0, 2), (1 << 30, 2), (0, 1)):
+                    torch.set_num_threads(nthreads)
+                    y = module.int4_linear(x, packed, 64, scale_zeros, layout.block_n, layout.halves,
+                                           native.MATMUL_PATHS.index(path), parallel_bytes)
+                    assert y.dtype == torch.float32 and y.shape == (rows, 1, n)
+                    assert torch.equal(y, before), (rows, path, parallel_bytes)
+                    y16 = module.int4_linear(a.view(rows, 1, k), packed, 64, scale_zeros, layout.block_n,
+                                             layout.halves, native.MATMUL_PATHS.index(path), parallel_bytes)
+                    assert y16.dtype == torch.bfloat16 and torch.equal(y16.float(), before)
+            if cpu_int4_gemm.best_path() != "portable":
+                assert torch.equal(cpu_int4_gemm.linear(x, packed, 64, scale_zeros, layout),
+                                   cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, layout).float().view(rows, 1, n))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_declines_what_matmul_declines_and_names_bad_input():
+    u, packed, scale_zeros = layer(64, 128, 64)
+    layout = int4_layout()
+    x = torch.randn(2, 128)
+    assert cpu_int4_gemm.linear(x.double(), packed, 64, scale_zeros, layout) is None
+    assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, None) is None
+    assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, Int4Layout(32, True)) is None
+    assert cpu_int4_gemm.linear(torch.randn(cpu_int4_gemm.MAX_ROWS + 1, 128), packed, 64, scale_zeros, layout) is None
+    if cpu_int4_gemm.best_path() == "portable":
+        assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, layout) is None  # aten is faster there
+        return
+    with pytest.raises(RuntimeError, match="inputs"):
+        cpu_int4_gemm.linear(torch.randn(2, 64), packed, 64, scale_zeros, layout)

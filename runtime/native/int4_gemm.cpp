@@ -44,15 +44,26 @@ struct Problem {
   int64_t m, n, k, group;
 };
 
+// A buffer of at least `size` values: grown, never shrunk, so a thread_local one allocates only when a
+// call is larger than every one before it
+template <class T>
+T* at_least(std::vector<T>& v, int64_t size) {
+  if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+  return v.data();
+}
+
 // ---------------------------------------------------------------- portable path (any block)
 
 // Outputs [n0, n0 + size) of the block whose bytes start at `bytes` ([K, size / 2]).
 void block_portable(const Problem& p, const uint8_t* bytes, int64_t n0, int64_t size, bool halves) {
   const int64_t groups = p.k / p.group, half = size / 2;
-  std::vector<float> total(p.m * kMaxBlock, 0.0f), acc(p.m * kMaxBlock);
+  thread_local std::vector<float> total_buffer, acc_buffer;  // this thread's, kept between calls
+  float* total = at_least(total_buffer, p.m * kMaxBlock);
+  float* acc = at_least(acc_buffer, p.m * kMaxBlock);
+  std::fill(total, total + p.m * kMaxBlock, 0.0f);
   float u[kMaxBlock];
   for (int64_t g = 0; g < groups; ++g) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc, acc + p.m * kMaxBlock, 0.0f);
     for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
       const uint8_t* row = bytes + kk * half;
       for (int64_t j = 0; j < half; ++j) {
@@ -66,7 +77,7 @@ void block_portable(const Problem& p, const uint8_t* bytes, int64_t n0, int64_t 
       }
       for (int64_t r = 0; r < p.m; ++r) {
         const float x = p.a_float[r * p.k + kk];
-        float* __restrict c = acc.data() + r * kMaxBlock;
+        float* __restrict c = acc + r * kMaxBlock;
         for (int64_t j = 0; j < size; ++j) c[j] += x * u[j];
       }
     }
@@ -241,12 +252,13 @@ LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* a, int64_t tile_row
   _tile_loadconfig(&config);
   alignas(64) uint8_t weights[kMaxGroup / 32 * 4096];
   alignas(64) float sums[16 * 64];
-  std::vector<float> total(p.m * 64);
+  thread_local std::vector<float> total_buffer;  // this thread's, kept between calls
+  float* total = at_least(total_buffer, p.m * 64);
   const int64_t groups = p.k / p.group, stride = p.k * 2;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * 64;
     const uint8_t* bytes = p.packed + n0 * p.k / 2;
-    std::fill(total.begin(), total.end(), 0.0f);
+    std::fill(total, total + p.m * 64, 0.0f);
     for (int64_t g = 0; g < groups; ++g) {
       convert_group(bytes, g * p.group, p.group, weights);
       for (int64_t m0 = 0; m0 < p.m; m0 += tile_rows) {
@@ -270,12 +282,12 @@ LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* a, int64_t tile_row
         _tile_stored(1, sums + 16, 256);
         _tile_stored(2, sums + 32, 256);
         _tile_stored(3, sums + 48, 256);
-        fold_group(p, sums, std::min(tile_rows, p.m - m0), m0, g, n0, total.data());
+        fold_group(p, sums, std::min(tile_rows, p.m - m0), m0, g, n0, total);
       }
     }
     for (int64_t r = 0; r < p.m; ++r)
       for (int j = 0; j < 4; ++j) {
-        const __m256bh y = _mm512_cvtneps_pbh(_mm512_loadu_ps(total.data() + r * 64 + 16 * j));
+        const __m256bh y = _mm512_cvtneps_pbh(_mm512_loadu_ps(total + r * 64 + 16 * j));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + r * p.n + n0 + 16 * j), (__m256i)y);
       }
   }
@@ -286,13 +298,60 @@ LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* a, int64_t tile_row
 
 // ---------------------------------------------------------------- entry
 
-torch::Tensor int4_matmul(const torch::Tensor& a, const torch::Tensor& packed, int64_t group,
-                          const torch::Tensor& scale_zeros, int64_t block_n, bool halves, int64_t path) {
-  TORCH_CHECK(a.dtype() == torch::kBFloat16 && a.dim() == 2 && a.is_contiguous(), "a: a contiguous bf16 [M, K] tensor");
+// The calling thread's buffers, grown to the largest call and kept: a decode step makes 120 calls, and
+// a heap allocation (or an ATen op) per call cost as much as a small layer's product
+struct Buffers {
+  std::vector<uint16_t> a, out;
+  std::vector<float> a_float, row_sums;
+};
+
+// The rows of `x` (float32 or bf16 [M, K], contiguous) in bf16, as x.to(bfloat16) rounds them (c10's
+// nearest even), zero-padded to `padded` rows (AMX's whole chunks); their sums per group, and in
+// float where the portable loop runs (`floats`), into `b`. Returns the bf16 rows (x's own when bf16
+// and unpadded).
+const uint16_t* activations(const torch::Tensor& x, int64_t m, int64_t k, int64_t group, int64_t padded,
+                            bool floats, Buffers& b, float** a_float, float** row_sums) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const uint16_t* a = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  if (!bf16 || padded > m) {
+    uint16_t* rows = at_least(b.a, padded * k);
+    if (bf16) {
+      std::memcpy(rows, a, m * k * sizeof(uint16_t));
+    } else {
+      const float* from = x.data_ptr<float>();
+      for (int64_t i = 0; i < m * k; ++i) rows[i] = float_to_bf16(from[i]);
+    }
+    std::fill(rows + m * k, rows + padded * k, uint16_t{0});
+    a = rows;
+  }
+  float* sums = at_least(b.row_sums, m * (k / group));
+  std::fill(sums, sums + m * (k / group), 0.0f);
+  float* as_float = floats ? at_least(b.a_float, m * k) : nullptr;
+  for (int64_t i = 0; i < m * k; ++i) {  // in order, one group after the other (the sums' rounding)
+    const float v = bf16_to_float(a[i]);
+    if (floats) as_float[i] = v;
+    sums[i / group] += v;
+  }
+  *a_float = as_float;
+  *row_sums = sums;
+  return a;
+}
+
+// x @ w.T for `x` float32 or bf16 [..., K] (1..kMaxRows rows): bf16 sums rounded once, returned in
+// x's dtype ([..., N]; float32 holds the bf16 values, as x.to(bf16) @ ... then .to(float32) would).
+// Blocks of outputs split across threads only in spans of at least `parallel_bytes` packed bytes:
+// waking a second thread costs more than a small layer's whole product on a decode step.
+torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t group,
+                          const torch::Tensor& scale_zeros, int64_t block_n, bool halves, int64_t path,
+                          int64_t parallel_bytes) {
+  TORCH_CHECK((x_in.scalar_type() == torch::kBFloat16 || x_in.scalar_type() == torch::kFloat) && x_in.dim() >= 1,
+              "x: a float32 or bf16 [..., K] tensor");
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
               "packed: a contiguous uint8 [N, K/2] tensor");
-  const int64_t m = a.size(0), n = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK(a.size(1) == k, "a has ", a.size(1), " inputs, the weight ", k);
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(x.size(-1) == k, "x has ", x.size(-1), " inputs, the weight ", k);
+  const int64_t m = x.numel() / k;
   TORCH_CHECK(m >= 1 && m <= kMaxRows, "rows must be 1..", kMaxRows, ", got ", m);
   TORCH_CHECK(block_n > 0 && block_n <= kMaxBlock && block_n % 2 == 0 && n % 2 == 0, "block_n and N must be even, block_n <= 64");
   TORCH_CHECK(group >= 2 && group % 2 == 0 && k % group == 0, "group must be even and divide K = ", k);
@@ -302,31 +361,27 @@ torch::Tensor int4_matmul(const torch::Tensor& a, const torch::Tensor& packed, i
   TORCH_CHECK(path >= kPortable && path <= best_path(), "path ", path, " cannot run here (best: ", best_path(), ")");
   if (!(block_n == 64 && halves)) path = kPortable;
   if (path == kAmx && (group % 32 || group > kMaxGroup)) path = kAvx512;
-  // the activations in float (portable loop, partial blocks) and their sums per group, in plain loops: an ATen op
-  // per call cost as much as a small layer's whole product
-  const auto* a_bits = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  std::vector<float> a_float(m * k), row_sums(m * (k / group));
-  for (int64_t i = 0; i < m * k; ++i) {
-    a_float[i] = bf16_to_float(a_bits[i]);
-    row_sums[i / group] += a_float[i];
-  }
-  torch::Tensor out = torch::empty({m, n}, a.options());
-  const Problem p{a_bits, a_float.data(), row_sums.data(), packed.data_ptr<uint8_t>(),
-                  reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr()),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k, group};
   const int64_t blocks = (n + block_n - 1) / block_n, full = path == kPortable ? 0 : n / block_n;
   // AMX: chunks of up to 16 rows, the activations zero-padded to whole chunks
   const int64_t tile_rows = std::min<int64_t>(m, 16);
-  torch::Tensor a_tiles = a;
-  if (path == kAmx && m % tile_rows) {
-    a_tiles = torch::zeros({(m + tile_rows - 1) / tile_rows * tile_rows, k}, a.options());
-    a_tiles.narrow(0, 0, m).copy_(a);
-  }
-  const auto* a_padded = reinterpret_cast<const uint16_t*>(a_tiles.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t padded = path == kAmx ? (m + tile_rows - 1) / tile_rows * tile_rows : m;
+
+  thread_local Buffers buffers;
+  float *a_float, *row_sums;
+  const uint16_t* a = activations(x, m, k, group, padded, full < blocks, buffers, &a_float, &row_sums);
+  at::DimVector shape(x.sizes());  // inline storage: no heap allocation
+  shape.back() = n;
+  torch::Tensor out = torch::empty(shape, x.options());
+  const bool widen = x.scalar_type() == torch::kFloat;  // bf16 sums first, then float32 (x's dtype)
+  uint16_t* out_bits = widen ? at_least(buffers.out, m * n) : reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Problem p{a, a_float, row_sums, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr()),
+                  out_bits, m, n, k, group};
+  const int64_t block_bytes = block_n * k / 2;
+  const int64_t grain = std::max<int64_t>(1, (parallel_bytes + block_bytes - 1) / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
 #ifdef LOWBIT_X86
     const int64_t vector_end = std::min(b1, full);
-    if (path == kAmx && b0 < vector_end) blocks_amx(p, a_padded, tile_rows, b0, vector_end);
+    if (path == kAmx && b0 < vector_end) blocks_amx(p, a, tile_rows, b0, vector_end);
     if (path == kAvx512)
       for (int64_t b = b0; b < vector_end; ++b) block64_all_rows(p, p.packed + b * 64 * k / 2, b * 64);
     b0 = std::max(b0, full);
@@ -336,14 +391,18 @@ torch::Tensor int4_matmul(const torch::Tensor& a, const torch::Tensor& packed, i
       block_portable(p, p.packed + n0 * k / 2, n0, b < n / block_n ? block_n : n - n0, b < n / block_n && halves);
     }
   });
+  if (widen) {
+    float* y = out.data_ptr<float>();
+    for (int64_t i = 0; i < m * n; ++i) y[i] = bf16_to_float(out_bits[i]);
+  }
   return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_matmul", &int4_matmul, "a @ w.T for Int4Slots' packed weight, bf16 [M, N]", py::arg("a"),
-        py::arg("packed"), py::arg("group"), py::arg("scale_zeros"), py::arg("block_n"), py::arg("halves"),
-        py::arg("path"));
+  m.def("int4_linear", &int4_linear, "x @ w.T for Int4Slots' packed weight, [..., N] in x's dtype (float32 or bf16)",
+        py::arg("x"), py::arg("packed"), py::arg("group"), py::arg("scale_zeros"), py::arg("block_n"),
+        py::arg("halves"), py::arg("path"), py::arg("parallel_bytes"));
   m.def("best_path", &best_path, "the fastest path here: 0 portable, 1 AVX512-BF16, 2 AMX");
 }
