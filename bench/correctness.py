@@ -104,17 +104,20 @@ def quantized_linear(case: dict, device: torch.device, seed: int):
     return kw, dense.double()
 
 
-def launch_configs(M: int, kw) -> list[tuple[str, object]]:
+def launch_configs(M: int, kw, dtype=None) -> list[tuple[str, object]]:
     """The launch configurations the weight check runs for M rows: the untimed default of M's regime
-    (``matmul_configs.candidate_configs``' first, what runs where nothing is tuned) and the first
-    candidate with other tile sizes (another tile shape, split and masking through the same kernel)."""
+    (``matmul_configs.candidate_configs``' first, what runs where nothing is tuned), the first
+    candidate with other tile sizes (another tile shape, split and masking through the same kernel)
+    and, where the tuner may pick it (2..8 rows), the first few-row GEMV (runtime/kernels/gemv_rows.py)."""
     from runtime.kernels.matmul_configs import candidate_configs
 
-    candidates = candidate_configs(M, kw)
+    candidates = candidate_configs(M, kw, dtype)
     default = candidates[0]
     other = next((c for c in candidates[1:] if (c.block_m, c.block_n) != (default.block_m, default.block_n)
                   and c.use_dot == default.use_dot and not getattr(c, "dense", False)), None)
-    return [("default", default)] + ([("other-tiles", other)] if other else [])
+    rows = next((c for c in candidates if not c.use_dot and c.block_m > 1 and not c.dense), None)
+    return ([("default", default)] + ([("other-tiles", other)] if other else [])
+            + ([("gemv-rows", rows)] if rows else []))
 
 
 def check_weights(smoke: bool = False, seed: int = 0, shard: tuple[int, int] = (0, 1), on_result=None) -> dict:
@@ -130,7 +133,9 @@ def check_weights(smoke: bool = False, seed: int = 0, shard: tuple[int, int] = (
             x = torch.randn(M, case["k"], generator=torch.Generator().manual_seed(seed + 1000 * i + M))
             x = x.to(case["dtype"])
             ref = x.double() @ dense.T + bias.double()
-            for label, config in launch_configs(M, kw):
+            for label, config in launch_configs(M, kw, case["dtype"]):
+                if smoke and label == "gemv-rows":  # interpreted, it costs CI ~10 s a case; tested on its
+                    continue  # own in tests/test_kernels_gemv_rows.py
                 poison(M * case["n"], case["dtype"], device)
                 out = quant_matmul(x.to(device), kw, bias.to(device), config=config).cpu()
                 err = rel_error(out, ref)

@@ -18,7 +18,7 @@ Stages (correctness first):
                    (GEMMs on their default configurations: no tuning)
   tests            the CUDA-capable pytest files, compiled on the GPU (tests needing a package the machine
                    lacks, e.g. greenlet for calibration, skip and are listed; env lists the absent packages)
-  kernel-speed     bench/kernels.py: Llama-3 8B and 70B shapes, M = 1, 16, 4096, against cuBLAS fp16 and
+  kernel-speed     bench/kernels.py: Llama-3 8B and 70B shapes, M = 1, 4, 16, 4096, against cuBLAS fp16 and
                    PyTorch's int4 kernel (tinygemm) in the same process, one shape at a time (its matmul
                    candidates compiled first in parallel processes: bench/gpu_compiles.py; engine-speed too)
   attention-speed  bench/attention.py: batch 1 and 32, context 8k and 32k, default launch configuration

@@ -37,6 +37,9 @@ from unittest import mock
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# gpu_check's kernel-speed rows: decode (M=1: the GEMV), a few rows (4: where the few-row GEMV is a
+# candidate), 16 rows (issue 15's M=16 target), prefill
+KERNEL_SPEED_ROWS = (1, 4, 16, 4096)
 
 
 def compile_key(fn, args, kwargs) -> tuple:
@@ -207,12 +210,12 @@ def count_kernel_speed() -> dict:
     from quant.affine import QuantScheme
     from runtime.kernels.quant_matmul import choose_config
 
-    with recording() as counts:  # the stage's rows: --ms 1 16 4096, W4 g128 asymmetric, fp16
+    with recording() as counts:  # the stage's rows (KERNEL_SPEED_ROWS), W4 g128 asymmetric, fp16
         for shape in kernels.SHAPES:
             K, N = map(int, shape.split("x"))
             kw = meta_kernel_weight(SimpleNamespace(scheme=QuantScheme(4, 128, symmetric=False), in_features=K,
                                                     out_features=N))
-            for M in (1, 16, 4096):
+            for M in KERNEL_SPEED_ROWS:
                 choose_config(M, kw, torch.float16, torch.device("meta"))
     return summary(counts)
 

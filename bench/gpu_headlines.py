@@ -3,6 +3,7 @@ values, or check counts), each speed figure with the torch and Triton versions t
 
 from __future__ import annotations
 
+import collections
 import math
 
 ENGINE_TARGETS = {"w4_itl_vs_fp16": 2.8, "w4_int4kv_itl_vs_fp16": 3.0, "bandwidth_floor_fraction": 0.7}
@@ -77,7 +78,7 @@ def _stage_lines(name: str, s: dict, copy_bw: float | None) -> list[dict]:
                  + (f" ({absent} for absent {', '.join(s.get('absent_packages', {}))})" if absent else ""),
                  "met": s["passed"]}]
     if name == "kernel-speed":
-        return s["record"].get("targets", []) + _peer_headlines(s["record"])
+        return s["record"].get("targets", []) + _peer_headlines(s["record"]) + _winner_headlines(s["record"])
     if name == "attention-speed":
         return s["record"].get("targets", [])
     if name == "engine-speed":
@@ -96,6 +97,21 @@ def _peer_headlines(record: dict) -> list[dict]:
                 mean = math.exp(sum(math.log(v) for v in got) / len(got))
                 lines.append({"target": f"M={M} vs {peer.replace('_', '-')} (geomean of {len(got)} shapes)",
                               "measured": round(mean, 3), "met": None})
+    return lines
+
+
+def _winner_headlines(record: dict) -> list[dict]:
+    """Per row count from 2 to 16: which kind of launch the tuner chose, over the shapes (the few-row
+    GEMV against the 16-row tl.dot tile by its stages: bench/results/gpu/NOTES.md, "Small M")."""
+    lines = []
+    for M in sorted({r["M"] for r in record.get("results", []) if 1 < r["M"] <= 16}):
+        kinds = collections.Counter(
+            (f"gemv-rows {c['block_m']}x{c['block_n']}" if not c["use_dot"] else
+             f"tl.dot {c['block_m']}x{c['block_n']} {c['num_stages']} stages")
+            for r in record["results"] if r["M"] == M and r["impl"] == "lowbit" and (c := r.get("config")))
+        if kinds:
+            lines.append({"target": f"M={M} tuned launches", "met": None,
+                          "measured": ", ".join(f"{kind} x{n}" for kind, n in kinds.most_common())})
     return lines
 
 

@@ -268,12 +268,13 @@ def _bench_record(run) -> dict:
 def kernel_speed(smoke: bool, shard=(0, 1), report=None) -> dict:
     """bench/kernels.py one shape at a time (each run measures the ceilings again, ~1 s), so a cut
     stage keeps the shapes it finished; ratios and targets over all of them."""
-    from bench import kernels
+    from bench import gpu_compiles, kernels
 
     head_start = None if smoke else precompile("kernel-speed")
     record = None
     for shape in [None] if smoke else kernels.SHAPES:
-        argv = ["--smoke"] if smoke else ["--shapes", shape, "--ms", "1", "16", "4096", "--samples", "20"]
+        argv = ["--smoke"] if smoke else ["--shapes", shape, "--ms", *map(str, gpu_compiles.KERNEL_SPEED_ROWS),
+                                          "--samples", "20"]
         part = _bench_record(lambda out: kernels.main([*argv, "--out", str(out)]))
         if record is None:
             record = part

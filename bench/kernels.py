@@ -7,7 +7,8 @@ Needs a CUDA GPU (it refuses to run without one). For every shape ``KxN`` (input
 Llama-3-8B and -70B projections) and every row count M, it times
 
 * ``lowbit``: ``runtime.kernels.quant_matmul`` on a random weight quantized with quant's own
-  math (4-bit, group 128, asymmetric: scales and zero points included), autotuned first;
+  math (4-bit, group 128, asymmetric: scales and zero points included), autotuned first (every
+  candidate's tuning time in ``tuner_ms``, fastest first: do_bench medians, weights L2-warm);
 * ``lowbit-dense`` (row counts the tuner offers dense configurations for, ``DENSE_MIN_M`` and up):
   ``quant_matmul`` forced to the first dense configuration (the weight dequantized into scratch by
   ``runtime/kernels/dequantize_weight.py``, then cuBLAS), whichever the tuner picked; and
@@ -162,6 +163,7 @@ def kernel_weight_bytes(kw) -> int:
 
 
 def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, device, samples: int) -> list[dict]:
+    from runtime.kernels import matmul_tuning
     from runtime.kernels import quant_matmul as qm
 
     K, N = (int(v) for v in shape.split("x"))
@@ -181,13 +183,15 @@ def bench_shape(shape: str, rows: list[int], bits: int, group: int, dtype, devic
         if err > 1e-2:
             raise AssertionError(f"{shape} M={M}: kernel output differs from the dense reference (rel. error {err:.2e})")
         config = qm.choose_config(M, kw, dtype, x.device)  # tuned by the call above
+        timed = matmul_tuning.TIMINGS.get((qm.m_bucket(M), matmul_tuning.weight_key(kw, dtype, x.device)), [])
         graph = M <= GRAPH_MAX_M
         t_q = median_seconds_per_call([lambda w=w: qm.quant_matmul(x, w) for w in q_copies], samples, device, graph)[0]
         t_16 = median_seconds_per_call([lambda w=w: F.linear(x, w) for w in w16_copies], samples, device, graph)[0]
         row = {"shape": shape, "in_features": K, "out_features": N, "M": M, "cuda_graph": graph}
         io_bytes = (M * K + M * N) * x.element_size()
         for impl, t, w_bytes, extra in (("lowbit", t_q, kernel_weight_bytes(kw),
-                                         {"config": config.__dict__, "rel_error_vs_dense": err, "activations": str(dtype)}),
+                                         {"config": config.__dict__, "rel_error_vs_dense": err, "activations": str(dtype),
+                                          "tuner_ms": [[round(ms, 5), c.__dict__] for ms, c in timed]}),
                                         ("torch-fp16", t_16, dense.nbytes, {"activations": str(dtype)})):
             out.append({**row, "impl": impl, **timing(t, M, N, K, w_bytes + io_bytes), "weight_bytes": w_bytes, **extra})
         ours = out[-2]

@@ -214,7 +214,8 @@ def test_shards_merge_into_one_stage_result():
 
 
 def test_the_weight_check_runs_two_fixed_configurations_per_row_count():
-    """No autotuning in the weight check: the default of each M regime and one with other tiles."""
+    """No autotuning in the weight check: the default of each M regime and one with other tiles, and
+    from 2 to 8 rows the few-row GEMV (a tuner candidate there, never a default)."""
     import torch
 
     from bench.correctness import launch_configs, quantized_linear, weight_cases
@@ -222,9 +223,14 @@ def test_the_weight_check_runs_two_fixed_configurations_per_row_count():
     case = weight_cases(smoke=True)[0]
     kw, _ = quantized_linear(case, torch.device("cpu"), 0)
     for M in (1, 3, 17, 300):
-        (label, default), (other_label, other) = launch_configs(M, kw)
+        (label, default), (other_label, other), *rest = launch_configs(M, kw, case["dtype"])
         assert (label, other_label) == ("default", "other-tiles")
         assert (default.block_m, default.block_n) != (other.block_m, other.block_n)
+        if M == 3:
+            [(rows_label, rows)] = rest
+            assert rows_label == "gemv-rows" and not rows.use_dot and rows.block_m == 4
+        else:
+            assert rest == []
 
 
 def test_precompile_replays_exactly_the_compiles_it_counted():
@@ -253,7 +259,9 @@ def test_precompile_replays_exactly_the_compiles_it_counted():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["tunings"] == 15 and got["compiles"] > 0 and got["errors"] == []
+    from bench.gpu_compiles import KERNEL_SPEED_ROWS
+
+    assert got["tunings"] == 5 * len(KERNEL_SPEED_ROWS) and got["compiles"] > 0 and got["errors"] == []
     assert got["done"] == got["tasks"] and got["seen"] == got["compiles"] and got["all_warmup"]
 
 
@@ -274,3 +282,19 @@ def test_precompiled_kernels_are_found_by_real_launches_under_each_triton_releas
     (result,) = json.loads(run.stdout)
     assert result["compile"]["done"] == result["compile"]["tasks"] == 3 and not result["compile"]["errors"]
     assert result["compile"]["cache_entries"] >= 3 and result["replay_hit_cache"], result
+
+
+def test_the_headlines_name_the_tuned_launch_per_few_row_count():
+    """kernel-speed's rows from 2 to 16: which launch the tuner chose (few-row GEMV or tl.dot by stages)."""
+    from bench.gpu_headlines import _winner_headlines
+
+    def row(M, **config):
+        base = dict(block_m=16, block_n=64, use_dot=True, num_stages=2)
+        return {"M": M, "impl": "lowbit", "config": {**base, **config}}
+
+    record = {"results": [row(1, block_m=1, use_dot=False), row(4, block_m=4, block_n=128, use_dot=False),
+                          row(4), row(4, block_m=4, block_n=128, use_dot=False), row(16, num_stages=3),
+                          {"M": 16, "impl": "torch-fp16"}]}
+    assert _winner_headlines(record) == [
+        {"target": "M=4 tuned launches", "met": None, "measured": "gemv-rows 4x128 x2, tl.dot 16x64 2 stages x1"},
+        {"target": "M=16 tuned launches", "met": None, "measured": "tl.dot 16x64 3 stages x1"}]

@@ -65,6 +65,9 @@ def shape_name(M: int, kw: KernelWeight, dtype: torch.dtype) -> str:
 # -- configurations known to give wrong results --------------------------------------------------------
 
 _FAILED: dict[tuple, dict[MatmulConfig, str]] = {}  # weight shape -> configuration -> what failed (this process)
+# (M bucket, weight key) -> every timed candidate's median ms, fastest first (this process): what the
+# benches record beside the winner (bench/kernels.py), so one GPU run times every candidate family
+TIMINGS: dict[tuple, list[tuple[float, MatmulConfig]]] = {}
 
 
 def weight_key(kw: KernelWeight, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -140,6 +143,7 @@ def _timed_winner(M, kw, dtype, device, candidates: list[MatmulConfig], failed: 
         raise NoConfiguration(f"quant_matmul ({shape_name(M, kw, dtype)}): none of the {len(candidates)} candidate "
                               f"configurations tried compiled and ran on this GPU: " + "; ".join(failed))
     timed.sort(key=lambda pair: pair[0])
+    TIMINGS[(M, weight_key(kw, dtype, device))] = timed
     if checks_switched_off():
         return timed[0][1]
     mismatched = []
