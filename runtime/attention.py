@@ -26,52 +26,13 @@ import itertools
 import warnings
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kvquant import KVScheme
+from runtime.attention_math import attention_mask, sdpa, varlen_attention  # the math the batches share
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
 from runtime.cpu_attention import decode_attention
 from runtime.kernels import kv_reference as ref
-
-
-def attention_mask(queries: int, keys: int, window: int | None, device):
-    """The mask for ``queries`` new tokens that follow ``keys - queries`` cached ones: causal, and
-    within ``window`` positions when the layer slides. None for one new token that sees everything;
-    a lower-right causal bias (no [T, S] tensor: SDPA keeps its fused kernels) where the window does
-    not bind; else a boolean [queries, keys] tensor."""
-    if window is None or keys <= window:
-        return None if queries == 1 else causal_lower_right(queries, keys)
-    q = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
-    k = torch.arange(keys, device=device).unsqueeze(0)
-    return (k <= q) & (k > q - window)
-
-
-def sdpa(q, k, v, mask, softcap: float | None = None):
-    """SDPA with ``mask`` from :func:`attention_mask` (GQA: SDPA broadcasts the KV heads itself);
-    ``softcap``: scores through ``softcap * tanh(s / softcap)`` first (Gemma 2), which SDPA lacks."""
-    if softcap is not None:
-        return softcapped_attention(q, k, v, mask, softcap)
-    gqa = q.shape[1] != k.shape[1]
-    if mask is not None and not isinstance(mask, torch.Tensor) and q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # square: plain causal
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def softcapped_attention(q, k, v, mask, softcap: float):
-    """Attention as transformers' eager path computes it for Gemma 2: scores scaled by
-    1/sqrt(head_dim) (the queries carry the model's own scale), soft-capped, masked, softmax in
-    float32. Materializes the [Hq, T, S] scores: the reference path, not a fast one."""
-    T, S = q.shape[2], k.shape[2]
-    if q.shape[1] != k.shape[1]:  # grouped-query attention: each KV head serves a group of query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 / softcap) * softcap
-    if isinstance(mask, CausalBias):  # the lower-right causal bias, as a boolean tensor
-        mask = torch.arange(S, device=q.device)[None] <= torch.arange(S - T, S, device=q.device)[:, None]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def no_softcap_kernels(softcap) -> None:
@@ -151,26 +112,37 @@ class WholeCache(Batch):
 
             kernels = supported(cache.scheme, cache.head_dim, cache.dtype, cache.device)
         self.kernels = kernels
+        # what every layer of the step shares, worked out once per step (a CPU decode step is
+        # dispatch-bound: per-layer host work is 30 times this): the lengths once the new
+        # positions are stored, whether the step attends over the stored codes, each window's mask
+        self.lengths = [start + length] * cache.batch
+        self.folded = length == 1 and cache.folded_decode
+        self.rows = range(cache.batch)
+        self._masks: dict = {}
+
+    def mask(self, window, device):
+        """:func:`attention_mask` of this step for a layer of ``window`` (the same for every such layer)."""
+        if window not in self._masks:
+            self._masks[window] = attention_mask(self.length, self.start + self.length, window, device)
+        return self._masks[window]
 
     def attend(self, layer: int, q, k, v, window, softcap=None):
-        mask = attention_mask(self.length, self.start + self.length, window, q.device)
         if self.kernels and q.dtype == self.cache.dtype:
             from runtime.kernels.attention import KERNEL_OPS
 
             no_softcap_kernels(softcap)
-
-            return ref.cache_attention(self.cache, layer, self.start, q, k, v, mask, window, ops=KERNEL_OPS)
-        if self.length == 1 and self.cache.folded_decode:  # a decode step: attend over the stored codes
+            return ref.cache_attention(self.cache, layer, self.start, q, k, v, self.mask(window, q.device), window,
+                                       ops=KERNEL_OPS)
+        if self.folded:  # a decode step: attend over the stored codes
             cache = self.cache
             end = cache.prepare_write(layer, self.start, k, v)
-            cache.store(layer, range(cache.batch), self.start, k, v)
+            cache.store(layer, self.rows, self.start, k, v)
             cache.finish_write(layer, end)
-            lengths = [end] * cache.batch
-            if in_residual(cache, lengths, window, q):
-                return residual_attention(cache, layer, slice(None), lengths, q, softcap)
-            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, lengths, window, softcap)
+            if in_residual(cache, self.lengths, window, q):
+                return residual_attention(cache, layer, slice(None), self.lengths, q, softcap)
+            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, self.lengths, window, softcap)
         keys, values = self.cache.update(layer, self.start, k, v)
-        return sdpa(q, keys, values, mask, softcap)
+        return sdpa(q, keys, values, self.mask(window, q.device), softcap)
 
 
 class SequenceBatch(Batch):
@@ -198,9 +170,18 @@ class SequenceBatch(Batch):
         self.max_seq_len = max_seq_len
         self.fills = fills
         self._stored: set[int] = set()  # layers whose new keys and values the RoPE launch wrote
+        self._step: dict | None = None  # a CPU decode step's shared work (_decode_step)
 
     def _rows(self) -> slice:
         return slice(self.first, self.first + self.count)
+
+    def _decode_step(self) -> dict:
+        """What every layer of a CPU decode step shares, worked out at the first layer: where the new
+        tokens go (``KVCache.decode_writes``), the lengths after them, the residual's mask."""
+        if self._step is None:
+            self._step = {"at": self.cache.decode_writes(self.first, self.starts, self.starts_tensor),
+                          "lengths": [start + 1 for start in self.starts]}
+        return self._step
 
     def kv_store(self, layer: int, length: int):
         if not self.kernels or length != 1:
@@ -217,12 +198,16 @@ class SequenceBatch(Batch):
             return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
                                     self.max_seq_len, start, self.lengths, write)
         if k.shape[2] == 1 and self.cache.folded_decode:  # a decode step: every row over its stored codes
-            self.cache.store_decode(layer, self.first, self.starts, k, v, self.starts_tensor)
-            lengths = [start + 1 for start in self.starts]
-            if in_residual(self.cache, lengths, window, q):
-                on_device = self.starts_tensor + 1 if self.lengths is None else self.lengths
-                return residual_attention(self.cache, layer, self._rows(), lengths, q, softcap, on_device)
-            return decode_attention(ref.PagedKV.from_cache(self.cache, layer, self._rows()), q, lengths, window, softcap)
+            step = self._decode_step()
+            self.cache.store_decode(layer, self.first, self.starts, k, v, self.starts_tensor, at=step["at"])
+            if in_residual(self.cache, step["lengths"], window, q):
+                if "mask" not in step:
+                    on_device = self.starts_tensor + 1 if self.lengths is None else self.lengths
+                    step["mask"] = residual_mask(step["lengths"], q.device, on_device)
+                return residual_attention(self.cache, layer, self._rows(), step["lengths"], q, softcap,
+                                          mask=step["mask"])
+            return decode_attention(ref.PagedKV.from_cache(self.cache, layer, self._rows()), q, step["lengths"],
+                                    window, softcap)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window, softcap) for i in range(self.count)])
 
@@ -287,53 +272,6 @@ class PackedBatch(Batch):
         return torch.cat([old_k[0], ki.to(old_k.dtype)], dim=1), torch.cat([old_v[0], vi.to(old_v.dtype)], dim=1)
 
 
-def varlen_attention(q, k, v, cu_queries, cu_keys, query_lengths: list[int], key_lengths: list[int],
-                     window: int | None, softcap: float | None = None):
-    """Attention of sequences packed end to end: ``q`` [Nq, Hq, D] (sequence ``i``'s queries are
-    rows ``cu_queries[i] .. cu_queries[i+1]``), ``k``/``v`` [Nk, Hk, D] likewise by ``cu_keys``;
-    a sequence's queries are its last ``query_lengths[i]`` positions of ``key_lengths[i]``
-    (causal, aligned at the end), within ``window`` positions when the layer slides. [Nq, Hq, D].
-
-    One call for the whole batch where FlashAttention-2 runs (CUDA, fp16/bf16): its variable-length
-    kernel, the one SDPA uses, takes the packed layout as is, aligns causality at each sequence's
-    end, and reads GQA and the window natively: no mask, no padding, and ``max`` lengths come from
-    the host, so no sync (nested tensors reach the same kernel but refuse a window and compute the
-    maxima on the device). Elsewhere (and with Gemma 2's soft-capping, which that kernel
-    lacks) the same function per sequence through SDPA."""
-    if softcap is None and flash_varlen_ok(q, window):
-        return flash_varlen(q, k, v, cu_queries, cu_keys, max(query_lengths), max(key_lengths), window)
-    return varlen_reference(q, k, v, query_lengths, key_lengths, window, softcap)
-
-
-def flash_varlen(q, k, v, cu_queries, cu_keys, max_query: int, max_key: int, window: int | None):
-    """FlashAttention-2's variable-length forward (causal: aligned at each sequence's end)."""
-    window_args = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_queries, cu_keys, max_query, max_key, 0.0, True,
-                                                   False, **window_args)[0]
-
-
-def varlen_reference(q, k, v, query_lengths: list[int], key_lengths: list[int], window: int | None,
-                     softcap: float | None = None):
-    """:func:`varlen_attention` one sequence at a time through SDPA (CPU, fp32, other GPUs)."""
-    out, qa, ka = [], 0, 0
-    for tq, tk in zip(query_lengths, key_lengths):
-        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[qa:qa + tq], k[ka:ka + tk], v[ka:ka + tk]))
-        out.append(sdpa(qi, ki, vi, attention_mask(tq, tk, window, q.device), softcap)[0].transpose(0, 1))
-        qa, ka = qa + tq, ka + tk
-    return torch.cat(out)
-
-
-def flash_varlen_ok(q, window: int | None = None) -> bool:
-    """Whether FlashAttention-2's variable-length kernel takes these queries (CUDA sm80+, fp16/bf16,
-    head_dim a multiple of 8 up to 256, flash SDPA enabled; a window where this PyTorch's op takes one)."""
-    if window is not None and not _flash_takes_a_window():
-        return False
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
-
-
 def kernel_attention(cache: KVCache, layer: int, rows: slice, starts, q, k, v, window, max_seq_len, start,
                      lengths=None, write: dict | None = None):
     """The Triton kernels over cache ``rows`` in place (``kv_reference.paged_attention``);
@@ -359,19 +297,30 @@ def in_residual(cache, lengths: list[int], window: int | None, q) -> bool:
 
 
 def residual_attention(cache, layer: int, rows: slice, lengths: list[int], q, softcap=None,
-                       lengths_tensor: torch.Tensor | None = None):
+                       lengths_tensor: torch.Tensor | None = None, mask=...):
     """:func:`in_residual`'s attention: one SDPA over views of the residual block (no gather, no
     copy), the positions past a shorter sequence's length masked. ``decode_attention`` computes
     the same from the same floats in some 40 small ops per layer against SDPA's one: a short
     context's decode step is dispatch-bound (bench/results/cpu/NOTES.md). ``lengths_tensor``:
-    ``lengths`` on the device (the step's input copy), for the mask of rows of different lengths."""
+    ``lengths`` on the device (the step's input copy), for the mask of rows of different lengths;
+    ``mask``: :func:`residual_mask`'s, when the caller has it (the same for every layer of a step)."""
     end = max(lengths)
-    keys, values = cache.residual_k[layer][rows, :, :end], cache.residual_v[layer][rows, :, :end]
-    mask = None
-    if min(lengths) != end:  # [S, 1, 1, end]: True where a sequence holds the position
-        on_device = torch.tensor(lengths, device=q.device) if lengths_tensor is None else lengths_tensor
-        mask = (torch.arange(end, device=q.device) < on_device[:, None])[:, None, None]
+    if mask is ...:
+        mask = residual_mask(lengths, q.device, lengths_tensor)
+    if rows == slice(None):  # every row: one narrow (an index with slices is several ops)
+        keys, values = cache.residual_k[layer].narrow(2, 0, end), cache.residual_v[layer].narrow(2, 0, end)
+    else:
+        keys, values = cache.residual_k[layer][rows, :, :end], cache.residual_v[layer][rows, :, :end]
     return sdpa(q, keys, values, mask, softcap)
+
+
+def residual_mask(lengths: list[int], device, lengths_tensor: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[S, 1, 1, max(lengths)], True where a sequence holds the position; None when all are as long."""
+    end = max(lengths)
+    if min(lengths) == end:
+        return None
+    on_device = torch.tensor(lengths, device=device) if lengths_tensor is None else lengths_tensor
+    return (torch.arange(end, device=device) < on_device[:, None])[:, None, None]
 
 
 def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k, v, window, softcap=None):
@@ -382,6 +331,3 @@ def reference_attention(cache: KVCache, layer: int, slot: int, start: int, q, k,
     return sdpa(q, keys[None], values[None], attention_mask(T, start + T, window, q.device), softcap)
 
 
-@functools.cache
-def _flash_takes_a_window() -> bool:
-    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)

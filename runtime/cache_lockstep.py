@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime.cache import PagedCache
+from runtime.cache_paged import PagedCache
 
 
 class LockstepCache(PagedCache):
     """Rows ``0 .. batch`` hold one batch of sequences, all at the same positions."""
 
     def __init__(self, *args, **kwargs):
-        """As :class:`runtime.cache.PagedCache`."""
+        """As :class:`runtime.cache_paged.PagedCache`."""
         super().__init__(*args, **kwargs)
         self.lengths = [0] * self.num_layers  # per layer: every row advances together
 

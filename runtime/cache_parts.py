@@ -1,5 +1,5 @@
-"""The two halves of the paged KV cache (``runtime.cache.PagedCache`` composes them; its module
-docstring is the layout contract):
+"""The two halves of the paged KV cache (``runtime.cache_paged.PagedCache`` composes them;
+``runtime.cache``'s module docstring is the layout contract):
 
 * :class:`BlockPool`: the physical blocks of quantized keys and values, one pool tensor per
   position in a layer group (the layers at position ``i`` of every group share tensor ``i``),

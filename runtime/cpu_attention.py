@@ -92,7 +92,7 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
     """Attention of one new token per sequence over everything the cache holds for it.
 
     ``paged``: ``runtime.kernels.kv_reference.PagedKV`` of one layer and the batch's rows (the new
-    token already stored: :meth:`runtime.cache.PagedCache.store`); ``q`` [S, Hq, 1, D];
+    token already stored: :meth:`runtime.cache_paged.PagedCache.store`); ``q`` [S, Hq, 1, D];
     ``lengths[i]``: positions sequence ``i`` holds, the new one included; ``window``: the layer's
     sliding window (positions before ``length - window`` are not read; a ring may have dropped
     them). ``softcap``: scores through ``softcap * tanh(s / softcap)`` (Gemma 2). [S, Hq, 1, D]

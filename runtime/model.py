@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import as_batch
+from runtime.attention_math import heads
 from runtime.norms import RMSNorm, make_norm  # noqa: F401 (RMSNorm: callers read runtime.model.RMSNorm)
 from runtime.rope import Rope, apply_rope, rope_settings, token_major  # noqa: F401 (apply_rope: the kernels' tests read it here)
 
@@ -149,8 +150,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         cfg = self.cfg
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if "qkv_proj" in self._modules:  # not hasattr: nn.Module.__getattr__ is slow, and raises when absent
-            qkv = self.qkv_proj(x)
+        qkv_proj = self._modules.get("qkv_proj")  # not hasattr: nn.Module.__getattr__ is slow, and raises
+        if qkv_proj is not None:
+            qkv = qkv_proj(x)
             if self.kernels and not cfg.qk_norm:
                 from runtime.kernels.small_ops import rope_qkv
 
@@ -176,8 +178,8 @@ class Attention(nn.Module):
             qk = self.native.rope_qk(qkv, cos, sin, h, kv)
         else:
             qk = apply_rope(qkv[..., :(h + kv) * d].view(B, T, h + kv, d), token_major(cos), token_major(sin))
-        v = qkv[..., (h + kv) * d:].view(B, T, kv, d)
-        return self.scale_queries(qk[:, :, :h].transpose(1, 2)), qk[:, :, h:].transpose(1, 2), v.transpose(1, 2)
+        q, k = heads(qk, (h, kv), d)
+        return self.scale_queries(q), k, heads(qkv, (h + kv, kv), d)[1]
 
     def scale_queries(self, q):
         """Gemma scores with query_pre_attn_scalar^-1/2, not head_dim^-1/2: the queries carry the
@@ -193,7 +195,8 @@ class Attention(nn.Module):
             out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer])
         else:
             out = batch.attend(layer, q, k, v, self.cfg.sliding_windows[layer], softcap=self.cfg.attn_softcap)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        # one new token: [B, H, 1, D] is already in [B, 1, H * D]'s order (one op, not a transpose and a reshape)
+        return self._modules["o_proj"](out.reshape(B, 1, -1) if T == 1 else out.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -222,13 +225,14 @@ class MLP(nn.Module):
     cpu_kernel_dtype: torch.dtype | None = None
 
     def forward(self, x):
-        down = getattr(self, self.names[2])
-        if "gate_up_proj" not in self._modules:
-            gate, up = getattr(self, self.names[0]), getattr(self, self.names[1])
+        modules = self._modules  # not getattr: nn.Module.__getattr__ is slow, and a decode step calls 30 MLPs
+        down, gate_up_proj = modules[self.names[2]], modules.get("gate_up_proj")
+        if gate_up_proj is None:
+            gate, up = modules[self.names[0]], modules[self.names[1]]
             return down(self.act(gate(x)) * up(x))
         if self.cpu_kernel_dtype is not None:
-            return down(self.activate(self.gate_up_proj(x.to(self.cpu_kernel_dtype)))).to(x.dtype)
-        gate_up = self.gate_up_proj(x)  # one GEMM: gate and up joined at load (or stored so)
+            return down(self.activate(gate_up_proj(x.to(self.cpu_kernel_dtype)))).to(x.dtype)
+        gate_up = gate_up_proj(x)  # one GEMM: gate and up joined at load (or stored so)
         if self.kernels and self.act_name == "silu":
             from runtime.kernels.small_ops import silu_mul
 
@@ -271,11 +275,12 @@ class Block(nn.Module):
     def forward(self, x, residual, cos, sin, batch):
         """``(mlp output, residual stream before it)``: the stream's adds happen in the next norm
         (``RMSNorm.add_forward``), so on the kernels an add and a norm are one launch."""
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, batch, self.index)
-        feed_forward = getattr(self, self.feed_forward)
-        if "pre_feedforward_layernorm" not in self._modules:  # hasattr raised for every Llama layer: ~4 us
-            h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        modules = self._modules  # not getattr: nn.Module.__getattr__ is slow (hasattr raised: ~4 us a layer)
+        h, residual = modules["input_layernorm"].add_forward(x, residual)
+        h = modules["self_attn"](h, cos, sin, batch, self.index)
+        feed_forward = modules[self.feed_forward]
+        if "pre_feedforward_layernorm" not in modules:
+            h, residual = modules["post_attention_layernorm"].add_forward(h, residual)
             return feed_forward(h), residual
         h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(feed_forward(h)), residual

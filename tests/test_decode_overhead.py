@@ -164,3 +164,45 @@ def test_text_stream_pieces_are_the_whole_decode_from_short_windows(make):
         # short windows, not the whole output (which a context of special tokens alone, or a
         # replacement character at the end, still sends back to now and then)
         assert sorted(lengths)[len(lengths) * 9 // 10] < 20 < len(ids)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(2, 3, 6 * 8), lambda: torch.randn(2, 3, 6, 8),
+                                  lambda: torch.randn(2, 3, 7 * 8)[..., 8:],
+                                  lambda: torch.randn(2, 6, 3, 8).transpose(1, 2),
+                                  lambda: torch.randn(2, 3, 12 * 8)[..., ::2]])
+def test_heads_are_the_sliced_and_transposed_heads(make):
+    """``attention_math.heads``: each group of heads as slicing, viewing and transposing gives it
+    (packed heads: views of ``x`` itself; heads not packed, or a strided last dimension: the same values)."""
+    from runtime.attention_math import heads
+
+    x, first = make(), 0
+    for view, size in zip(heads(x, (1, 3, 2), 8), (1, 3, 2)):
+        want = x.reshape(2, 3, -1)[..., first * 8:(first + size) * 8].reshape(2, 3, size, 8).transpose(1, 2)
+        assert torch.equal(view, want) and view.shape == (2, size, 3, 8)
+        if x.stride(-1) == 1 and (x.dim() == 3 or x.stride(2) == 8):
+            assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        first += size
+
+
+def test_a_decode_step_works_out_where_to_write_once(monkeypatch):
+    """An engine decode step over several layers asks ``KVCache.decode_writes`` once, not once per
+    layer, and every layer's keys and values land where a store per sequence puts them."""
+    layers, lengths, g = 3, [4, 9, 6], torch.Generator().manual_seed(4)
+    caches = [KVCache(layers, len(lengths), H, D, 64, torch.float32, "cpu", parse_kv("fp16-r32")) for _ in "ab"]
+    for cache in caches:
+        for slot, n in enumerate(lengths):
+            cache.add_sequence(slot)
+            cache.advance(slot, n)
+    asked = []
+    original = KVCache.decode_writes
+    monkeypatch.setattr(KVCache, "decode_writes", lambda *a, **kw: asked.append(1) or original(*a, **kw))
+    batch = SequenceBatch(caches[0], 0, lengths, False)
+    for layer in range(layers):
+        q = torch.randn(len(lengths), HQ, 1, D, generator=g)
+        k, v = (torch.randn(len(lengths), H, 1, D, generator=g) for _ in range(2))
+        batch.attend(layer, q, k, v, None)
+        for slot, start in enumerate(lengths):
+            caches[1].store_sequence(layer, slot, start, k[slot], v[slot])
+        assert torch.equal(caches[0].residual_k[layer], caches[1].residual_k[layer])
+        assert torch.equal(caches[0].residual_v[layer], caches[1].residual_v[layer])
+    assert len(asked) == 1

@@ -126,7 +126,7 @@ def test_packed_prefill_attends_in_one_call_per_layer(models, eight_prompts, kv,
     sequences to one variable-length call. Here that call is its interface written out densely:
     the packed layout, the cumulative lengths and the maxima the batch builds give each prompt
     its single-prefill logits, with chunks after cached positions (their keys from the cache)."""
-    import runtime.attention as attention
+    import runtime.attention_math as attention
 
     calls = []
 
@@ -150,7 +150,7 @@ def test_packed_prefill_attends_in_one_call_per_layer(models, eight_prompts, kv,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 6])
 def test_flash_varlen_equals_the_per_sequence_reference(dtype, window):
-    from runtime.attention import flash_varlen, varlen_reference
+    from runtime.attention_math import flash_varlen, varlen_reference
 
     g = torch.Generator().manual_seed(0)
     query_lengths, key_lengths = [5, 1, 16, 9], [5, 17, 48, 9]  # from position 0, and chunks after cached ones
