@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # as the lowbit CLI does, before torch loads (not when bench.cpu_overhead imports this)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":  # OpenMP as the lowbit CLI sets it: importing cli_options does, before torch loads
+    import lowbit.cli_options  # noqa: F401  (not when bench.cpu_overhead imports this)
 
 import torch  # noqa: E402
 

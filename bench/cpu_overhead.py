@@ -1,8 +1,8 @@
 """Where a CPU decode step's time goes, by kind of work; the step before and after a change, side
-by side; and what OpenMP's wait policy and the thread count do to it.
+by side (OpenMP's settings: ``bench.cpu_omp``).
 
     flock /tmp/lowbit-bench.lock python -m bench.cpu_overhead [--shapes smollm2-135m] [--code DIR]
-        [--compare REV [--overlay PATHS]] [--policies passive,active,default]
+        [--compare REV [--overlay PATHS]]
 
 Models as ``bench.cpu_decode`` builds them (random weights, real shapes; float32, and W4 g64 through
 the CPU kernels with bf16 embedding/lm_head), fp16 KV cache, 1 thread (``--threads``), process CPU
@@ -17,10 +17,7 @@ module's glue, the engine's host work). ``--code DIR``: the runtime imported fro
 archive`` of a revision: the committed code of a tree others are editing). ``--compare REV``: the
 same plain steps for the code at git revision REV (``git archive`` into a temporary folder, imported
 first) and for this tree (with ``--overlay PATHS``: REV with those paths from this tree, one change
-alone), in child processes alternating round by round, medians per configuration. Policies: a child process per
-OpenMP setting (it must be set before torch loads), ``passive`` (OMP_WAIT_POLICY=PASSIVE, the CLI's
-default), ``active``, ``default`` (neither set: libgomp spins a while, then sleeps), timed in
-alternating rounds, each at 1 and 2 threads, batch 1 and 8. ``--native-ops``: the decoder's small ops
+alone), in child processes alternating round by round, medians per configuration. ``--native-ops``: the decoder's small ops
 on ``runtime/native/decode_ops.cpp`` (``runtime.load.use_native_ops``) against the PyTorch ops, switched on
 the same models in one process, alternating round by round (plain decoder steps, medians; ``Engine.step``s
 with ``--native-ops-path engine``), with the largest logit difference of a forward each way. Raw JSON with device, versions, commit, command and
@@ -39,19 +36,18 @@ import tempfile
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # before torch loads: the CLI's OpenMP default; --code's runtime first
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":  # before torch loads: the CLI's OpenMP defaults; --code's runtime first
+    import lowbit.cli_options  # noqa: F401  (importing it sets them)
     if "--code" in sys.argv:
         sys.path.insert(0, sys.argv[sys.argv.index("--code") + 1])
 
 import torch  # noqa: E402
 
-from bench.cpu_decode import SHAPES, itl, random_model  # noqa: E402
+from bench.cpu_decode import SHAPES, random_model  # noqa: E402
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "active": {"OMP_WAIT_POLICY": "ACTIVE"}, "default": {}}
 PROMPT = 32
 
 
@@ -217,33 +213,6 @@ def ratios(first: dict, second: dict) -> dict:
     return out
 
 
-def child(shape: str, steps: int) -> dict:
-    """In a process started with one OpenMP setting: median ITL per model, thread count and batch."""
-    models = {"float32": random_model(SHAPES[shape], quantized=False), "w4": random_model(SHAPES[shape], quantized=True)}
-    out = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for batch in (1, 8):
-            for name, model in models.items():
-                itl(model, batch, 8, 2)  # warm-up
-                out[f"{name}_b{batch}_t{threads}_ms"] = 1e3 * statistics.median(itl(model, batch, 32, steps))
-    return out
-
-
-def policies(shape: str, names: list[str], rounds: int, steps: int) -> dict:
-    samples = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))} | POLICIES[name]
-            out = subprocess.run([sys.executable, "-m", "bench.cpu_overhead", "--child", shape, "--steps", str(steps)],
-                                 env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-            samples[name].append({**json.loads(out.strip().splitlines()[-1]), "load_average": os.getloadavg()[0]})
-            print(name, json.dumps(samples[name][-1]), flush=True)
-    medians = {name: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for name, rows in samples.items()}
-    return {"shape": shape, "env": {name: POLICIES[name] for name in names}, "median_of_rounds": medians,
-            "rounds": samples}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2-135m")
@@ -251,22 +220,17 @@ def main():
     ap.add_argument("--compare", metavar="REV", help="also time the code at git revision REV against this tree")
     ap.add_argument("--overlay", default="", help="with --compare: the after tree is REV with these paths "
                                                    "(comma-separated) from this tree, not the whole tree")
-    ap.add_argument("--policies", default="", help="e.g. passive,active,default: the OpenMP comparison")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare, --policies and --native-ops")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --compare and --native-ops")
     ap.add_argument("--native-ops", action="store_true", help="time the native decode ops against PyTorch's")
     ap.add_argument("--native-ops-path", default="decoder", choices=sorted(PATHS), help="the steps --native-ops times")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per breakdown row / per --compare child")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (breakdown and --compare)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "cpu-overhead.json")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--itl-child", help=argparse.SUPPRESS)
     ap.add_argument("--code", metavar="DIR", help="import the runtime from DIR (e.g. a git archive of a revision: "
                                                   "a tree others are editing measured as committed); read at the top")
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.steps)))
-        return
     torch.set_num_threads(args.threads)
     import runtime
 
@@ -283,7 +247,7 @@ def main():
               "runtime_from": str(Path(runtime.__file__).parent.parent),  # commit: that tree's (unknown: no .git)
               "tree_commit": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                             text=True).stdout.strip(),
-              "load_average_start": os.getloadavg(), "breakdown": [], "compare": [], "policies": [], "native_ops": []}
+              "load_average_start": os.getloadavg(), "breakdown": [], "compare": [], "native_ops": []}
     for shape in args.shapes.split(","):
         paths = list(filter(None, args.paths.split(",")))
         models = {"float32": random_model(SHAPES[shape], quantized=False),
@@ -301,8 +265,6 @@ def main():
             result["compare"].append(compare(args.compare, overlay, shape, args.rounds, args.steps, args.threads))
         if args.native_ops:
             result["native_ops"].append(native_ops(shape, args.rounds, args.steps, args.native_ops_path))
-        if args.policies:
-            result["policies"].append(policies(shape, args.policies.split(","), args.rounds, args.steps))
     write_result(args.out, result)
 
 

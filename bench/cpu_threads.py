@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, as the lowbit CLI does
+import lowbit.cli_options  # noqa: E402,F401  OpenMP as the lowbit CLI sets it, before torch loads
 
 import argparse  # noqa: E402
 import gc  # noqa: E402

@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from bench.results_file import write_result
+from lowbit.cli_options import openmp_defaults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,8 +131,8 @@ class Worker:
                "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         if engine == "vllm" and vllm_preload():
             env["LD_PRELOAD"] = vllm_preload()
-        if engine == "lowbit":  # OpenMP as the lowbit command line sets it (lowbit/cli.py); vLLM keeps its own
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if engine == "lowbit":  # OpenMP as the lowbit command line sets it (lowbit/cli_options.py); vLLM keeps its own
+            env.update(openmp_defaults(env))
         read_end, write_end = os.pipe()
         self.process = subprocess.Popen(
             [python, "-m", "bench.vllm_cpu_worker", engine, self.job_file.name, str(write_end)],

@@ -6,12 +6,23 @@ from __future__ import annotations
 import os
 
 # OpenMP reads its settings once, when torch loads it: set before anything here imports torch (lowbit's
-# __init__ does not), and only where the user has not. PASSIVE: a thread waiting for the next parallel
-# region sleeps rather than spins; on a busy CPU the spinning threads took the cores the work needed
-# (bench/cpu_overhead.py: decode steps many times slower with 2 spinning threads than with 1).
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-for _name, _value in OPENMP_DEFAULTS.items():
-    os.environ.setdefault(_name, _value)
+# __init__ does not), and only where the user has not. A thread waiting for the next parallel region
+# spins GOMP_SPINCOUNT=300 pauses (microseconds), then sleeps (PASSIVE): libgomp's default spin
+# (300,000, milliseconds) made decode steps many times slower on a busy CPU, the spinning threads taking
+# the cores the work needed (bench/cpu_overhead.py); sleeping at once made every one of a decode step's
+# ~150 parallel regions wake the other thread through the kernel, which lost the cores to other jobs as
+# well: SmolLM2 W4 batch 1 under two busy loops 24 against 84 ms a step (bench/cpu_omp.py,
+# bench/results/cpu/NOTES.md). libgomp's spin count overrides its wait policy's, so a user's own wait
+# policy or spin count, either one, leaves both unset.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300"}
+
+
+def openmp_defaults(environ) -> dict:
+    """The variables of OPENMP_DEFAULTS to set in ``environ``: none where the user set either."""
+    return {} if any(name in environ for name in OPENMP_DEFAULTS) else dict(OPENMP_DEFAULTS)
+
+
+os.environ.update(openmp_defaults(os.environ))
 
 import sys  # noqa: E402
 

@@ -5,6 +5,7 @@ Every subcommand that loads a model picks its device by one rule (``lowbit.pipel
 answer is replaced, and ``runtime.load`` records where it was asked to load, then stops the command.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -69,13 +70,17 @@ def test_a_device_that_cannot_run_is_one_line_before_anything_loads(monkeypatch,
     assert loads == []
 
 
-@pytest.mark.parametrize("users, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_the_cli_makes_openmp_threads_sleep_unless_the_user_said_otherwise(users, expected):
-    # OpenMP reads the policy when torch loads it: importing lowbit must not import torch first
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if users:
-        env["OMP_WAIT_POLICY"] = users
-    code = ("import os, sys, lowbit; before = 'torch' in sys.modules; import lowbit.cli; "
-            "print(before, 'torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])")
+@pytest.mark.parametrize("users, expected", [
+    ({}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300"}),  # lowbit's: a short spin, then sleep
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None}),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),  # no spin at all
+    ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "0"}),
+])
+def test_the_cli_sets_openmp_waiting_unless_the_user_did(users, expected):
+    # OpenMP reads these when torch loads it: importing lowbit must not import torch first; a user's own
+    # wait policy or spin count leaves the other unset too (libgomp's spin count overrides the policy's)
+    env = {k: v for k, v in os.environ.items() if k not in expected} | users
+    code = ("import json, os, sys, lowbit; before = 'torch' in sys.modules; import lowbit.cli; "
+            f"print(json.dumps([before, 'torch' in sys.modules, {{k: os.environ.get(k) for k in {list(expected)}}}]))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True", expected]
+    assert json.loads(out) == [False, True, expected]
