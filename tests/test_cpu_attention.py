@@ -213,6 +213,30 @@ def test_native_head_dim_128(spec):
     torch.testing.assert_close(_native_attention(kernel, paged, q, lengths, None, None), expected, **TOL)
 
 
+@pytest.mark.parametrize("spec", ["int4-g32-r64", "fp16-r32"])
+def test_native_rows_on_one_thread_or_two(spec):
+    """A call with few (query head x key token) pairs runs its rows on the calling thread, one with
+    many splits them over the threads (kv_attention.cpp's kParallelPairs: 6 x 49 pairs here, then
+    6 x 5,570 over two threads): the same outputs at 1 and 2 threads, equal to the reference."""
+    from runtime.cpu_attention import _native_attention
+    from runtime.kernels.kv_reference import PagedKV
+    from runtime.kernels.kv_reference import decode_attention as reference
+
+    kernel, threads = native_kernel(), torch.get_num_threads()
+    for lengths in ([40, 9], [3000, 2500, 70]):
+        paged = PagedKV.from_cache(filled_cache(spec, lengths), 0)
+        q = torch.randn(len(lengths), HQ, 1, D, generator=torch.Generator().manual_seed(7))
+        outputs = []
+        try:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                outputs.append(_native_attention(kernel, paged, q, lengths, None, None))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(outputs[0], outputs[1])  # a row's sums do not depend on which thread ran it
+        torch.testing.assert_close(outputs[0], reference(q[:, :, 0], paged, torch.tensor(lengths))[:, :, None], **TOL)
+
+
 def test_which_calls_take_the_native_kernel(monkeypatch):
     """Served: float32 models whose layout the kernel walks; the rest keep the PyTorch path, as
     everything does with LOWBIT_NATIVE=0."""

@@ -25,110 +25,13 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "vec16.h"  // V, the 16-float vector (L floats; a score tile is L tokens)
 
 namespace {
 
-constexpr int L = 16;          // floats per vector, tokens per score tile
 constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
 constexpr int MAX_BLOCK = 4096;  // block size x value channel groups
-
-#ifdef __AVX512F__
-struct V {
-  __m512 x;
-  static V zero() { return {_mm512_setzero_ps()}; }
-  static V all(float a) { return {_mm512_set1_ps(a)}; }
-  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static V halves(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
-  void store(float* p) const { _mm512_storeu_ps(p, x); }
-};
-inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
-inline V sub(V a, V b) { return {_mm512_sub_ps(a.x, b.x)}; }
-inline V mul(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
-inline V vmax(V a, V b) { return {_mm512_max_ps(a.x, b.x)}; }
-inline float lanes_sum(V a) { return _mm512_reduce_add_ps(a.x); }
-inline float lanes_max(V a) { return _mm512_reduce_max_ps(a.x); }
-
-// field f of 16 bytes at p, as 16 floats (unsigned codes, exact)
-template <int BITS>
-inline void widen(const uint8_t* p, V* out, int stride) {
-  __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  if constexpr (BITS == 8) {
-    out[0] = {_mm512_cvtepi32_ps(w)};
-  } else {
-    const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
-    for (int f = 0; f < 8 / BITS; ++f)
-      out[f * stride] = {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, f * BITS), mask))};
-  }
-}
-
-// p[t] summed over its lanes, for 16 tokens t: one vector of 16 sums (a transposing tree of adds)
-inline V sums16(const V* p) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i].x, p[2 * i + 1].x), _mm512_unpackhi_ps(p[2 * i].x, p[2 * i + 1].x));
-  for (int i = 0; i < 4; ++i) {
-    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return {_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)))};
-}
-
-// exp of 16 floats <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp); below
-// -103 (and -inf: masked) gives 0
-inline V exp16(V v) {
-  __m512 x = _mm512_max_ps(v.x, _mm512_set1_ps(-103.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  __m512 e = _mm512_scalef_ps(p, n);
-  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(v.x, _mm512_set1_ps(-103.f), _CMP_LT_OQ), e, _mm512_setzero_ps())};
-}
-#else  // plain loops (the compiler vectorizes them for what this CPU has)
-struct V {
-  float x[L];
-  static V zero() { return all(0.f); }
-  static V all(float a) { V v; for (int i = 0; i < L; ++i) v.x[i] = a; return v; }
-  static V load(const float* p) { V v; for (int i = 0; i < L; ++i) v.x[i] = p[i]; return v; }
-  static V halves(const at::Half* p) { V v; for (int i = 0; i < L; ++i) v.x[i] = float(p[i]); return v; }
-  void store(float* p) const { for (int i = 0; i < L; ++i) p[i] = x[i]; }
-};
-inline V fma(V a, V b, V c) { for (int i = 0; i < L; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]); return c; }
-inline V sub(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] -= b.x[i]; return a; }
-inline V mul(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] *= b.x[i]; return a; }
-inline V vmax(V a, V b) { for (int i = 0; i < L; ++i) a.x[i] = std::max(a.x[i], b.x[i]); return a; }
-inline float lanes_sum(V a) { float s = 0.f; for (float x : a.x) s += x; return s; }
-inline float lanes_max(V a) { float s = a.x[0]; for (float x : a.x) s = std::max(s, x); return s; }
-template <int BITS>
-inline void widen(const uint8_t* p, V* out, int stride) {
-  for (int f = 0; f < 8 / BITS; ++f)
-    for (int i = 0; i < L; ++i) out[f * stride].x[i] = float((p[i] >> (f * BITS)) & ((1 << BITS) - 1));
-}
-inline V sums16(const V* p) {
-  V out;
-  for (int t = 0; t < L; ++t) { float s = 0.f; for (int i = 0; i < L; ++i) s += p[t].x[i]; out.x[t] = s; }
-  return out;
-}
-inline V exp16(V v) { for (int i = 0; i < L; ++i) v.x[i] = std::exp(v.x[i]); return v; }
-#endif
-
-// n float16 values at p as floats at out (vectors of 16, then one by one)
-inline void widen_halves(const at::Half* p, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + L <= n; i += L) V::halves(p + i).store(out + i);
-  for (; i < n; ++i) out[i] = float(p[i]);
-}
 
 // One side (keys or values) of one layer's pool. bits 32: float32 floats as stored.
 struct Side {
@@ -441,9 +344,23 @@ void attend_row(const Problem& P, int64_t r) {
   values<VB>(P, s, h, t0, first, n, sc.data(), stride, total.data());
 }
 
+// Rows per thread: the rows of a call split over the threads from kParallelPairs (query head x key
+// token) pairs, in chunks of about that many. Waking the pool's sleeping thread (a futex under
+// OMP_WAIT_POLICY=PASSIVE) costs tens of us; a row over a short context a few: decode over 32 tokens at
+// batch 8 (2,304 pairs, SmolLM2's 3 x 3 heads) took 62 us on one thread, 81 on two; from ~4,600 pairs two
+// threads were ahead (bench/results/cpu/NOTES.md).
+constexpr int64_t kParallelPairs = 4096;
+
+int64_t rows_per_thread(const Problem& P) {
+  int64_t tokens = 0;
+  for (int64_t s = 0; s < P.S; ++s) tokens += std::max<int64_t>(P.lengths[s] - P.firsts[s], 0);
+  const int64_t rows = P.S * P.H, pairs = std::max<int64_t>(tokens * P.H * P.nq, 1);
+  return std::max<int64_t>(1, rows * kParallelPairs / pairs);
+}
+
 template <int KB, int VB>
 void attend(const Problem& P) {
-  at::parallel_for(0, P.S * P.H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P.S * P.H, rows_per_thread(P), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) attend_row<KB, VB>(P, r);
   });
 }
