@@ -77,6 +77,29 @@ def test_bf16_gemv_sums_the_bf16_products_in_float32(rows, n, k):
     assert torch.equal(ops.bf16_gemv(weight, a.bfloat16()), got)  # bf16 rows are taken as they are
 
 
+def test_the_parallel_paths_equal_the_serial_ones():
+    """lm_head's product from 257 blocks of four outputs and the norm from 17 rows split over the threads
+    (decode_ops.cpp's grains; fewer run on the calling thread): each output is computed alone, so one
+    thread and two give the same bits, and two threads the reference's values."""
+    threads, outputs = torch.get_num_threads(), {}
+    weight, a = randn(4 * 257 + 3, 96, dtype=torch.bfloat16), randn(2, 96, seed=1)
+    x, residual, norm = randn(40, 1, 64), randn(40, 1, 64, seed=1), randn(64, seed=2)
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outputs[t] = [*ops.add_rms_norm(x, residual, norm, 1e-5)]
+            if ops.gemv_usable():
+                outputs[t].append(ops.bf16_gemv(weight, a))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(one, two) for one, two in zip(outputs[1], outputs[2], strict=True))
+    torch.testing.assert_close(outputs[2][0], F.rms_norm(x + residual, (64,), norm, 1e-5), rtol=4e-7 * 8, atol=1e-6)
+    if ops.gemv_usable():
+        exact = a.bfloat16().double() @ weight.double().t()
+        assert bool(((outputs[2][2].double() - exact).abs() <= 1e-6 * 96 * (a.bfloat16().double().abs()
+                                                                            @ weight.double().abs().t())).all())
+
+
 def test_bad_input_is_named():
     with pytest.raises(RuntimeError, match="1 <= M <= 4"):
         ops.bf16_gemv(randn(8, 32, dtype=torch.bfloat16), randn(5, 32))
