@@ -31,8 +31,10 @@ AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile se
 # streamer restarts at every 4 KB page); now 1.2-1.4x aten's there (bench/results/cpu/NOTES.md)
 MIN_ROWS = 1
 # Packed weight bytes a thread must get before a layer's blocks split across threads: waking a
-# sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost more than a small layer's whole product
-PARALLEL_BYTES = 0
+# sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost more than a small layer's whole product. At 2
+# threads no SmolLM2-135M layer (162-864 KB) gained from the split, one row, load 1.5-4 (5-6 us lost
+# each; bench/results/cpu/NOTES.md); a 1B model's (2-16 MB) split in spans of 1 MB or more
+PARALLEL_BYTES = 1 << 20
 
 
 def best_path() -> str | None:
