@@ -11,7 +11,8 @@ each round), each turn a fresh cache, a 32-token prompt and ``--steps`` greedy s
 ``bench.cpu_overhead``'s ``decoder`` or ``engine`` path, timed per step in process CPU time (the
 step's own work with one thread) and wall time. A slow spell of the machine so lands on both trees
 within seconds, where ``cpu_overhead --compare`` starts a process per round and tree minutes apart.
-Per config: median and 10th percentile of every step of every round, after over before. Raw JSON
+Per config: median and 10th percentile of every step of every round, after over before, and each
+round's two medians paired (the median of their ratios, the rounds the after tree was faster). Raw JSON
 with device, versions, the trees' commits, command, protocol and load averages.
 """
 
@@ -53,6 +54,15 @@ def summary(times: list) -> dict:
     cpu, wall = sorted(c / 1e6 for c, _ in times), sorted(w / 1e6 for _, w in times)
     return {"median_cpu_ms": statistics.median(cpu), "p10_cpu_ms": cpu[len(cpu) // 10],
             "median_wall_ms": statistics.median(wall), "steps": len(cpu)}
+
+
+def paired(before: list, after: list, steps: int) -> dict:
+    """Each round's median CPU ms of the two trees, and the median of their ratios: the machine's
+    slow and fast spells (2x apart on a shared machine) cancel within a round."""
+    rounds = [(statistics.median(c / 1e6 for c, _ in before[i:i + steps]),
+               statistics.median(c / 1e6 for c, _ in after[i:i + steps])) for i in range(0, len(before), steps)]
+    return {"round_medians_cpu_ms": rounds, "after_faster_rounds": sum(a < b for b, a in rounds),
+            "median_of_round_ratios": statistics.median(a / b for b, a in rounds)}
 
 
 def main() -> None:
@@ -100,6 +110,7 @@ def main() -> None:
         row = {name: summary(times) for name, times in by_tree.items()}
         for stat in ("median_cpu_ms", "p10_cpu_ms", "median_wall_ms"):
             row[f"after_over_before_{stat}"] = row["after"][stat] / row["before"][stat]
+        row["paired"] = paired(by_tree["before"], by_tree["after"], args.steps)
         results[config] = row
         print(config, json.dumps(row), flush=True)
     write_result(args.out, {
