@@ -30,10 +30,11 @@ AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile se
 # memory (as a model's decode reads them: 4.3 vs 5.7 GB/s) until the kernel prefetched 2 KB ahead (the
 # streamer restarts at every 4 KB page); now 1.2-1.4x aten's there (bench/results/cpu/NOTES.md)
 MIN_ROWS = 1
-# Packed weight bytes a thread must get before a layer's blocks split across threads: waking a
-# sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost more than a small layer's whole product. At 2
-# threads no SmolLM2-135M layer (162-864 KB) gained from the split, one row, load 1.5-4 (5-6 us lost
-# each; bench/results/cpu/NOTES.md); a 1B model's (2-16 MB) split in spans of 1 MB or more
+# Packed weight bytes a thread must get before a layer's blocks split across threads, for up to
+# AVX512_ROWS rows: waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost more than a small layer's
+# whole product. One row, 2 threads: no SmolLM2-135M layer (162-864 KB) gained from the split (5-12 us
+# lost on the smaller ones), a 1B model's 3 MB one did. More rows (AMX) split every block, as
+# before: SmolLM2 decode at batch 8 was ~10% slower unsplit (bench/results/cpu/NOTES.md)
 PARALLEL_BYTES = 1 << 20
 
 
@@ -61,7 +62,7 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     if kernel is None:
         return None
     return kernel[0].int4_linear(a, packed, group, scale_zeros, layout.block_n, layout.halves,
-                                 native.forced_path("int4_gemm", path), PARALLEL_BYTES)
+                                 native.forced_path("int4_gemm", path), PARALLEL_BYTES if a.shape[0] <= AVX512_ROWS else 0)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor, layout) -> torch.Tensor | None:
@@ -76,8 +77,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     if not MIN_ROWS <= rows <= MAX_ROWS:
         return None
     module, few, more = chosen
-    return module.int4_linear(x, packed, group, scale_zeros, layout.block_n, layout.halves,
-                              few if rows <= AVX512_ROWS else more, PARALLEL_BYTES)
+    if rows <= AVX512_ROWS:
+        return module.int4_linear(x, packed, group, scale_zeros, layout.block_n, layout.halves, few, PARALLEL_BYTES)
+    return module.int4_linear(x, packed, group, scale_zeros, layout.block_n, layout.halves, more, 0)
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
