@@ -31,11 +31,12 @@ AVX512_ROWS = 2  # up to this many rows the AVX512-BF16 path beats AMX's tile se
 # streamer restarts at every 4 KB page); now 1.2-1.4x aten's there (bench/results/cpu/NOTES.md)
 MIN_ROWS = 1
 # Packed weight bytes a thread must get before a layer's blocks split across threads, for up to
-# AVX512_ROWS rows: waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost more than a small layer's
-# whole product. One row, 2 threads: no SmolLM2-135M layer (162-864 KB) gained from the split (5-12 us
-# lost on the smaller ones), a 1B model's 3 MB one did. More rows (AMX) split every block, as
-# before: SmolLM2 decode at batch 8 was ~10% slower unsplit (bench/results/cpu/NOTES.md)
-PARALLEL_BYTES = 1 << 20
+# AVX512_ROWS rows (more rows split every block). 0: every block, as before. Per call, one row at 2
+# threads (PASSIVE), no SmolLM2-135M layer gained from the split and a 1B 3 MB one did, but SmolLM2's
+# whole decode step at 2 threads was no faster with 1 MB spans (W4/float32 wall 0.46-0.55, median
+# 0.528 over 5 runs, against 0.47-0.51 split): a thread the Linears leave asleep is woken by the
+# next op instead (bench/results/cpu/NOTES.md)
+PARALLEL_BYTES = 0
 
 
 def best_path() -> str | None:
