@@ -119,6 +119,7 @@ class WholeCache(Batch):
         self.folded = length == 1 and cache.folded_decode
         self.rows = range(cache.batch)
         self._masks: dict = {}
+        self._step: dict = {}  # what decode_attention keeps for every layer of the step
 
     def mask(self, window, device):
         """:func:`attention_mask` of this step for a layer of ``window`` (the same for every such layer)."""
@@ -140,7 +141,8 @@ class WholeCache(Batch):
             cache.finish_write(layer, end)
             if in_residual(cache, self.lengths, window, q):
                 return residual_attention(cache, layer, slice(None), self.lengths, q, softcap)
-            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, self.lengths, window, softcap)
+            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, self.lengths, window, softcap,
+                                    step=self._step)
         keys, values = self.cache.update(layer, self.start, k, v)
         return sdpa(q, keys, values, self.mask(window, q.device), softcap)
 
@@ -207,7 +209,7 @@ class SequenceBatch(Batch):
                 return residual_attention(self.cache, layer, self._rows(), step["lengths"], q, softcap,
                                           mask=step["mask"])
             return decode_attention(ref.PagedKV.from_cache(self.cache, layer, self._rows()), q, step["lengths"],
-                                    window, softcap)
+                                    window, softcap, step=step)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window, softcap) for i in range(self.count)])
 

@@ -49,6 +49,7 @@ import torch
 from kvquant import KVScheme, QuantizedKV
 
 
+@functools.cache  # a frozen scheme and an int: asked per layer of every decode step
 def grids(scheme: KVScheme, head_dim: int):
     """``(keys' grid, values' grid)`` (``kvquant.schemes.integer.IntGrid``) when decode attention
     over this scheme's cache runs on the stored codes, else None: integer families of 8, 4 or 2
@@ -88,20 +89,22 @@ CHUNK_FLOATS = 1 << 20
 
 
 def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, step: dict | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over everything the cache holds for it.
 
     ``paged``: ``runtime.kernels.kv_reference.PagedKV`` of one layer and the batch's rows (the new
     token already stored: :meth:`runtime.cache_paged.PagedCache.store`); ``q`` [S, Hq, 1, D];
     ``lengths[i]``: positions sequence ``i`` holds, the new one included; ``window``: the layer's
     sliding window (positions before ``length - window`` are not read; a ring may have dropped
-    them). ``softcap``: scores through ``softcap * tanh(s / softcap)`` (Gemma 2). [S, Hq, 1, D]
-    in ``q``'s dtype."""
-    S, Hq, _, D = q.shape
-    H, B = paged.residual_k.shape[1], paged.block_size
+    them). ``softcap``: scores through ``softcap * tanh(s / softcap)`` (Gemma 2). ``step``: a dict
+    that lives one decode step (every layer's call with these ``lengths``), where the compiled
+    path keeps what all its layers share (the lengths as a tensor): a CPU decode step is
+    dispatch-bound, so per-layer host work counts 30 times. [S, Hq, 1, D] in ``q``'s dtype."""
     kernel = _native_kernel(paged, q)
     if kernel is not None:
-        return _native_attention(kernel, paged, q, lengths, window, softcap)
+        return _native_attention(kernel, paged, q, lengths, window, softcap, step)
+    S, Hq, _, D = q.shape
+    H, B = paged.residual_k.shape[1], paged.block_size
     nq, R = Hq // H, H * S
     # rows r = h * S + s: [R, nq, D]; query head h * nq + i reads KV head h (as SDPA's GQA); heads
     # lead, so each head's gathered tokens are one contiguous run
@@ -137,32 +140,42 @@ def _native_kernel(paged, q: torch.Tensor):
     float32 model, head_dim and block size multiples of 16 (head_dim <= 256), key groups of whole
     16-token tiles, a token's codes whole 16-byte chunks, value channel groups of whole chunks; the
     float (unquantized) pool and every integer scheme :func:`grids` accepts that fits."""
-    D, B = q.shape[-1], paged.block_size
-    if q.dtype != torch.float32 or paged.dtype != torch.float32 or D % 16 or D > 256 or B % 16:
+    if not _native_fits(paged.scheme, q.shape[-1], q.dtype, paged.dtype, paged.k.data.dtype):
         return None
-    grid = grids(paged.scheme, D)
-    if grid is None and (paged.scheme.quantized or paged.k.data.dtype != torch.float32):
-        return None
-    if grid is not None:
-        keys, values = grid
-        groups = 1 if values.group is None else D // values.group
-        chunks = D * values.bits // 128  # 16-byte chunks of a token's value codes
-        if (keys.over_tokens and keys.group % 16) or D * keys.bits % 128 or chunks % groups or not chunks or B * groups > 4096:
-            return None
     from runtime import native
 
     return native.load("kv_attention")
 
 
+@functools.cache  # decided once per (scheme, head_dim, dtypes), not per layer of every step
+def _native_fits(scheme: KVScheme, D: int, q_dtype: torch.dtype, dtype: torch.dtype, data_dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel walks this layout (:func:`_native_kernel`'s conditions)."""
+    B = scheme.block_size
+    if q_dtype != torch.float32 or dtype != torch.float32 or D % 16 or D > 256 or B % 16:
+        return False
+    grid = grids(scheme, D)
+    if grid is None:
+        return not scheme.quantized and data_dtype == torch.float32
+    keys, values = grid
+    groups = 1 if values.group is None else D // values.group
+    chunks = D * values.bits // 128  # 16-byte chunks of a token's value codes
+    return not ((keys.over_tokens and keys.group % 16) or D * keys.bits % 128 or chunks % groups or not chunks
+                or B * groups > 4096)
+
+
 def _native_attention(kernel, paged, q: torch.Tensor, lengths: list[int], window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, step: dict | None = None) -> torch.Tensor:
     """:func:`decode_attention` by the compiled kernel: one pass per (KV head x sequence) row over
     the pool's pages through the block table (nothing gathered, no float codes written)."""
     S, Hq, _, D = q.shape
     H = paged.residual_k.shape[1]
     key_grid, value_grid = grids(paged.scheme, D) or (None, None)
     qs = (q.reshape(S, H, Hq // H, D) * D ** -0.5).contiguous()  # the softmax scale folded into q
-    firsts = [0 if window is None else max(n - window, 0) for n in lengths]
+    bounds = None if step is None else step.get(("native bounds", window))
+    if bounds is None:  # [2, S] int64: the lengths, then each sequence's first position in the window
+        bounds = torch.tensor([lengths, [0 if window is None else max(n - window, 0) for n in lengths]])
+        if step is not None:
+            step[("native bounds", window)] = bounds
 
     def side(part, grid):
         if grid is None:
@@ -172,7 +185,7 @@ def _native_attention(kernel, paged, q: torch.Tensor, lengths: list[int], window
     k_data, k_scale, k_zero, k_bits = side(paged.k, key_grid)
     v_data, v_scale, v_zero, v_bits = side(paged.v, value_grid)
     out = kernel.decode_attention(
-        qs, paged.block_table.contiguous(), torch.tensor(lengths), torch.tensor(firsts),
+        qs, paged.block_table.contiguous(), bounds[0], bounds[1],
         k_data, k_scale, k_zero, k_bits, key_grid.group if key_grid is not None and key_grid.over_tokens else 0,
         v_data, v_scale, v_zero, v_bits, paged.residual_k.contiguous(), paged.residual_v.contiguous(),
         float(softcap or 0.0))

@@ -237,6 +237,24 @@ def test_native_rows_on_one_thread_or_two(spec):
         torch.testing.assert_close(outputs[0], reference(q[:, :, 0], paged, torch.tensor(lengths))[:, :, None], **TOL)
 
 
+@pytest.mark.parametrize("spec", ["int4-g32-r64", "fp16-r32"])
+def test_native_step_dict_keeps_the_lengths_per_window(spec):
+    """A decode step's layers share one dict (``step``): the lengths' tensors are built at the first
+    call of each window and reused; the outputs are those of calls without it, bit for bit."""
+    from runtime.kernels.kv_reference import PagedKV
+
+    native_kernel()
+    lengths = [70, 129]
+    q = torch.randn(len(lengths), HQ, 1, D, generator=torch.Generator().manual_seed(8))
+    step = {}
+    for window in (None, 45, None, 45):
+        paged = PagedKV.from_cache(filled_cache(spec, lengths, window=window), 0)
+        got = decode_attention(paged, q, lengths, window, step=step)
+        assert torch.equal(got, decode_attention(paged, q, lengths, window)), window
+    assert sorted(step, key=str) == [("native bounds", 45), ("native bounds", None)]
+    assert step[("native bounds", 45)].tolist() == [lengths, [25, 84]]
+
+
 def test_which_calls_take_the_native_kernel(monkeypatch):
     """Served: float32 models whose layout the kernel walks; the rest keep the PyTorch path, as
     everything does with LOWBIT_NATIVE=0."""
