@@ -186,11 +186,15 @@ def compare(rev: str, overlay: list[str], shape: str, rounds: int, steps: int, t
                  "after" + (f" ({rev} + {', '.join(overlay)})" if overlay else " (this tree)"):
                      tree_at(rev, after, overlay) if overlay else str(ROOT)}
         samples = {name: [] for name in codes}
+        # each tree its own native build folder: git archive writes old file times, so in a shared one
+        # ninja keeps whichever tree's kernels were built last and times them for both
+        envs = {name: {**os.environ, "LOWBIT_NATIVE_CACHE": str(Path(before if i == 0 else after) / ".native")}
+                for i, name in enumerate(codes)}
         for _ in range(rounds):
             for name, code in codes.items():
                 out = subprocess.run([sys.executable, "-m", "bench.cpu_overhead", "--itl-child", shape, "--code", code,
                                       "--steps", str(steps), "--threads", str(threads)],
-                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout
+                                     cwd=ROOT, capture_output=True, text=True, check=True, env=envs[name]).stdout
                 samples[name].append({**json.loads(out.strip().splitlines()[-1]), "load_average": os.getloadavg()[0]})
                 print(name, json.dumps(samples[name][-1]), flush=True)
     medians = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "code"}

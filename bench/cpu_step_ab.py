@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,9 +88,13 @@ def main() -> None:
 
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
+    native_builds = tempfile.TemporaryDirectory(prefix="lowbit-step-ab-native-")  # removed at exit
+    # each tree its own native build folder: a git archive's old file times make ninja keep whichever
+    # tree's kernels were built last in a shared one, and time them for both
     workers = {name: subprocess.Popen([sys.executable, "-m", "bench.cpu_step_ab", "--worker", tree, "--threads",
                                        str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      cwd=tree, env=env) for name, tree in trees.items()}
+                                      cwd=tree, env={**env, "LOWBIT_NATIVE_CACHE": str(Path(native_builds.name) / name)})
+               for name, tree in trees.items()}
     for name, w in workers.items():
         if w.stdout.readline().strip() != "ready":
             raise SystemExit(f"the {name} worker did not start")
