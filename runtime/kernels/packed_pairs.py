@@ -39,22 +39,8 @@ def magic_pairs(fields, masks, PAIR: tl.constexpr, ASM: tl.constexpr):
 def fma_pair(acc, v, nofs, xp, PAIR: tl.constexpr, STEP: tl.constexpr, ASM: tl.constexpr):
     """``acc + x * (v * STEP + nofs)`` on packed 16-bit pairs; STEP (a power of two, as fp16 bits;
     1 in bf16) is exact on the small integers ``v`` holds."""
-    if not ASM:  # the interpreter: each half in fp32, rounded to PAIR as the packed fma rounds
-        step: tl.constexpr = 1.0 if PAIR == tl.bfloat16 else (
-            0.0625 if STEP == 0x2C00 else (0.00390625 if STEP == 0x1C00 else 0.25))
-        lo = _half(acc, 0, PAIR) + _half(xp, 0, PAIR) * (_half(v, 0, PAIR) * step + _half(nofs, 0, PAIR))
-        hi = _half(acc, 1, PAIR) + _half(xp, 1, PAIR) * (_half(v, 1, PAIR) * step + _half(nofs, 1, PAIR))
-        out = _rounded_bits(lo, PAIR) | (_rounded_bits(hi, PAIR) << 16)
-    else:
-        tl.static_assert(PAIR == tl.bfloat16 or STEP == 0x2C00 or STEP == 0x1C00 or STEP == 0x3400,
-                         "fp16 steps: 1/4, 1/16, 1/256")
-        FMA: tl.constexpr = "fma.rn.f16x2" if PAIR == tl.float16 else "fma.rn.bf16x2"
-        STEPS: tl.constexpr = STEP * 0x10001 if PAIR == tl.float16 else 0x3F803F80  # both halves
-        steps = tl.full(acc.shape, STEPS, tl.int32)  # a constant: ptxas takes it as an immediate
-        out = tl.inline_asm_elementwise(
-            "{.reg .b32 d; " + FMA + " d, $2, $5, $3; " + FMA + " $0, $4, d, $1;}",
-            "=r,r,r,r,r,r", [acc, v, nofs, xp, steps], dtype=tl.int32, is_pure=True, pack=1)
-    return out
+    # offset_pair's result is exact in PAIR, so rounding it between the two fmas changes nothing
+    return mac_pair(acc, xp, offset_pair(v, nofs, PAIR, STEP, ASM), PAIR, ASM)
 
 
 @triton.jit
