@@ -5,6 +5,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 from runtime import native
 
@@ -74,3 +75,30 @@ def test_build_directory_follows_the_shared_headers(monkeypatch, tmp_path):
     first = native.build_directory()
     (sources / "common.h").write_text("// two\n")
     assert native.build_directory() != first
+
+
+@pytest.mark.parametrize("n, block_n, halves", [(192, 64, True), (112, 32, False), (80, 64, True)])
+def test_the_int4_dequantizer_writes_float32_unrounded(monkeypatch, n, block_n, halves):
+    """out float32: u * scale + (zero - 8 scale) in float32, the bf16 path's value before its one
+    rounding (so the bf16 output is this one rounded); partial last blocks included."""
+    if native._missing_tool() is not None:
+        pytest.skip(native._missing_tool())
+    if SHARED_CACHE is not None:
+        monkeypatch.setenv("LOWBIT_NATIVE_CACHE", SHARED_CACHE)
+    else:
+        monkeypatch.delenv("LOWBIT_NATIVE_CACHE")
+    from runtime.cpu_int4_layout import Int4Layout
+
+    module = native.load("int4_weights")
+    k, group = 256, 64
+    g = torch.Generator().manual_seed(n)
+    u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    scale_zeros = (torch.randn(k // group, n, 2, generator=g) * torch.logspace(-4, 1, n)[:, None]).bfloat16()
+    packed = Int4Layout(block_n, halves).pack(u)
+    out = torch.empty(k, n, dtype=torch.float32)
+    module.dequantize_int4(packed, scale_zeros, group, block_n, halves, out)
+    sz = scale_zeros.float().repeat_interleave(group, 0)  # [K, N, 2]
+    assert torch.equal(out, u.t().float() * sz[..., 0] + (sz[..., 1] - 8 * sz[..., 0]))
+    rounded = torch.empty(k, n, dtype=torch.bfloat16)
+    module.dequantize_int4(packed, scale_zeros, group, block_n, halves, rounded)
+    assert torch.equal(rounded, out.bfloat16())

@@ -6,9 +6,11 @@
 // blocks of `block_n`, each block stored [K, block_n/2] bytes, the last block possibly partial);
 // byte j of a full block holds outputs j (low nibble) and j + block_n/2 (high) when `halves`, else
 // 2j and 2j+1 (as a partial block always does). `scale_zeros`, bf16 [K/group, N, 2].
-// Output: `out`, bf16 [K, N] (the weight's transpose): w = u * s + (z - 8 s), computed in float32
-// and rounded once to bf16, to nearest even: equal bit for bit to the PyTorch path
-// (Int4Slots.dequantized), fused multiply-add or not, since u * s (4 by 8 significant bits) is exact.
+// Output: `out`, bf16 or float32 [K, N] (the weight's transpose): w = u * s + (z - 8 s), computed in
+// float32 (exact for u * s, 4 by 8 significant bits, so fused multiply-add or not gives the same
+// value); bf16 rounds it once, to nearest even: equal bit for bit to the PyTorch path
+// (Int4Slots.dequantized). float32 keeps it unrounded, for a float32 prefill matmul on CPUs without a
+// fast bf16 GEMM (a bf16 F.linear there ran 3-6x slower than float32's).
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: all of libtorch's headers, a minute to build
 #include <ATen/Parallel.h>
@@ -73,28 +75,20 @@ void group_scales(const uint16_t* scale_zeros, int64_t n, int64_t g, float* __re
   }
 }
 
+inline void store(float w, uint16_t& out) { out = float_to_bf16_finite(w); }
+inline void store(float w, float& out) { out = w; }
+
+// OUT: uint16_t (bf16 bits) or float
+template <class OUT>
 void dequantize_row(const uint8_t* __restrict u, const float* __restrict scale, const float* __restrict offset,
-                    int64_t n, uint16_t* __restrict out) {
-  for (int64_t j = 0; j < n; ++j) {
-    out[j] = float_to_bf16_finite(static_cast<float>(u[j]) * scale[j] + offset[j]);
-  }
+                    int64_t n, OUT* __restrict out) {
+  for (int64_t j = 0; j < n; ++j) store(static_cast<float>(u[j]) * scale[j] + offset[j], out[j]);
 }
 
-void dequantize_int4(const at::Tensor& packed, const at::Tensor& scale_zeros, int64_t group,
-                     int64_t block_n, bool halves, at::Tensor& out) {
-  TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: a contiguous uint8 [N, K/2] tensor");
-  const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK(block_n > 0 && block_n % 2 == 0 && n % 2 == 0, "block_n and N must be even");
-  TORCH_CHECK(group > 0 && k % group == 0, "group must divide K = ", k);
-  TORCH_CHECK(scale_zeros.dtype() == at::kBFloat16 && scale_zeros.is_contiguous() &&
-                  scale_zeros.sizes() == at::IntArrayRef({k / group, n, 2}),
-              "scale_zeros: a contiguous bf16 [K/group, N, 2] tensor");
-  TORCH_CHECK(out.dtype() == at::kBFloat16 && out.is_contiguous() && out.sizes() == at::IntArrayRef({k, n}),
-              "out: a contiguous bf16 [K, N] tensor");
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const auto* sz = reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+// The weight into `o` [K, N] (OUT: uint16_t, bf16 bits, or float).
+template <class OUT>
+void dequantize_into(const uint8_t* p, const uint16_t* sz, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                     bool halves, OUT* o) {
   // Rows in ranges of whole groups where possible, so a thread converts each group's scales once;
   // within a group, outputs in chunks whose float scales stay in L1 across the group's rows (all N
   // of them per row streamed 8 bytes of scales per weight from L2).
@@ -117,10 +111,32 @@ void dequantize_int4(const at::Tensor& packed, const at::Tensor& scale_zeros, in
   });
 }
 
+void dequantize_int4(const at::Tensor& packed, const at::Tensor& scale_zeros, int64_t group,
+                     int64_t block_n, bool halves, at::Tensor& out) {
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: a contiguous uint8 [N, K/2] tensor");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(block_n > 0 && block_n % 2 == 0 && n % 2 == 0, "block_n and N must be even");
+  TORCH_CHECK(group > 0 && k % group == 0, "group must divide K = ", k);
+  TORCH_CHECK(scale_zeros.dtype() == at::kBFloat16 && scale_zeros.is_contiguous() &&
+                  scale_zeros.sizes() == at::IntArrayRef({k / group, n, 2}),
+              "scale_zeros: a contiguous bf16 [K/group, N, 2] tensor");
+  TORCH_CHECK((out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat) && out.is_contiguous() &&
+                  out.sizes() == at::IntArrayRef({k, n}),
+              "out: a contiguous bf16 [K, N] or float32 [K, N] tensor");
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const auto* sz = reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr());
+  if (out.dtype() == at::kFloat) {
+    dequantize_into(p, sz, n, k, group, block_n, halves, out.data_ptr<float>());
+  } else {
+    dequantize_into(p, sz, n, k, group, block_n, halves, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dequantize_int4", &dequantize_int4, "Int4Slots' weight into a bf16 [K, N] buffer",
+  m.def("dequantize_int4", &dequantize_int4, "Int4Slots' weight into a bf16 or float32 [K, N] buffer (out's dtype)",
         py::arg("packed"), py::arg("scale_zeros"), py::arg("group"), py::arg("block_n"), py::arg("halves"),
         py::arg("out"));
 }
