@@ -67,7 +67,7 @@ test: install-test venv-triton36 venv-vllm chromium llama-cpp-lib
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP := .llama-cpp
 LLAMA_CPP_SRC := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)
-LLAMA_CPP_TOOLS := llama-perplexity llama-quantize llama-imatrix llama-completion
+LLAMA_CPP_TOOLS := llama-perplexity llama-quantize llama-imatrix llama-completion llama-bench
 # Not -march=native on x86-64: on a VM whose CPU reports AMX/AVX-512 (an Intel Xeon here) the native
 # build died with SIGILL in the tests; AVX2 is what every x86-64 runner of ours has, and the tests
 # compare logits, not speed.
@@ -98,6 +98,19 @@ llama-cpp-lib: $(LLAMA_CPP)/.lib
 
 llama-cpp: $(LLAMA_CPP)/.built
 
+# The speed peer: llama.cpp as a user on this CPU would build it (-DGGML_NATIVE=ON: every ISA the build
+# machine has, AVX-512/VNNI/BF16 on a Zen 4), only llama-bench, in a build folder of its own. The
+# AVX2 build above stays the tests' build (logits); bench/cpu_everywhere.py times both and records
+# which build gave each figure. Run it only on the machine that built it (native = that CPU).
+$(LLAMA_CPP)/.native: $(LLAMA_CPP)/.configured
+	PATH="$$PATH:$(abspath $(VENV))/bin" cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_CPP)/build-native -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON > $(LLAMA_CPP)/cmake-native.log 2>&1
+	PATH="$$PATH:$(abspath $(VENV))/bin" cmake --build $(LLAMA_CPP)/build-native -j$$(nproc) --target llama-bench > $(LLAMA_CPP)/build-native.log 2>&1
+	touch $@
+
+llama-cpp-native: $(LLAMA_CPP)/.native
+
 # On a lent GPU machine, whose python3 holds torch with CUDA: CALL=1 then CALL=2, one device call
 # each (bench/gpu_check.py's docstring); STAGES=env,weights+attention picks stages instead.
 gpu-check:
@@ -117,4 +130,4 @@ vllm-bench: install venv-vllm
 	flock /tmp/lowbit-bench.lock $(PY) -m bench.vllm_cpu --shape smollm2 --lowbit default,bfloat16,default:dense
 	flock /tmp/lowbit-bench.lock $(PY) -m bench.vllm_cpu --shape 1b --output-len 32 --repeats 2
 
-.PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp llama-cpp-lib
+.PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp llama-cpp-lib llama-cpp-native
