@@ -98,15 +98,17 @@ llama-cpp-lib: $(LLAMA_CPP)/.lib
 
 llama-cpp: $(LLAMA_CPP)/.built
 
-# The speed peer: llama.cpp as a user on this CPU would build it (-DGGML_NATIVE=ON: every ISA the build
-# machine has, AVX-512/VNNI/BF16 on a Zen 4), only llama-bench, in a build folder of its own. The
-# AVX2 build above stays the tests' build (logits); bench/cpu_everywhere.py times both and records
-# which build gave each figure. Run it only on the machine that built it (native = that CPU).
-$(LLAMA_CPP)/.native: $(LLAMA_CPP)/.configured
+# The speed peer: llama.cpp's CPU backend as a user on this CPU would build it (-DGGML_NATIVE=ON: every
+# ISA the build machine has, AVX-512/VNNI/BF16 on a Zen 4), in a build folder of its own. Only the
+# backend (libggml-cpu.so, libggml-base.so: ~1/4 of the CPU build) is rebuilt: the shared libraries
+# load by name, so the AVX2 build's llama-bench with LD_LIBRARY_PATH=.llama-cpp/build-native/bin first
+# runs the native kernels (bench/cpu_everywhere.py records which build gave each figure). The AVX2
+# build above stays the tests' (logits). Run it only on the machine that built it.
+$(LLAMA_CPP)/.native: $(LLAMA_CPP)/.built
 	PATH="$$PATH:$(abspath $(VENV))/bin" cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_CPP)/build-native -DCMAKE_BUILD_TYPE=Release \
 		-DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
 		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON > $(LLAMA_CPP)/cmake-native.log 2>&1
-	PATH="$$PATH:$(abspath $(VENV))/bin" cmake --build $(LLAMA_CPP)/build-native -j$$(nproc) --target llama-bench > $(LLAMA_CPP)/build-native.log 2>&1
+	PATH="$$PATH:$(abspath $(VENV))/bin" cmake --build $(LLAMA_CPP)/build-native -j$$(nproc) --target ggml-cpu > $(LLAMA_CPP)/build-native.log 2>&1
 	touch $@
 
 llama-cpp-native: $(LLAMA_CPP)/.native
