@@ -133,3 +133,23 @@ vllm-bench: install venv-vllm
 	flock /tmp/lowbit-bench.lock $(PY) -m bench.vllm_cpu --shape 1b --output-len 32 --repeats 2
 
 .PHONY: install install-test venv-triton36 venv-vllm demo test chromium gpu-check gpu-wheels vllm-bench llama-cpp llama-cpp-lib llama-cpp-native
+
+# The Triton cache of the quantized-matmul kernels bench/gpu_first.py compiles (sm_90a, Triton 3.6),
+# built here without a GPU and keyed for the lent machine's Python 3.12 (bench/gpu_cache.py: the key
+# hashes libtriton.so, one per Python, read from the cp312 wheel pip downloads, never imported), packed
+# as .gpu-cache/triton-sm90a.tar.xz (the folder ignores itself for git; the device call carries it).
+GPU_CACHE := .gpu-cache
+TRITON36_WHEELS := $(TRITON36_VENV)/wheels
+$(TRITON36_WHEELS)/.cp312: | $(TRITON36_VENV)/.installed
+	$(TRITON36_VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(TRITON36_WHEELS) triton==3.6.0
+	touch $@
+
+gpu-cache: $(TRITON36_WHEELS)/.cp312
+	mkdir -p $(GPU_CACHE)
+	echo '*' > $(GPU_CACHE)/.gitignore
+	PYTHONPATH=. $(TRITON36_VENV)/bin/python -m bench.gpu_cache build --out $(GPU_CACHE)/triton-sm90a.tar.xz \
+		--wheel $$(ls $(TRITON36_WHEELS)/triton-3.6.0-cp312-*.whl)
+
+.PHONY: gpu-cache

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import signal
@@ -213,8 +214,12 @@ def child(name: str, out: Path, smoke: bool, shard: tuple[int, int]) -> None:
     def report(partial: dict) -> None:
         write_json(out, {**partial, "partial": True})
 
+    stages = BY_NAME
+    if ":" in name:  # another script's stage, "module:stage" (bench/gpu_first.py's): the same runner
+        module, name = name.split(":")
+        stages = importlib.import_module(module).BY_NAME
     try:
-        result = BY_NAME[name].run(smoke, shard=shard, report=report)
+        result = stages[name].run(smoke, shard=shard, report=report)
     except BaseException:  # noqa: BLE001 - a stage's failure of any kind is its result
         kept = json.loads(out.read_text()) if out.exists() else {}
         result = {**kept, "partial": False, "passed": False, "error": traceback.format_exc(limit=20)}

@@ -166,14 +166,16 @@ def meta_weight(K: int, N: int, bits: int, group_len: int, symmetric: bool, scal
                         torch.empty(groups, N, dtype=scale_dtype, device=device), zeros, None, K, N, bits, group_len)
 
 
-def engine_start_up(kernel_weights: list, largest_m: int, dtype=torch.float16) -> None:
-    """What ``runtime.execution.warm_matmul_tuning`` asks at an Engine's start-up, and one launch of
-    each bucket's configuration (as its first step of that many rows runs it)."""
+def engine_start_up(kernel_weights: list, largest_m: int, dtype=torch.float16, rows=None) -> None:
+    """What ``runtime.execution.warm_matmul_tuning`` asks at an Engine's start-up (``rows``: its
+    ``tune_rows``), and one launch of each bucket's configuration (as its first step of that many
+    rows runs it)."""
+    from runtime.execution import tuning_buckets
     from runtime.kernels.matmul_tuning import NoConfiguration
-    from runtime.kernels.quant_matmul import choose_config, launch, m_bucket
+    from runtime.kernels.quant_matmul import choose_config, launch
 
     for kw in kernel_weights:
-        for M in sorted({m_bucket(M) for M in range(1, largest_m + 1)}):
+        for M in tuning_buckets(largest_m, rows):
             with contextlib.suppress(NoConfiguration):
                 config = choose_config(M, kw, dtype, torch.device("meta"))
                 x = torch.empty(M, kw.in_features, dtype=dtype, device="meta")

@@ -48,7 +48,7 @@ import time
 from kvquant import KVScheme, parse_kv
 from runtime.attention import kernels_for
 from runtime.cache import KVCache, cache_size
-from runtime.execution import Executor, sample_tokens, warm_matmul_tuning
+from runtime.execution import Executor, sample_tokens, tuning_buckets, warm_matmul_tuning
 from runtime.generate import check_prompt
 from runtime.request import Inbox, Request, RequestMetrics  # noqa: F401 (RequestMetrics: part of the API)
 from runtime.sampling import SamplingParams
@@ -72,6 +72,10 @@ class Engine:
     model's context). ``kv``: the cache scheme (default: the model's). ``prefill_chunk``: prompt
     tokens prefilled per step. ``attention``: see :func:`runtime.attention.kernels_for`. ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
+    ``tune_rows``: the row counts the steps will take (decode batch sizes, packed prefill lengths),
+    whose GEMM buckets alone are tuned and self-checked at start-up (CUDA); default: every bucket up
+    to ``max(max_batch, prefill_chunk)`` (24 a Linear shape at 4096). A step with other rows tunes
+    its bucket when it first meets it (a stall in that step): ``execution.tuning_buckets``.
 
     Threads: one thread drives it (``step``, ``run``, iterating a request, ``shutdown``).
     ``submit`` and ``abort`` are safe from any thread: they only queue, and the driving thread
@@ -83,7 +87,7 @@ class Engine:
 
     def __init__(self, model, kv_memory=None, max_batch: int = 32, max_len: int | None = None,
                  kv: KVScheme | str | None = None, prefill_chunk: int = 512, attention: str = "auto",
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, tune_rows=None):
         cfg = model.decoder.cfg
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -108,10 +112,11 @@ class Engine:
         self._busy_s = 0.0
         self._first_arrival: float | None = None
         self._last_finish: float | None = None
-        if model.device.type == "cuda":  # tune every GEMM shape a step can take before the first request
-            warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk))
+        self.tuned_buckets = tuning_buckets(max(max_batch, prefill_chunk), tune_rows)
+        if model.device.type == "cuda":  # tune every GEMM shape the steps will take before the first request
+            warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk), tune_rows)
         # before the graphs capture them: the tuned GEMMs and this cache's attention against the reference
-        self.kernels = check_engine(model, scheme, self.kernels, attention == "triton", max(max_batch, prefill_chunk))
+        self.kernels = check_engine(model, scheme, self.kernels, attention == "triton", self.tuned_buckets)
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs and (model.device.type != "cuda" or not self.kernels):
             raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")

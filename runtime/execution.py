@@ -100,23 +100,39 @@ class DecodeGraph:
         return self.logits[:n]
 
 
-def warm_matmul_tuning(decoder, largest_m: int) -> int:
-    """Tune every quantized layer's GEMM for every M bucket a step can take (M = 1 .. ``largest_m``:
-    a decode batch, a packed prefill, its lm_head rows) now, so no request pays a tuning stall;
-    returns how many (layer, bucket) pairs were asked (layers of one shape share a tuning). The
-    buckets are ``quant_matmul.m_bucket``'s: every M up to its decode limit, then powers of two.
-    Nothing to do where the layers run the dense reference (CPU). A bucket with no configuration
+def tuning_buckets(largest_m: int, rows=None) -> tuple[int, ...]:
+    """The GEMM row buckets (``quant_matmul.m_bucket``'s: every M up to its decode limit, then powers
+    of two) an Engine tunes at start-up: by default every one a step can take (M = 1 ..
+    ``largest_m``: a decode batch, a packed prefill); ``rows``, the row counts its steps will take
+    (``Engine(tune_rows=...)``), only theirs: one sequence with 512-token prompts needs (1, 512), 2
+    buckets a shape where the default tunes 24 (the rest are tuned when a step first meets them)."""
+    from runtime.kernels.matmul_configs import m_bucket
+
+    if rows is None:
+        rows = range(1, max(largest_m, 1) + 1)
+    bad = [M for M in rows if isinstance(M, bool) or not isinstance(M, int) or not 1 <= M <= largest_m]
+    if bad:
+        raise ValueError(f"tune_rows must be row counts in 1..{largest_m} (a step's rows: at most max_batch "
+                         f"decoding sequences or prefill_chunk prompt tokens), got {bad}")
+    return tuple(sorted({m_bucket(M) for M in rows}))
+
+
+def warm_matmul_tuning(decoder, largest_m: int, rows=None) -> int:
+    """Tune every quantized layer's GEMM for the M buckets of ``tuning_buckets(largest_m, rows)``
+    now, so no request pays a tuning stall; returns how many (layer, bucket) pairs were asked
+    (layers of one shape share a tuning). Nothing to do where the layers run the dense reference
+    (CPU). A bucket with no configuration
     that runs and matches the reference is left to the layers' forward, which runs the reference
     for it with one warning (``QuantLinear.forward``)."""
     from runtime.linear import QuantLinear
 
+    buckets = tuning_buckets(largest_m, rows)
     layers = [m for m in decoder.modules() if isinstance(m, QuantLinear) and m._kernel is not None]
     if not layers:
         return 0
     from runtime.kernels.matmul_tuning import NoConfiguration
-    from runtime.kernels.quant_matmul import choose_config, m_bucket
+    from runtime.kernels.quant_matmul import choose_config
 
-    buckets = sorted({m_bucket(M) for M in range(1, max(largest_m, 1) + 1)})
     dtype = next(decoder.parameters()).dtype
     for m in layers:
         for M in buckets:

@@ -65,9 +65,10 @@ def check_decoder(decoder, dtype: torch.dtype, kv_scheme=None) -> list[Config]:
     return run(configs)
 
 
-def check_engine(model, scheme, kernels: bool, strict: bool, largest_m: int) -> bool:
+def check_engine(model, scheme, kernels: bool, strict: bool, largest_m: int | tuple[int, ...]) -> bool:
     """At an Engine's start-up (its GEMMs tuned, before its CUDA graphs are captured): the tuned
-    configuration of every M bucket of each quantized Linear, and attention over the engine's KV
+    configuration of every M bucket (up to ``largest_m``, or the buckets it lists: those the Engine
+    tuned) of each quantized Linear, and attention over the engine's KV
     scheme when ``kernels`` chose the Triton backend. Returns whether attention stays on the kernels.
     ``strict`` (``attention="triton"``): a failed attention check is an error, not a fallback."""
     decoder = model.decoder

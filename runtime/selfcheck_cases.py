@@ -61,7 +61,7 @@ def random(shape, dtype, device, seed: int) -> torch.Tensor:
 def linear_configs(decoder, dtype: torch.dtype, tuned_up_to: int | None = None) -> list[Config]:
     """One configuration per distinct quantized Linear (layers of one shape share it). Checked at
     the first row count of each M regime on its default launch configuration, or, ``tuned_up_to``
-    (an Engine), at every M bucket up to it on the configuration tuned for it."""
+    (an Engine), at every M bucket up to it (or at the buckets it lists) on the configuration tuned for it."""
     from runtime.linear import QuantLinear, runs_kernels
 
     groups: dict[tuple, list] = {}
@@ -95,10 +95,11 @@ def linear_configs(decoder, dtype: torch.dtype, tuned_up_to: int | None = None) 
     return configs
 
 
-def _tuned_rows(largest_m: int) -> tuple[int, ...]:
-    from runtime.kernels.matmul_configs import m_bucket
+def _tuned_rows(tuned: int | tuple[int, ...]) -> tuple[int, ...]:
+    """Every bucket up to an M, or an Engine's own (``Engine.tuned_buckets``: what it tuned)."""
+    from runtime.execution import tuning_buckets
 
-    return tuple(sorted({m_bucket(M) for M in range(1, max(largest_m, 1) + 1)}))
+    return tuning_buckets(tuned) if isinstance(tuned, int) else tuple(tuned)
 
 
 def _linears_fall_back(layers, reason: str, dtype: torch.dtype) -> None:

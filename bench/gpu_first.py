@@ -1,0 +1,349 @@
+"""The first call of a GPU run (issue 43): the W4 engine against fp16 first, then where its time goes.
+
+    python -m bench.gpu_first --commit SHA                 # on the lent GPU: <= 9 minutes, one device call
+    python -m bench.gpu_first --smoke                      # CPU + Triton interpreter, tiny shapes (CI)
+    python -m bench.gpu_first --count                      # restricted tuning counted here, no GPU
+
+The device call (carry ``.gpu-cache``, built by ``make gpu-cache``: the quantized-matmul kernels
+compiled for sm_90a; without it they compile there):
+
+    run(command="python3 -m bench.gpu_first --commit $(git rev-parse --short HEAD)", carry=[".gpu-cache"],
+        timeout_s=600)
+
+Steps, in order, each a child process with its own time budget (bench/gpu_check.py's runner: a
+step cut at its budget keeps what it reported), the results JSON rewritten after every row
+(``--out``, default ``bench/results/gpu/first-<device>-<commit>.json``, and a copy in ``$OUT``):
+
+  env          device, versions, copy bandwidth and matmul ceilings (gpu_stages.environment); the
+               carried Triton cache unpacked into TRITON_CACHE_DIR, its key parts against this
+               machine's, a replay of some of its kernels (hits: no new entry)
+  precompile   only if env found no usable cache: the matmul kernels compiled over every core
+  engine       fp16 vs W4 g128 engine, Llama-3-8B shape (random weights), batch 1, 512-token prompt,
+               128 new tokens, 3 repeats: TTFT, ITL mean/p50/p99, start-up; one prefill, one decode
+               step (graph) and one eager decode step profiled (per-kernel device time)
+  prefill      bench/kernels.py on the engine's 4 Linear shapes, M = 512 and 4096: every tuner
+               candidate (tuner_ms, dense ones included), dense path, dequantize alone, cuBLAS fp16
+  small-m      the same at M = 4, 8, 16
+  attention    decode attention at 32k, batch 1 and 32, fp16/int8/int4 caches, splits x1, x2, x4, x8
+               of the default, against fp16 SDPA
+  batch32      fp16 vs W4 engine at batch 32 (prompt 512, 128 tokens), only if time is left
+
+Every step records the Triton cache's entries before and after it (new ones by kernel name: what
+the carried cache missed). Engines tune only the row buckets their steps take (``Engine(tune_rows=
+...)``; ``step_rows``): batch 1 with 512-token prompts, 8 tunings where every bucket to 4096 was 96
+(``--count``). The correctness checks (gpu_check's stages) are a second device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if not __package__:
+    sys.path.insert(0, str(ROOT))
+
+from bench import gpu_cache, gpu_check, gpu_stages  # noqa: E402
+
+TOTAL_S = 540  # 9 minutes of steps: a 10-minute device command with start-up and transfers around it
+CACHE_DIR = Path(tempfile.gettempdir()) / "lowbit-triton-cache"  # TRITON_CACHE_DIR of every step
+ENGINE = dict(batch=1, prompt_len=512, output_len=128, repeats=3, prefill_chunk=512)
+BATCH32 = dict(batch=32, prompt_len=512, output_len=128, repeats=1, prefill_chunk=4096)
+SMOKE_ENGINE = dict(batch=1, prompt_len=24, output_len=4, repeats=2, prefill_chunk=24)
+PREFILL_ROWS, SMALL_ROWS = (512, 4096), (4, 8, 16)
+SPLIT_FACTORS, CONTEXT = (1, 2, 4, 8), 32768
+PROBE_TASKS = 6  # carried kernels replayed by the env step to prove hits
+
+
+# ------------------------------------------------------------------------------- what runs
+
+
+def step_rows(batch: int, prompt_len: int, prefill_chunk: int) -> tuple[int, ...]:
+    """The rows of every forward an Engine runs for ``batch`` prompts submitted together: packed
+    prefills of up to ``prefill_chunk`` tokens, then the decode batch, which grows as prompts finish
+    (a sequence decodes from the step after its prefill). For prompts no longer than a chunk (the
+    scheduler also cuts a longer prompt at the chunk's multiples: not modelled here)."""
+    if prompt_len > prefill_chunk:
+        raise ValueError(f"step_rows models prompts of at most prefill_chunk ({prefill_chunk}) tokens, "
+                         f"got {prompt_len}")
+    left, decoding, rows = [prompt_len] * batch, 0, set()
+    while any(left):
+        budget, finished = prefill_chunk, 0
+        for i, n in enumerate(left):
+            take = min(n, budget)
+            left[i], budget = n - take, budget - take
+            finished += n > 0 and left[i] == 0
+        rows.add(prefill_chunk - budget)
+        if decoding:
+            rows.add(decoding)
+        decoding += finished
+    return tuple(sorted(rows | {decoding}))
+
+
+def engine_shapes(config=None) -> list[str]:
+    """The engine model's quantized Linear shapes as bench/kernels.py takes them (``KxN``)."""
+    from bench.gpu_compiles import meta_linears
+    from evals.serving import LLAMA3_8B
+
+    return [f"{kw.in_features}x{kw.out_features}" for kw in meta_linears(config or LLAMA3_8B)]
+
+
+def tuning_counts() -> dict:
+    """Tunings, timed candidates and matmul compiles of each step that tunes, counted without a GPU
+    (``bench.gpu_compiles.recording``), with their compile tasks; beside them the engine as it tuned
+    before ``tune_rows`` (every bucket to max(max_batch, prefill_chunk))."""
+    import torch
+
+    from bench import gpu_compiles as gc
+    from evals.serving import LLAMA3_8B
+    from runtime.kernels.quant_matmul import choose_config
+
+    weights = gc.meta_linears(LLAMA3_8B)
+
+    def counted(run) -> dict:
+        with gc.recording() as counts:
+            run()
+        return gc.summary(counts)
+
+    def engine(case, restricted=True):
+        largest = max(case["batch"], case["prefill_chunk"])
+        rows = step_rows(case["batch"], case["prompt_len"], case["prefill_chunk"]) if restricted else None
+        return lambda: gc.engine_start_up(weights, largest, rows=rows)
+
+    def kernels(rows):
+        return lambda: [choose_config(M, kw, torch.float16, torch.device("meta")) for kw in weights for M in rows]
+
+    return {"engine": counted(engine(ENGINE)), "engine, every bucket": counted(engine(ENGINE, False)),
+            "batch32": counted(engine(BATCH32)), "batch32, every bucket": counted(engine(BATCH32, False)),
+            "prefill": counted(kernels(PREFILL_ROWS)), "small-m": counted(kernels(SMALL_ROWS))}
+
+
+def compile_tasks_of_run() -> list:
+    """Every quantized-matmul compile the GPU run makes (the steps' tunings), each once."""
+    seen, tasks = set(), []
+    for name, counts in tuning_counts().items():
+        for task in counts["tasks"] if "every bucket" not in name else ():
+            key = repr(task)
+            if key not in seen:
+                seen.add(key)
+                tasks.append(task)
+    return tasks
+
+
+# ---------------------------------------------------------------------------------- steps
+
+
+def watching_cache(step):
+    """``step`` with the Triton cache's entries counted before and after it (new ones by kernel)."""
+    def run(smoke: bool, shard=(0, 1), report=None) -> dict:
+        cache = Path(os.environ.get("TRITON_CACHE_DIR", CACHE_DIR))
+        before = gpu_cache.entries(cache)
+
+        def with_cache(result: dict) -> dict:
+            after = gpu_cache.entries(cache)
+            new = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+            return {**result, "triton_cache": {"dir": str(cache), "before": sum(before.values()),
+                                               "after": sum(after.values()), "new_by_kernel": new}}
+
+        result = step(smoke, report=(lambda r: report(with_cache(r))) if report else None)
+        return with_cache(result)
+    return run
+
+
+def env_step(smoke: bool, report=None) -> dict:
+    """The environment (gpu_stages.environment), then the carried cache: unpacked, keys compared,
+    and PROBE_TASKS of its kernels replayed (compile through warmup: a hit adds no entry)."""
+    result = gpu_stages.environment(smoke)
+    tar = Path(os.environ.get("LOWBIT_GPU_CACHE", gpu_cache.CACHE_TAR))
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", CACHE_DIR))
+    if not tar.exists():
+        result["carried_cache"] = {"usable": False, "why": f"no {tar} (make gpu-cache, carry .gpu-cache)"}
+        return result
+    unpacked = gpu_cache.unpack(tar, cache)
+    manifest = unpacked.pop("manifest") or {}
+    here = gpu_cache.key_parts()
+    differ = [k for k in ("triton_key_sha256", "ptxas", "env_vars")
+              if (manifest.get(k) if k == "triton_key_sha256" else manifest.get("key_parts_here", {}).get(k)) != here[k]]
+    probe = {"skipped": "smoke: the interpreter compiles nothing"}
+    if not smoke:
+        from bench.gpu_compiles import compile_tasks
+
+        tasks = [(tuple(s), M, dt, b, gpu_cache._config(c)) for s, M, dt, b, c in manifest.get("task_list", [])]
+        tasks = tasks[::max(1, len(tasks) // PROBE_TASKS)][:PROBE_TASKS]
+        before, t0 = gpu_cache.count(cache), time.time()
+        done, errors = compile_tasks(tasks, "cuda")
+        probe = {"tasks": len(tasks), "compiled_or_loaded": done, "errors": errors[:3],
+                 "new_entries": gpu_cache.count(cache) - before, "wall_s": round(time.time() - t0, 2)}
+    result["carried_cache"] = {**unpacked, "key_parts_here": here, "differ_from_build": differ, "probe": probe,
+                               "built_at_commit": manifest.get("commit"),
+                               "kernels_source_same": manifest.get("kernels_source_sha256")
+                               == gpu_cache.kernels_source_hash(),
+                               "usable": not smoke and probe.get("new_entries") == 0 and done == len(tasks)}
+    print(f"carried cache: {unpacked['entries_after'] - unpacked['entries_before']} entries unpacked; key parts "
+          f"differing from its build: {differ or 'none'}; probe {probe}", flush=True)
+    return result
+
+
+def precompile_step(smoke: bool, report=None) -> dict:
+    """The run's matmul compiles over every core (gpu_compiles.compile_tasks in parallel processes):
+    what the carried cache would have saved."""
+    import multiprocessing
+
+    from bench.gpu_compiles import compile_tasks
+
+    tasks = [] if smoke else compile_tasks_of_run()
+    workers = max(1, min(os.cpu_count() or 1, 16, len(tasks)))
+    started = time.time()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        parts = pool.map(compile_tasks, [tasks[i::workers] for i in range(workers)])
+    return {"passed": True, "tasks": len(tasks), "compiled": sum(d for d, _ in parts), "workers": workers,
+            "errors": [e for _, errs in parts for e in errs][:3], "wall_s": round(time.time() - started, 1)}
+
+
+def engine_step(smoke: bool, report=None, case=None) -> dict:
+    """fp16 then W4 g128 engines on one case (``ENGINE``): start-up, a warm-up request, the timed
+    repeats, and (batch 1) one profiled prefill, decode step and eager decode step."""
+    gpu_stages.interpret_if(smoke)
+    from bench import gpu_first_engine
+
+    return gpu_first_engine.compare(smoke, SMOKE_ENGINE if smoke else case or ENGINE, report)
+
+
+def batch32_step(smoke: bool, report=None) -> dict:
+    return engine_step(smoke, report, case=BATCH32 if not smoke else None)
+
+
+def kernels_step(rows: tuple[int, ...]):
+    """bench/kernels.py one engine shape at a time (a cut step keeps the shapes it finished)."""
+    def run(smoke: bool, report=None) -> dict:
+        from bench import kernels
+
+        record = None
+        for shape in [None] if smoke else engine_shapes():
+            argv = ["--smoke"] if smoke else ["--shapes", shape, "--ms", *map(str, rows), "--samples", "10"]
+            part = gpu_stages._bench_record(lambda out: kernels.main([*argv, "--out", str(out)]))
+            if record is None:
+                record = part
+            else:
+                record["results"] += part["results"]
+                record["wall_s"] += part["wall_s"]
+            record["ratios"] = kernels.ratios(record["results"])
+            if report:
+                report({"passed": True, "versions": gpu_stages.stack_versions(), "record": record})
+        return {"passed": True, "versions": gpu_stages.stack_versions(), "record": record}
+    return run
+
+
+def attention_step(smoke: bool, report=None) -> dict:
+    gpu_stages.interpret_if(smoke)
+    from bench import gpu_first_engine
+
+    return gpu_first_engine.attention_splits(smoke, report)
+
+
+def _stage(name: str, budget: int, fn) -> gpu_check.Stage:
+    return gpu_check.Stage(f"bench.gpu_first:{name}", budget, watching_cache(fn))
+
+
+STEPS = [_stage("env", 45, env_step), _stage("precompile", 60, precompile_step),
+         _stage("engine", 200, engine_step), _stage("prefill", 90, kernels_step(PREFILL_ROWS)),
+         _stage("small-m", 90, kernels_step(SMALL_ROWS)), _stage("attention", 60, attention_step),
+         _stage("batch32", 150, batch32_step)]
+BY_NAME = {s.name.split(":")[1]: s for s in STEPS}
+IF_TIME_LEFT = {"batch32"}  # run only when its whole budget fits in what is left
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def run(args) -> dict:
+    """Every step in order within TOTAL_S (scaled by --budget-scale), the record saved after each row."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(CACHE_DIR))
+    device = gpu_stages.device_name(args.smoke)
+    path = args.out or (Path(tempfile.gettempdir()) / "gpu-first-smoke.json" if args.smoke else
+                        ROOT / "bench" / "results" / "gpu" / f"first-{_slug(device)}-{args.commit}.json")
+    record = {"bench": "bench/gpu_first.py", "device": device, "commit": args.commit, "smoke": args.smoke,
+              "note": "smoke: CPU + Triton interpreter, tiny shapes: no number in it means anything about speed"
+              if args.smoke else "GPU run", "triton_cache_dir": os.environ["TRITON_CACHE_DIR"], "steps": {}}
+    deadline = time.time() + TOTAL_S * args.budget_scale
+    print(f"gpu_first: {device}, commit {args.commit} -> {path}", flush=True)
+    for stage in STEPS:
+        name = stage.name.split(":")[1]
+        left = deadline - time.time()
+        budget = gpu_check.SMOKE_BUDGET_S if args.smoke else round(min(stage.budget_s * args.budget_scale, left))
+        skip = _skip_reason(name, record, left, stage.budget_s * args.budget_scale, args)
+        if skip:
+            record["steps"][name] = {"skipped": skip}
+            continue
+
+        def partial(result, name=name):
+            record["steps"][name] = {**result, "passed": False, "error": "still running when last saved"}
+            gpu_check.save(record, path)
+
+        record["steps"][name] = gpu_check.run_stage(stage, args, budget, partial)
+        gpu_check.save(record, path)
+    record["headlines"] = headlines(record["steps"])
+    gpu_check.save(record, path)
+    print(json.dumps(record["headlines"], indent=1))
+    print(f"results: {path}")
+    return record
+
+
+def _skip_reason(name: str, record: dict, left: float, budget: float, args) -> str | None:
+    if args.steps and name not in args.steps:
+        return "not in --steps"
+    if name == "precompile" and (record["steps"].get("env", {}).get("carried_cache", {}).get("usable") or args.smoke):
+        return "the carried Triton cache hit" if not args.smoke else "smoke"
+    if not args.smoke and (left < 20 or (name in IF_TIME_LEFT and left < budget)):
+        return f"{left:.0f} s left of the run's {TOTAL_S} s"
+    return None
+
+
+def headlines(steps: dict) -> dict:
+    """W4 against fp16 (ITL, TTFT) per engine case, the goals beside them (issue 43)."""
+    out = {}
+    for name in ("engine", "batch32"):
+        ratio = steps.get(name, {}).get("w4_vs_fp16")
+        if ratio:
+            out[name] = {**ratio, "goals": {"itl_speedup": ">= 2.0 (batch 1)", "ttft_ratio": "<= 1.05"}}
+    return out
+
+
+def _slug(device: str) -> str:
+    from bench.gpu import device_slug
+
+    return device_slug(device)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
+    ap.add_argument("--count", action="store_true", help="count each step's tunings and compiles here (no GPU)")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps", type=lambda s: set(s.split(",")), help=f"only these, of {', '.join(BY_NAME)}")
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply the run's and each step's budget")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.count:
+        counts = {k: {f: v for f, v in c.items() if f != "tasks"} for k, c in tuning_counts().items()}
+        counts["run, each compile once"] = {"matmul_compiles": len(compile_tasks_of_run())}
+        print(json.dumps(counts, indent=1))
+        return 0
+    if args.smoke and gpu_check.smoke_refusal():
+        ap.error(gpu_check.smoke_refusal())
+    args.commit = args.commit or gpu_stages.commit()
+    record = run(args)
+    ran = [s for s in record["steps"].values() if "skipped" not in s]
+    return 0 if all(s.get("passed") for s in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
