@@ -154,17 +154,26 @@ def unpack(tar: Path, cache_dir: Path) -> dict:
             "entries_after": count(cache_dir), "manifest": manifest}
 
 
-def pack(cache_dir: Path, out: Path, manifest: dict | None = None) -> int:
-    """``cache_dir``'s entries (and ``manifest``) as tar.xz at ``out``; returns its size in bytes."""
+def pack(cache_dir: Path, out: Path, manifest: dict | None = None, since: float | None = None,
+         preset: int = 9) -> int:
+    """``cache_dir``'s entries (those made from ``since``, a time, when given) and ``manifest`` as
+    tar.xz at ``out``; returns its size in bytes."""
     cache_dir, out = Path(cache_dir), Path(out)
     if manifest is not None:
         (cache_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(out, "w:xz", preset=9) as t:
+    with tarfile.open(out, "w:xz", preset=preset) as t:
         for path in sorted(cache_dir.iterdir()):
-            if path.is_dir() or path.name == MANIFEST:
+            if (path.is_dir() and (since is None or path.stat().st_mtime >= since)) or \
+                    (path.name == MANIFEST and manifest is not None):
                 t.add(path, arcname=path.name)
     return out.stat().st_size
+
+
+def carried(folder: Path = CACHE_TAR.parent) -> list[Path]:
+    """The caches to unpack: ``make gpu-cache``'s and any packed on a GPU by an earlier gpu_first run
+    (``triton-*.tar.xz``, copied here from its $OUT)."""
+    return sorted(Path(folder).glob("triton-*.tar.xz"))
 
 
 # ------------------------------------------------------------------------------------ build
@@ -188,7 +197,7 @@ def build(tasks: list, out: Path, gpu_triton_key: str | None, workers: int) -> d
         results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
         for spec in Path(cache).glob("tasks-*.json"):
             spec.unlink()
-        from evals.provenance import commit
+        from bench.gpu_stages import commit
 
         manifest = {"built_by": "bench/gpu_cache.py (make gpu-cache)", "commit": commit(),
                     "kernels_source_sha256": kernels_source_hash(), "target": "cuda sm_90a (GPUTarget cuda 90 32)",
@@ -253,8 +262,10 @@ def check(tar: Path) -> dict:
                               cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
+        replay = json.loads(proc.stdout.strip().splitlines()[-1])
         return {**{k: v for k, v in unpacked.items() if k != "manifest"}, "replayed": len(tasks),
-                "entries_after_replay": count(Path(cache))}
+                "replay_errors": replay["errors"][:3], "replay_cpu_s": round(replay["cpu_s"], 1),
+                "compile_cpu_s_at_build": manifest.get("compile_cpu_s"), "entries_after_replay": count(Path(cache))}
 
 
 def main(argv=None) -> int:

@@ -158,36 +158,40 @@ def watching_cache(step):
 
 
 def env_step(smoke: bool, report=None) -> dict:
-    """The environment (gpu_stages.environment), then the carried cache: unpacked, keys compared,
-    and PROBE_TASKS of its kernels replayed (compile through warmup: a hit adds no entry)."""
+    """The environment (gpu_stages.environment), then the carried caches (``gpu_cache.carried``):
+    unpacked, key parts compared with the build's, and PROBE_TASKS of the built cache's kernels
+    replayed (compiled through warmup: a hit adds no entry)."""
     result = gpu_stages.environment(smoke)
-    tar = Path(os.environ.get("LOWBIT_GPU_CACHE", gpu_cache.CACHE_TAR))
+    folder = Path(os.environ.get("LOWBIT_GPU_CACHE", gpu_cache.CACHE_TAR.parent))
     cache = Path(os.environ.get("TRITON_CACHE_DIR", CACHE_DIR))
-    if not tar.exists():
-        result["carried_cache"] = {"usable": False, "why": f"no {tar} (make gpu-cache, carry .gpu-cache)"}
+    tars = gpu_cache.carried(folder)
+    if not tars:
+        result["carried_cache"] = {"usable": False, "why": f"no triton-*.tar.xz in {folder} (make gpu-cache, "
+                                                           "and carry .gpu-cache in the device call)"}
         return result
-    unpacked = gpu_cache.unpack(tar, cache)
-    manifest = unpacked.pop("manifest") or {}
+    unpacked = [gpu_cache.unpack(tar, cache) for tar in tars]
+    manifest = next((u["manifest"] for u in unpacked if u["manifest"]), None) or {}
     here = gpu_cache.key_parts()
-    differ = [k for k in ("triton_key_sha256", "ptxas", "env_vars")
-              if (manifest.get(k) if k == "triton_key_sha256" else manifest.get("key_parts_here", {}).get(k)) != here[k]]
-    probe = {"skipped": "smoke: the interpreter compiles nothing"}
-    if not smoke:
+    built = {**manifest.get("key_parts_here", {}), "triton_key_sha256": manifest.get("triton_key_sha256")}
+    differ = [k for k in ("triton_key_sha256", "ptxas", "env_vars") if built.get(k) != here[k]]
+    probe, done = {"skipped": "smoke: the interpreter compiles nothing"}, None
+    tasks = [(tuple(s), M, dt, b, gpu_cache._config(c)) for s, M, dt, b, c in manifest.get("task_list", [])]
+    tasks = tasks[::max(1, len(tasks) // PROBE_TASKS)][:PROBE_TASKS]
+    if not smoke and tasks:
         from bench.gpu_compiles import compile_tasks
 
-        tasks = [(tuple(s), M, dt, b, gpu_cache._config(c)) for s, M, dt, b, c in manifest.get("task_list", [])]
-        tasks = tasks[::max(1, len(tasks) // PROBE_TASKS)][:PROBE_TASKS]
         before, t0 = gpu_cache.count(cache), time.time()
         done, errors = compile_tasks(tasks, "cuda")
         probe = {"tasks": len(tasks), "compiled_or_loaded": done, "errors": errors[:3],
                  "new_entries": gpu_cache.count(cache) - before, "wall_s": round(time.time() - t0, 2)}
-    result["carried_cache"] = {**unpacked, "key_parts_here": here, "differ_from_build": differ, "probe": probe,
-                               "built_at_commit": manifest.get("commit"),
-                               "kernels_source_same": manifest.get("kernels_source_sha256")
-                               == gpu_cache.kernels_source_hash(),
-                               "usable": not smoke and probe.get("new_entries") == 0 and done == len(tasks)}
-    print(f"carried cache: {unpacked['entries_after'] - unpacked['entries_before']} entries unpacked; key parts "
-          f"differing from its build: {differ or 'none'}; probe {probe}", flush=True)
+    result["carried_cache"] = {
+        "unpacked": [{k: v for k, v in u.items() if k != "manifest"} for u in unpacked],
+        "key_parts_here": here, "differ_from_build": differ, "probe": probe,
+        "built_at_commit": manifest.get("commit"),
+        "kernels_source_same": manifest.get("kernels_source_sha256") == gpu_cache.kernels_source_hash(),
+        "usable": bool(tasks) and probe.get("new_entries") == 0 and done == len(tasks)}
+    print(f"carried cache: {sum(u['entries_after'] - u['entries_before'] for u in unpacked)} entries unpacked; "
+          f"key parts differing from its build: {differ or 'none'}; probe {probe}", flush=True)
     return result
 
 
@@ -272,7 +276,8 @@ def run(args) -> dict:
     record = {"bench": "bench/gpu_first.py", "device": device, "commit": args.commit, "smoke": args.smoke,
               "note": "smoke: CPU + Triton interpreter, tiny shapes: no number in it means anything about speed"
               if args.smoke else "GPU run", "triton_cache_dir": os.environ["TRITON_CACHE_DIR"], "steps": {}}
-    deadline = time.time() + TOTAL_S * args.budget_scale
+    started = time.time()
+    deadline = started + TOTAL_S * args.budget_scale
     print(f"gpu_first: {device}, commit {args.commit} -> {path}", flush=True)
     for stage in STEPS:
         name = stage.name.split(":")[1]
@@ -290,10 +295,28 @@ def run(args) -> dict:
         record["steps"][name] = gpu_check.run_stage(stage, args, budget, partial)
         gpu_check.save(record, path)
     record["headlines"] = headlines(record["steps"])
+    if os.environ.get("OUT") and not args.smoke:
+        record["gpu_made_cache"] = pack_new_entries(Path(os.environ["OUT"]), started)
     gpu_check.save(record, path)
     print(json.dumps(record["headlines"], indent=1))
     print(f"results: {path}")
     return record
+
+
+def pack_new_entries(out: Path, since: float) -> dict:
+    """The Triton cache entries this run compiled on the GPU (what the carried cache lacked: attention,
+    KV writes, small ops, misses), packed into ``out`` (the device call's $OUT, which comes back):
+    copied into .gpu-cache, the next run unpacks them with the rest. Exact keys: made where they run."""
+    cache = Path(os.environ["TRITON_CACHE_DIR"])
+    target = out / "triton-gpu-made.tar.xz"
+    new = [d for d in cache.iterdir() if d.is_dir() and d.stat().st_mtime >= since]
+    if not new:
+        return {"entries": 0}
+    size = gpu_cache.pack(cache, target, since=since, preset=6)
+    if size > 15 * 2**20:  # the device tool brings files back up to 16 MiB
+        target.unlink()
+        return {"entries": len(new), "dropped": f"{size} bytes: over what comes back"}
+    return {"entries": len(new), "file": target.name, "bytes": size}
 
 
 def _skip_reason(name: str, record: dict, left: float, budget: float, args) -> str | None:
@@ -336,6 +359,14 @@ def main(argv=None) -> int:
         counts = {k: {f: v for f, v in c.items() if f != "tasks"} for k, c in tuning_counts().items()}
         counts["run, each compile once"] = {"matmul_compiles": len(compile_tasks_of_run())}
         print(json.dumps(counts, indent=1))
+        if args.out:
+            import triton
+
+            from bench.results_file import write_result
+            from evals.provenance import provenance
+
+            write_result(args.out, {"bench": "bench/gpu_first.py --count", "provenance": provenance("cpu"),
+                                    "triton": triton.__version__, "method": tuning_counts.__doc__, "counts": counts})
         return 0
     if args.smoke and gpu_check.smoke_refusal():
         ap.error(gpu_check.smoke_refusal())

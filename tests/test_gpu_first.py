@@ -86,6 +86,10 @@ def test_unpack_rewrites_child_paths(tmp_path):
     for grp in there.glob("*/__grp__*.json"):
         paths = json.loads(grp.read_text())["child_paths"].values()
         assert all(Path(p).parent == grp.parent and Path(p).exists() for p in paths)
+    later = tmp_path / "triton-later.tar.xz"  # entries made from a time on only (a GPU run's own)
+    gpu_cache.pack(there, later, since=max(d.stat().st_mtime for d in there.iterdir()) + 1)
+    assert gpu_cache.unpack(later, tmp_path / "empty")["entries_after"] == 0
+    assert gpu_cache.carried(tmp_path) == [later]
 
 
 def test_smoke_run(tmp_path):
