@@ -15,19 +15,25 @@ per layer at load (as the Triton kernels are on CUDA).
   AMX, 4 to 128 rows run lowbit's int8 matmul on the same codes (runtime/cpu_int8_gemm.py: 1.2-2.6x
   aten's at 8 rows, bench/results/cpu/cpu-int8-gemm.json).
 
-A prefill's many rows run neither kernel: from ``NATIVE_DEQUANTIZE_ROWS`` (int4) or
-``INT8_DEQUANTIZE_ROWS`` rows a layer writes its weight into one reused bf16 scratch (:func:`scratch`;
-int4 through runtime/native/int4_weights.cpp, or the PyTorch ops from ``DEQUANTIZE_ROWS`` where that
-is not built) for one dense bf16 matmul, whose time grows with the rows far slower than theirs.
+A prefill's many rows may run neither kernel: the layer writes its weight into one reused scratch
+(:func:`scratch`; int4 through runtime/native/int4_weights.cpp, or the PyTorch ops where that is not
+built) for one dense matmul, whose time grows with the rows far slower than theirs. Which of the
+kernel, a **bf16** scratch (fast only with AVX512-BF16 or AMX) and a **float32** scratch (the float
+model's own sgemm) serves a prefill's rows is chosen per shape and rows bucket by measurement on the
+machine (runtime/cpu_plan.py, issue 42: a bf16 GEMM without bf16 hardware made an AVX2-only EPYC
+prefill 48x slower than the float model); decode's few rows (``cpu_plan.DECODE_ROWS``) always run the
+kernels. ``LOWBIT_CPU_PLAN=rule`` keeps the thresholds below (``NATIVE_DEQUANTIZE_ROWS``,
+``INT8_DEQUANTIZE_ROWS``, ...) with the scratch in bf16 where the CPU has a bf16 GEMM, else float32.
 
 Both kernels run bf16 activations: with float32 activations the int4 kernel is 5-100x slower than a
 dense float32 matmul (measured, bench/cpu_decode.py), so a layer converts its input to bf16 and its
-output back. Layers neither kernel takes keep the dense reference path (``QuantLinear``), with the
-reason from :func:`unsupported_reason`.
+output back (the float32 scratch path takes the activations as they come). Layers neither kernel
+takes keep the dense reference path (``QuantLinear``), with the reason from :func:`unsupported_reason`.
 
 A quantized model's float leftovers (the embedding, lm_head, Linears a recipe left unquantized) are
-kept in bf16 on CPU too (``runtime.load.narrow_float_weights``): lm_head runs as :class:`NarrowLinear`
-(bf16 activations, as the kernels'); SmolLM2's tied float32 embedding/lm_head was 113 MB read per
+kept in bf16 on CPU too (``runtime.load.narrow_float_weights``) where their product is no slower than
+float32's there (``cpu_plan.keeps_narrow``): lm_head runs as :class:`NarrowLinear` (bf16 activations,
+as the kernels', or widened into a float32 scratch where the plan says so); SmolLM2's tied float32 embedding/lm_head was 113 MB read per
 token, a third of the W4 model's memory.
 
 The checkpoint's ``weight_packed`` is not kept beside the kernel's copy (memory at load stays
@@ -46,7 +52,8 @@ from torch import nn
 
 from quant.affine import QuantScheme
 from quant.packing import unpack
-from runtime import cpu_int4_gemm, cpu_int8_gemm, native
+from runtime import cpu_int4_gemm, cpu_int8_gemm, cpu_plan, native
+from runtime.cpu_plan import BF16, FP32, KERNEL
 from runtime.cpu_int4_layout import Int4Layout, int4_layout, unpack_int4
 from runtime.kernels.weight_layout import act_order_permutation
 
@@ -124,22 +131,41 @@ class Int4Slots:
         return cls(_int4_slots(packed, scheme.bits, k, perm), scale_zeros.transpose(0, 1).to(ACTIVATIONS).contiguous(),
                    kernel_group(group), perm, scheme.bits)
 
+    paths = (KERNEL, BF16, FP32)  # what cpu_plan times
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.perm is None and x.numel() < NATIVE_DEQUANTIZE_ROWS * x.shape[-1]:  # decode: one native call
+        rows = x.numel() // x.shape[-1]
+        if rows <= cpu_plan.DECODE_ROWS:  # decode: the kernel, no look-up
+            path = KERNEL
+        else:
+            path = self.path(rows)
+        if path == KERNEL and self.perm is None and rows < NATIVE_DEQUANTIZE_ROWS:  # one native call
             y = cpu_int4_gemm.linear(x, self.packed, self.group, self.scale_zeros, int4_layout())
             if y is not None:
                 return y if bias is None else y + bias
-        a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
+        return _linear_out(self.product(x.reshape(-1, x.shape[-1]), path), x, bias)
+
+    def path(self, rows: int) -> str:
+        """The plan's path for a prefill of ``rows`` rows (the kernel where the scratch cannot be read)."""
+        if not self.scratch_ok:
+            return KERNEL
+        n, k = self.packed.shape[0], self.packed.shape[1] * 2
+        reached = rows >= min(NATIVE_DEQUANTIZE_ROWS, DEQUANTIZE_ROWS) and rows >= self.dequantize_rows()
+        return cpu_plan.path("int4", n, k, self.group, rows, reached)
+
+    def product(self, a: torch.Tensor, path: str) -> torch.Tensor:
+        """``a @ w.T`` for ``a`` [M, K] (the checkpoint's column order) by ``path``: the kernel (bf16 out) or
+        the weight dequantized into the scratch for a bf16 or float32 matmul (that dtype out)."""
+        dtype = torch.float32 if path == FP32 else ACTIVATIONS
+        a = a.to(dtype)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
-        rows = a.shape[0]  # decode's few rows decide on two constants, not a look-up of the native module
-        if rows >= min(NATIVE_DEQUANTIZE_ROWS, DEQUANTIZE_ROWS) and rows >= self.dequantize_rows() and self.scratch_ok:
-            return _linear_out(F.linear(a, self.dequantized(scratch(self.packed.shape[1] * 2, self.packed.shape[0]))),
-                               x, bias)
+        if path != KERNEL:
+            return F.linear(a, self.dequantized(scratch(self.packed.shape[1] * 2, self.packed.shape[0], dtype)))
         y = cpu_int4_gemm.matmul(a, self.packed, self.group, self.scale_zeros, int4_layout())
         if y is None:  # a case lowbit's kernel does not take here: PyTorch's
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zeros)
-        return _linear_out(y, x, bias)
+        return y
 
     @staticmethod
     def dequantize_rows() -> int:
@@ -160,13 +186,17 @@ class Int4Slots:
         """The kernel's weight in bf16, [N, K] (its column order) as the transpose of a [K, N] buffer
         (``out``, e.g. :func:`scratch`, or a new one): ``u * scale + (zero - 8 scale)`` per group
         computed in float32 and rounded once to bf16 on store (equal to the kernel's weight,
-        tests/test_cpu_linear.py). runtime/native/int4_weights.cpp does it in one pass where it
-        builds; the PyTorch ops below are the reference and fallback."""
+        tests/test_cpu_linear.py); a float32 ``out`` gets that value unrounded. runtime/native/
+        int4_weights.cpp does it in one pass where it builds; the PyTorch ops below are the reference
+        and fallback."""
         layout, (n, half_k) = int4_layout(), self.packed.shape
         out = torch.empty(2 * half_k, n, dtype=ACTIVATIONS) if out is None else out
         kernel = _native_weights()
-        if kernel is not None:
+        if kernel is not None and (out.dtype == ACTIVATIONS or _native_writes_float32(kernel)):
             kernel.dequantize_int4(self.packed, self.scale_zeros, self.group, layout.block_n, layout.halves, out)
+            return out.t()
+        if kernel is not None and self.packed.shape[0] % layout.block_n:  # an older build, bf16 only
+            out.copy_(self.dequantized().t())
             return out.t()
         return self._dequantized_by_torch(layout, out)
 
@@ -217,25 +247,33 @@ class Int8Channels:
         zs = None if zero is None else (s * zero.float().flatten()).to(ACTIVATIONS)
         return cls(q.contiguous(), s.to(ACTIVATIONS), zs)
 
+    paths = (KERNEL, BF16, FP32)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        a = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
-        y = self._product(a)
+        a = x.reshape(-1, x.shape[-1])
+        return _linear_out(self.product(a, KERNEL if a.shape[0] <= cpu_plan.DECODE_ROWS else self.path(a.shape[0])),
+                           x, bias)
+
+    def path(self, rows: int) -> str:
+        """The plan's path for a prefill of ``rows`` rows; the rule keeps lowbit's AMX matmul where it
+        takes the rows (ahead of both others up to its MAX_ROWS on almost every shape), else the scratch
+        from INT8_DEQUANTIZE_ROWS."""
+        amx = cpu_int8_gemm.AMX_MIN_ROWS <= rows <= cpu_int8_gemm.MAX_ROWS and cpu_int8_gemm.best_path() == "amx"
+        return cpu_plan.path("int8", *self.q.shape, 0, rows, rows >= INT8_DEQUANTIZE_ROWS and not amx)
+
+    def product(self, a: torch.Tensor, path: str) -> torch.Tensor:
+        """``a @ (q * s).T`` for ``a`` [M, K], the zero point's correction included, by ``path``: bf16 for
+        the kernel and the bf16 scratch (codes up to 128 are exact in bf16), float32 for its scratch."""
+        a = a.to(torch.float32 if path == FP32 else ACTIVATIONS)
+        if path == KERNEL:
+            y = cpu_int8_gemm.matmul(a, self.q, self.scales) if a.shape[0] >= cpu_int8_gemm.AMX_MIN_ROWS else None
+            if y is None:
+                y = torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
+        else:
+            y = F.linear(a, scratch(*self.q.shape, a.dtype).copy_(self.q)) * self.scales.to(a.dtype)
         if self.zero_scales is not None:
             y = y.float() - a.float().sum(-1, keepdim=True) * self.zero_scales.float()
-        return _linear_out(y, x, bias)
-
-    def _product(self, a: torch.Tensor) -> torch.Tensor:
-        """``a @ (q * s).T`` in bf16: lowbit's AMX matmul where it takes the rows (ahead of both others
-        up to its MAX_ROWS on almost every shape), else the scratch from INT8_DEQUANTIZE_ROWS (codes up
-        to 128 are exact in bf16), else aten's kernel."""
-        rows = a.shape[0]
-        if rows >= cpu_int8_gemm.AMX_MIN_ROWS:
-            y = cpu_int8_gemm.matmul(a, self.q, self.scales)
-            if y is not None:
-                return y
-        if rows >= INT8_DEQUANTIZE_ROWS:
-            return F.linear(a, scratch(*self.q.shape).copy_(self.q)) * self.scales
-        return torch.ops.aten._weight_int8pack_mm(a, self.q, self.scales)
+        return y
 
     codes_readable = True
 
@@ -255,6 +293,25 @@ def _native_weights():
     return native.load("int4_weights")
 
 
+_WRITES_FLOAT32: dict[int, bool] = {}
+
+
+def _native_writes_float32(kernel) -> bool:
+    """Whether this build of int4_weights.cpp writes a float32 ``out`` (builds before it did refuse it),
+    asked once per module on one block of zeros."""
+    known = _WRITES_FLOAT32.get(id(kernel))
+    if known is None:
+        bn = int4_layout().block_n
+        try:
+            kernel.dequantize_int4(torch.zeros(bn, 16, dtype=torch.uint8), torch.zeros(1, bn, 2, dtype=ACTIVATIONS),
+                                   32, bn, int4_layout().halves, torch.empty(32, bn))
+            known = True
+        except RuntimeError:
+            known = False
+        _WRITES_FLOAT32[id(kernel)] = known
+    return known
+
+
 class _Scratch(threading.local):
     weight: torch.Tensor | None = None
 
@@ -262,17 +319,18 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def scratch(rows: int, cols: int) -> torch.Tensor:
-    """A bf16 [rows, cols] view of this thread's one prefill scratch weight, grown to the largest
-    layer that has asked (at most one layer's bf16 weight, allocated at the first prefill, not at
-    load). Reused, so a layer's weight does not fault in fresh pages on every call: a fresh 32 MB
-    buffer (a 1B model's 8192x2048 layer) cost ~13 ms of page faults, more than dequantizing it.
-    The matmul that reads it returns before the next layer writes it."""
-    if _SCRATCH.weight is None or _SCRATCH.weight.numel() < rows * cols:
+def scratch(rows: int, cols: int, dtype: torch.dtype = ACTIVATIONS) -> torch.Tensor:
+    """A ``dtype`` [rows, cols] view of this thread's one prefill scratch weight (bytes, bf16 or
+    float32 views of it), grown to the largest layer that has asked (at most one layer's weight,
+    allocated at the first prefill, not at load). Reused, so a layer's weight does not fault in fresh
+    pages on every call: a fresh 32 MB buffer (a 1B model's 8192x2048 layer) cost ~13 ms of page
+    faults, more than dequantizing it. The matmul that reads it returns before the next layer writes it."""
+    size = rows * cols * dtype.itemsize
+    if _SCRATCH.weight is None or _SCRATCH.weight.numel() < size:
         _SCRATCH.weight = None  # the smaller one goes first: never two at once
         with torch.inference_mode(False):  # made in a prefill under inference_mode, written outside too
-            _SCRATCH.weight = torch.empty(rows * cols, dtype=ACTIVATIONS)
-    return _SCRATCH.weight[:rows * cols].view(rows, cols)
+            _SCRATCH.weight = torch.empty(size, dtype=torch.uint8)
+    return _SCRATCH.weight[:size].view(dtype).view(rows, cols)
 
 
 class NarrowLinear(nn.Module):
@@ -290,19 +348,42 @@ class NarrowLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
 
+    paths = (BF16, FP32)  # what cpu_plan times: the product in the weight's dtype, or widened to float32
+    WIDEN_WEIGHTS = 1 << 24  # weights widened into the float32 scratch at a time (64 MB; lm_head in pieces)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.reshape(-1, x.shape[-1])
         if self.native is not None and a.shape[0] <= self.GEMV_ROWS and self.weight.dtype == torch.bfloat16:
             # the rows rounded to bf16 as below, float32 sums not rounded to bf16 (within its rounding)
             y = self.native.bf16_gemv(self.weight, a).to(x.dtype).view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
+        path = BF16
+        if a.shape[0] > cpu_plan.DECODE_ROWS and self.weight.dtype == torch.bfloat16:
+            path = cpu_plan.path("narrow", self.out_features, self.in_features, 0, a.shape[0], True)
+        y = self.product(a, path).to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def product(self, a: torch.Tensor, path: str) -> torch.Tensor:
+        """``a @ weight.T`` for ``a`` [M, K]: in the weight's dtype (``BF16``), or (``FP32``) with the
+        weight widened into the float32 scratch, :data:`WIDEN_WEIGHTS` at a time, for the float32 GEMM."""
+        if path == FP32:
+            return self._widened_product(a.float())
         # weight @ x.T (a matrix-vector product for one row): oneDNN's bf16 F.linear ran 1.1-1.7x
         # slower on lm_head's shapes from 1 to 128 rows (bench/results/cpu/NOTES.md); the transpose
-        # back is folded into the copy to the activations' dtype
+        # back is folded into the caller's copy to the activations' dtype
         a = a.to(self.weight.dtype)
-        y = torch.mv(self.weight, a[0])[None] if a.shape[0] == 1 else (self.weight @ a.t()).t()
-        y = y.to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+        return torch.mv(self.weight, a[0])[None] if a.shape[0] == 1 else (self.weight @ a.t()).t()
+
+    def _widened_product(self, a: torch.Tensor) -> torch.Tensor:
+        n, k = self.weight.shape
+        step = max(1, self.WIDEN_WEIGHTS // k)
+        if step >= n:
+            return F.linear(a, scratch(n, k, torch.float32).copy_(self.weight))
+        y = torch.empty(a.shape[0], n)
+        for start in range(0, n, step):
+            w = self.weight[start:start + step]
+            y[:, start:start + w.shape[0]] = F.linear(a, scratch(w.shape[0], k, torch.float32).copy_(w))
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype} weight"
@@ -317,6 +398,36 @@ def build(packed: torch.Tensor, scale: torch.Tensor, zero_packed: torch.Tensor |
     if scheme.bits == 8:
         return Int8Channels.build(unpack(packed, 8, k, dim=1), scale, zero)
     return Int4Slots.build(packed, scale, zero, k, scheme, g_idx)
+
+
+def timing_weight(kind: str, n: int, k: int, group: int, g: torch.Generator):
+    """A random weight of ``kind`` (``cpu_plan.KINDS``) and shape [n, k] for ``cpu_plan`` to time its
+    ``paths`` on (``product(a, path)``); ``group``: the int4 kernel's group."""
+    if kind == "int4":
+        u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+        return Int4Slots(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1),
+                         (torch.rand(k // group, n, 2, generator=g) * 0.01).to(ACTIVATIONS), group, None, 4)
+    if kind == "int8":
+        return Int8Channels.build(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                                  torch.rand(n, generator=g) * 0.01, None)
+    with torch.device("meta"):
+        linear = nn.Linear(k, n, bias=False)
+    linear.weight = nn.Parameter(torch.randn(n, k, generator=g).to(FLOAT_WEIGHTS), requires_grad=False)
+    return NarrowLinear(linear)
+
+
+def plan_keys(decoder: nn.Module):
+    """(kind, outputs, inputs, group) of each CPU weight of ``decoder`` that ``cpu_plan`` plans for:
+    quantized Linears on the CPU kernels and bf16 float leftovers (:class:`NarrowLinear`)."""
+    from runtime.linear import QuantLinear  # it imports this module
+
+    for m in decoder.modules():
+        if isinstance(m, QuantLinear) and m.on_cpu_kernel:
+            eight = m.scheme.bits == 8
+            yield ("int8" if eight else "int4", m.out_features, m.in_features,
+                   0 if eight else kernel_group(m.scheme.group_len(m.in_features)))
+        elif isinstance(m, NarrowLinear) and m.weight.dtype == torch.bfloat16:
+            yield "narrow", m.out_features, m.in_features, 0
 
 
 _ROWS_PER_CHUNK = 2048  # bounds the int32 temporaries of a large layer; a multiple of every block_n

@@ -14,7 +14,7 @@ from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
-from runtime import cpu_linear, native, selfcheck
+from runtime import cpu_linear, cpu_plan, native, selfcheck
 from runtime.linear import QuantLinear
 from quant.architectures import architecture
 from runtime.model import MLP, Attention, Decoder, DecoderConfig, RMSNorm, plain_linear
@@ -178,14 +178,21 @@ def narrow_float_weights(decoder: Decoder, device: torch.device, cpu_kernels: bo
     its compute dtype: on CPU with the quantized Linears on the CPU kernels, the embedding, lm_head and
     the decoder's unquantized Linears (not a mixture's router: its top-k picks are precision-sensitive).
     They would otherwise be float32, SmolLM2's and Llama-3.2-1B's tied embedding a third of the W4
-    model's memory and of the bytes read per token. Empty elsewhere (float models, the reference)."""
+    model's memory and of the bytes read per token. A Linear's weight stays float32 where its bf16
+    product (or its widening) is slower than float32's on this CPU (``cpu_plan.keeps_narrow``: speed
+    before memory, issue 42); a tied embedding follows lm_head. Empty elsewhere (float models, the reference)."""
     if device.type != "cpu" or not use_cpu_kernels(cpu_kernels) or not any(
             isinstance(m, QuantLinear) for m in decoder.modules()):
         return set()
-    names = {"model.embed_tokens.weight"} | ({"lm_head.weight"} if type(decoder.lm_head) is torch.nn.Linear else set())
+    linears = {"lm_head": decoder.lm_head} if type(decoder.lm_head) is torch.nn.Linear else {}
     for owner_name, owner in decoder.named_modules():
         if isinstance(owner, (Attention, MLP)):
-            names |= {f"{owner_name}.{n}.weight" for n, m in owner.named_children() if type(m) is torch.nn.Linear}
+            linears |= {f"{owner_name}.{n}": m for n, m in owner.named_children() if type(m) is torch.nn.Linear}
+    # bf16 only where that product is no slower than float32's on this CPU: measured (cpu_plan.keeps_narrow),
+    # not assumed (a bf16 GEMM without AVX512-BF16/AMX is 3-6x slower than float32's); else float32
+    names = {f"{n}.weight" for n, m in linears.items() if cpu_plan.keeps_narrow(m.out_features, m.in_features)}
+    if not (decoder.cfg.tie_embeddings and "lm_head" in linears) or "lm_head.weight" in names:
+        names.add("model.embed_tokens.weight")  # a gather, no product; tied, it is lm_head's tensor
     return names
 
 

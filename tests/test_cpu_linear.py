@@ -16,6 +16,13 @@ from runtime.linear import QuantLinear
 BF16_EPS = 2.0 ** -8
 
 
+@pytest.fixture(autouse=True)
+def kernels_thresholds(monkeypatch):
+    """These tests are about each path and its thresholds, so they run the fixed rule with the bf16
+    scratch (the paths before runtime/cpu_plan.py); tests/test_cpu_plan.py covers the plan."""
+    monkeypatch.setenv("LOWBIT_CPU_PLAN", "bf16")
+
+
 def quant_layer(n: int, k: int, scheme: QuantScheme, seed: int, bias: bool = True, act_order: bool = False):
     """A QuantLinear loaded with a random weight rounded by quant's own math (as a checkpoint stores it)."""
     g = torch.Generator().manual_seed(seed)
@@ -367,7 +374,7 @@ def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monke
     entry = "linear" if rows < cpu_linear.NATIVE_DEQUANTIZE_ROWS else "matmul"  # decode's rows: one call from x
     served = record_results(cpu_int4_gemm, entry, monkeypatch)
     out = layer(x)
-    if cpu_int4_gemm.best_path() in ("avx512", "amx"):
+    if cpu_int4_gemm.best_path() in ("avx512", "amx") and rows < cpu_linear.Int4Slots.dequantize_rows():
         assert served and (served[-1] is not None) == (rows >= cpu_int4_gemm.MIN_ROWS)
         # the decode call is the bf16 product of x.to(bf16), widened: equal to converting around matmul
         a = x.to(cpu_linear.ACTIVATIONS)
@@ -394,7 +401,9 @@ def test_w8_rows_run_lowbits_amx_matmul_where_built_and_agree_with_the_reference
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
     served = record_results(cpu_int8_gemm, "matmul", monkeypatch)
     out = layer(x)
-    assert bool(served) == (rows >= cpu_int8_gemm.AMX_MIN_ROWS)
+    # from INT8_DEQUANTIZE_ROWS the scratch, unless lowbit's AMX matmul takes the rows
+    amx = cpu_int8_gemm.best_path() == "amx" and rows <= cpu_int8_gemm.MAX_ROWS
+    assert bool(served) == (rows >= cpu_int8_gemm.AMX_MIN_ROWS and (rows < cpu_linear.INT8_DEQUANTIZE_ROWS or amx))
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     fallback = layer(x)
     ref = reference_out(layer, x).detach()
