@@ -10,8 +10,13 @@ This one (runtime/native/int4_gemm.cpp) applies scale and zero once per group on
 * ``amx``: Sapphire Rapids' tile unit multiplies up to 16 rows at the cost of one, so time barely
   grows with rows;
 * ``avx512``: AVX512-BF16 dot products (CPUs with AVX512-BF16 and no AMX, e.g. Zen 4);
+* ``avx2``: float FMAs on the nibbles as floats (AVX2 CPUs: most AMD EPYCs and laptops, and AVX-512
+  ones without BF16), on AVX-512's blocks of 64 and AVX2's own blocks of 32;
 * ``portable``: a plain loop the compiler vectorizes (other CPUs, and a partial last block of
   outputs on every CPU); slower than aten's kernel, so :func:`matmul` runs it only when asked.
+
+Which of them a build has depends on its instruction-set level (runtime/native: one build per
+level, the highest this CPU runs by default, ``native.level()``).
 
 :func:`matmul` returns None where it does not take a case, and the caller keeps the aten kernel.
 """
@@ -51,8 +56,8 @@ def matmul(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     """``aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zeros)`` (bf16 [M, N]) for
     ``a`` bf16 [M, K] with 1 <= M <= :data:`MAX_ROWS`, or None where the kernel does not take the
     case (fewer than :data:`MIN_ROWS` rows, another dtype or shape of ``a``, no compiler, ``LOWBIT_NATIVE=0``, an unknown
-    ``layout``, only the portable path here: a CPU without AVX512-BF16, or a layout other than
-    AVX512's blocks of 64). ``layout``: the :class:`runtime.cpu_int4_layout.Int4Layout`
+    ``layout``, only the portable path here: a CPU without AVX2, or a layout other than AVX-512's
+    or AVX2's blocks in halves). ``layout``: the :class:`runtime.cpu_int4_layout.Int4Layout`
     of ``packed`` (``int4_layout()``). ``path`` forces one of ``native.MATMUL_PATHS`` (tests, benches); it
     must run here."""
     if layout is None or a.dim() != 2 or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= MAX_ROWS:
@@ -89,8 +94,17 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @lru_cache(maxsize=4)
 def _paths(layout) -> tuple | None:
     """The kernel's module and the paths it runs for up to :data:`AVX512_ROWS` rows and for more, or
-    None where only the portable loop would run (slower than aten's kernel) or it cannot be built."""
+    None where only the portable loop would run (slower than aten's kernel) or it cannot be built:
+    AVX512-BF16 and AMX read AVX-512's blocks of 64, AVX2 those and AVX2's blocks of 32."""
     kernel = native.matmul_kernel("int4_gemm")
-    if kernel is None or layout is None or kernel[1] == 0 or (layout.block_n, layout.halves) != (64, True):
+    if kernel is None or layout is None or not layout.halves:
         return None
-    return kernel[0], 1, kernel[1]
+    module, best = kernel
+    if best >= _AVX512 and layout.block_n == 64:
+        return module, _AVX512, best
+    if best >= _AVX2 and layout.block_n in (32, 64):
+        return module, _AVX2, _AVX2
+    return None
+
+
+_AVX2, _AVX512 = native.MATMUL_PATHS.index("avx2"), native.MATMUL_PATHS.index("avx512")

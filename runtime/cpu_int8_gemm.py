@@ -10,6 +10,8 @@ them with bf16 dot products, the scale applied once per output after the sum:
 * ``amx``: Sapphire Rapids' tile unit multiplies up to 16 rows at the cost of one;
 * ``avx512``: float dot products along K (codes shared by 4 outputs' rows); level with aten's kernel
   at 1-2 rows, behind above, so :func:`matmul` runs it only when asked;
+* ``avx2``: the same in AVX2's 8 lanes (the builds of levels without AVX512-BF16: runtime/native);
+  run only when asked;
 * ``portable``: a plain loop; slower than aten's kernel, run only when asked.
 
 :func:`matmul` takes AMX_MIN_ROWS..MAX_ROWS rows where AMX runs (bench/cpu_int8_gemm.py, 1 thread:

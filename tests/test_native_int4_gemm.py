@@ -70,8 +70,13 @@ def test_declines_what_it_does_not_take():
     assert cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, None) is None
     big = torch.randn(cpu_int4_gemm.MAX_ROWS + 1, 128, dtype=torch.bfloat16)
     assert cpu_int4_gemm.matmul(big, packed, 64, scale_zeros, layout) is None
-    other_layout = Int4Layout(32, True)  # AVX2's blocks: only the portable loop reads them
-    assert cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, other_layout) is None
+    pairs = Int4Layout(32, False)  # no CPU's full blocks: only the portable loop reads them
+    assert cpu_int4_gemm.matmul(a, Int4Layout(32, False).pack(u), 64, scale_zeros, pairs) is None
+    avx2_blocks = Int4Layout(32, True)  # AVX2's blocks: the avx2 path reads them (not AVX-512's paths)
+    taken = cpu_int4_gemm.matmul(a, avx2_blocks.pack(u), 64, scale_zeros, avx2_blocks)
+    assert (taken is None) == (cpu_int4_gemm.best_path() == "portable")
+    if taken is not None:
+        check_rounding(taken, a, u, scale_zeros, 64)
     if cpu_int4_gemm.best_path() == "portable":
         assert cpu_int4_gemm.matmul(a, packed, 64, scale_zeros, layout) is None  # aten is faster there
     else:
@@ -92,8 +97,9 @@ def test_bad_input_is_named():
 
 @pytest.mark.parametrize("layout", [Int4Layout(32, True), Int4Layout(32, False), Int4Layout(64, False)])
 def test_other_layouts_read_by_the_portable_loop(layout):
-    """The orders aten packs in on other CPUs (AVX2's blocks of 32): every path asked falls back to
-    the portable loop, which reads them right (partial last block included: 112 = 64 + 48, 3.5 x 32)."""
+    """The orders aten packs in on other CPUs (AVX2's blocks of 32): every path asked reads them right
+    (AVX-512's paths fall back to the avx2 path for blocks of 32 in halves, to the portable loop for
+    the rest and every partial last block: 112 = 64 + 48, 3.5 x 32)."""
     u, _, scale_zeros = layer(112, 256, 32)
     packed = layout.pack(u)
     a = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -139,7 +145,7 @@ def test_linear_declines_what_matmul_declines_and_names_bad_input():
     x = torch.randn(2, 128)
     assert cpu_int4_gemm.linear(x.double(), packed, 64, scale_zeros, layout) is None
     assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, None) is None
-    assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, Int4Layout(32, True)) is None
+    assert cpu_int4_gemm.linear(x, Int4Layout(32, False).pack(u), 64, scale_zeros, Int4Layout(32, False)) is None
     assert cpu_int4_gemm.linear(torch.randn(cpu_int4_gemm.MAX_ROWS + 1, 128), packed, 64, scale_zeros, layout) is None
     if cpu_int4_gemm.best_path() == "portable":
         assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, layout) is None  # aten is faster there

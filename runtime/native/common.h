@@ -39,9 +39,40 @@ inline uint16_t float_to_bf16_finite(float f) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// The paths a matmul kernel may run, slowest first (runtime/cpu_int4_gemm.py and cpu_int8_gemm.py
-// name them in this order)
-enum Path : int64_t { kPortable = 0, kAvx512 = 1, kAmx = 2 };
+// The instruction-set level this translation unit is compiled for (runtime/native/__init__.py's
+// LEVELS, one build per level, each with that level's flags): what its #if LOWBIT_HAS_* sections
+// may use. Every kernel compiles at every level, the faster sections guarded by these.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOWBIT_HAS_AVX2 1
+#else
+#define LOWBIT_HAS_AVX2 0
+#endif
+#if LOWBIT_HAS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LOWBIT_HAS_AVX512 1
+#else
+#define LOWBIT_HAS_AVX512 0
+#endif
+// AVX512-BF16 with VBMI's byte permutes (the int4 kernel's nibble shuffle): Zen 4, Sapphire Rapids;
+// Cooper Lake (BF16 without VBMI) runs the avx512 level
+#if LOWBIT_HAS_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define LOWBIT_HAS_AVX512BF16 1
+#else
+#define LOWBIT_HAS_AVX512BF16 0
+#endif
+#if LOWBIT_HAS_AVX512BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LOWBIT_HAS_AMX 1
+#else
+#define LOWBIT_HAS_AMX 0
+#endif
+
+// Levels, lowest first, in runtime/native/__init__.py's LEVELS order
+enum Level : int { kLevelPortable = 0, kLevelAvx2 = 1, kLevelAvx512 = 2, kLevelAvx512Bf16 = 3, kLevelAmx = 4 };
+constexpr int kBuildLevel = LOWBIT_HAS_AMX ? kLevelAmx : LOWBIT_HAS_AVX512BF16 ? kLevelAvx512Bf16
+                            : LOWBIT_HAS_AVX512 ? kLevelAvx512 : LOWBIT_HAS_AVX2 ? kLevelAvx2 : kLevelPortable;
+inline const char* build_level() {
+  constexpr const char* kNames[] = {"portable", "avx2", "avx512", "avx512bf16", "amx"};
+  return kNames[kBuildLevel];
+}
 
 #ifdef LOWBIT_X86
 // LDTILECFG's 64-byte operand
@@ -51,34 +82,55 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission to use the tile state (Linux).
-inline bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+// The kernel's permission to use AMX's tile state (Linux: without it the first tile instruction
+// faults), asked once per process; the CPU's AMX itself is cpu_level's check.
+inline bool amx_permitted() {
+  static const bool permitted = [] {
     constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return tile && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
   }();
-  return usable;
+  return permitted;
 }
 
-// AVX512-BF16 with the extensions both matmul kernels' vector paths use (VL; VBMI's byte permutes)
-inline bool cpu_has_avx512_bf16() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
-         __builtin_cpu_supports("avx512bf16");
+// The highest level this CPU and OS run: the instructions in CPUID, and the register state each needs
+// saved by the OS in XCR0 (XGETBV; a hypervisor or kernel may leave AVX-512's or AMX's off while
+// CPUID reports them), and for AMX the kernel's permission.
+inline int cpu_level() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return kLevelPortable;
+  const bool fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
+  if (!(osxsave && avx && fma && f16c)) return kLevelPortable;
+  unsigned xcr0_low, xcr0_high;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));  // _xgetbv needs -mxsave
+  const auto saved = [&](unsigned mask) { return (xcr0_low & mask) == mask; };
+  if (!saved(0x6) || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return kLevelPortable;  // SSE, AVX state
+  const unsigned leaf7_ecx = c, leaf7_edx = d;
+  if (!((b >> 5) & 1)) return kLevelPortable;  // AVX2
+  const bool avx512 = ((b >> 16) & 1) && ((b >> 17) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1);  // F DQ BW VL
+  if (!avx512 || !saved(0xE0)) return kLevelAvx2;  // opmask, ZMM upper halves, ZMM16-31
+  unsigned bf16 = 0;
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) bf16 = (a >> 5) & 1;
+  const bool vbmi = (leaf7_ecx >> 1) & 1;
+  if (!(bf16 && vbmi)) return kLevelAvx512;
+  const bool amx = ((leaf7_edx >> 22) & 1) && ((leaf7_edx >> 24) & 1) && ((leaf7_edx >> 25) & 1);  // BF16 TILE INT8
+  if (!amx || !saved(0x60000) || !amx_permitted()) return kLevelAvx512Bf16;  // XTILECFG, XTILEDATA
+  return kLevelAmx;
 }
 #else
-inline bool amx_usable() { return false; }
-inline bool cpu_has_avx512_bf16() { return false; }
+inline bool amx_permitted() { return false; }
+inline int cpu_level() { return kLevelPortable; }
 #endif
 
-// The fastest matmul path this CPU and OS allow (the int4 kernel's for full blocks of 64 with
-// `halves`; it runs the portable loop on others)
+// The paths a matmul kernel may run, slowest first (runtime/native/__init__.py's MATMUL_PATHS):
+// kAvx512 is AVX512-BF16 dot products, kAvx2 runs at the avx2 and avx512 levels.
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// The fastest path this build has and this process may run (a build never loads on a CPU below
+// its level: runtime/native/__init__.py's check), which runs any slower one it is asked for.
 inline int64_t best_path() {
-  if (!cpu_has_avx512_bf16()) return kPortable;
-  return amx_usable() ? kAmx : kAvx512;
+  if (LOWBIT_HAS_AMX && amx_permitted()) return kAmx;
+  if (LOWBIT_HAS_AVX512BF16) return kAvx512;
+  return LOWBIT_HAS_AVX2 ? kAvx2 : kPortable;
 }
 
 }  // namespace

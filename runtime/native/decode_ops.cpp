@@ -34,12 +34,10 @@ namespace {
 constexpr int64_t kMaxGemvRows = 4;
 constexpr int64_t kPrefetchBytes = 4096;  // ahead in the weight stream (one row of 576 bf16 is 1152 bytes)
 
-#ifdef LOWBIT_X86
-#define LOWBIT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
-
+#if LOWBIT_HAS_AVX512BF16
 // y[r, n0 .. n0 + NB) for ROWS rows: NB weight rows at a time, K in steps of 32 (the tail masked)
 template <int ROWS, int NB>
-LOWBIT_AVX512BF16 void gemv_block(const uint16_t* w, const uint16_t* a, int64_t k, int64_t n, int64_t n0,
+void gemv_block(const uint16_t* w, const uint16_t* a, int64_t k, int64_t n, int64_t n0,
                                   float* y) {
   __m512 acc[ROWS][NB];
   for (int r = 0; r < ROWS; ++r)
@@ -63,7 +61,7 @@ LOWBIT_AVX512BF16 void gemv_block(const uint16_t* w, const uint16_t* a, int64_t 
 }
 
 template <int ROWS>
-LOWBIT_AVX512BF16 void gemv_range(const uint16_t* w, const uint16_t* a, int64_t k, int64_t n, int64_t n0,
+void gemv_range(const uint16_t* w, const uint16_t* a, int64_t k, int64_t n, int64_t n0,
                                   int64_t n1, float* y) {
   int64_t i = n0;
   for (; i + 4 <= n1; i += 4) gemv_block<ROWS, 4>(w, a, k, n, i, y);
@@ -90,11 +88,12 @@ at::Tensor bf16_gemv(const at::Tensor& weight, const at::Tensor& a_in) {
   TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) && a.dim() == 2 &&
                   a.size(1) == weight.size(1) && a.size(0) >= 1 && a.size(0) <= kMaxGemvRows,
               "a: a float32 or bf16 [M, K] tensor, 1 <= M <= ", kMaxGemvRows, ", K = ", weight.size(1));
-  TORCH_CHECK(cpu_has_avx512_bf16(), "bf16_gemv needs AVX512-BF16");
+  TORCH_CHECK(LOWBIT_HAS_AVX512BF16, "bf16_gemv needs AVX512-BF16 (this build's level: ", build_level(),
+              "; gemv_usable() says whether it runs)");
   const int64_t m = a.size(0), k = a.size(1), n = weight.size(0);
   const std::vector<uint16_t> rows = rows_as_bf16(a);
   at::Tensor y = at::empty({m, n}, a.options().dtype(at::kFloat));
-#ifdef LOWBIT_X86
+#if LOWBIT_HAS_AVX512BF16
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   float* out = y.data_ptr<float>();
   const uint16_t* x = rows.data();
@@ -153,10 +152,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const c1
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-#ifdef LOWBIT_X86
+#if LOWBIT_HAS_AVX512BF16
 // exp(x) for |x| < 87 (silu's gate clamps there: the sigmoid is 0 or 1 to float precision), the
 // Cephes polynomial on x - n ln 2 (within 2 ulp of expf); libm's expf does not vectorize here
-LOWBIT_AVX512BF16 inline __m512 exp_avx512(__m512 x) {
+inline __m512 exp_avx512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(87.0f)), _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -172,12 +171,12 @@ LOWBIT_AVX512BF16 inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-LOWBIT_AVX512BF16 inline __m512 silu_avx512(__m512 g) {
+inline __m512 silu_avx512(__m512 g) {
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
 // one row: 16 at a time, the tail masked
-LOWBIT_AVX512BF16 void silu_mul_row_avx512(const float* g, const float* u, int64_t width, float* o) {
+void silu_mul_row_f32(const float* g, const float* u, int64_t width, float* o) {
   for (int64_t i = 0; i < width; i += 16) {
     const __mmask16 mask = width - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - i)) - 1);
     const __m512 s = silu_avx512(_mm512_maskz_loadu_ps(mask, g + i));
@@ -189,7 +188,7 @@ inline __m512 bf16x16_to_float(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-LOWBIT_AVX512BF16 void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o) {
+void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o) {
   for (int64_t i = 0; i < width; i += 16) {
     const __mmask16 mask = width - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - i)) - 1);
     const __m512 gf = bf16x16_to_float(_mm256_maskz_loadu_epi16(mask, g + i));
@@ -199,7 +198,70 @@ LOWBIT_AVX512BF16 void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, i
     _mm256_mask_storeu_epi16(o + i, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, uf)));
   }
 }
+#elif LOWBIT_HAS_AVX2
+// The same in 8 lanes (the same operations, so the same values: 2^n as an exponent field multiplies
+// exactly as scalef does for these n); a row's tail through a zero-padded vector
+inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(87.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));  // |n| <= 126: a normal power of two
+}
+
+inline __m256 silu_avx2(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+// 8 floats to bf16 bits, nearest even (float_to_bf16_finite's formula)
+inline __m128i float8_to_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+inline __m256 bf16x8_to_float(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <class T>
+void silu_mul_tail(const T* g, const T* u, int64_t count, T* o, void (*row)(const T*, const T*, int64_t, T*)) {
+  T gt[8] = {}, ut[8] = {}, ot[8];
+  std::memcpy(gt, g, count * sizeof(T));
+  std::memcpy(ut, u, count * sizeof(T));
+  row(gt, ut, 8, ot);
+  std::memcpy(o, ot, count * sizeof(T));
+}
+
+void silu_mul_row_f32(const float* g, const float* u, int64_t width, float* o) {
+  const int64_t whole = width / 8 * 8;
+  for (int64_t i = 0; i < whole; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(silu_avx2(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+  if (whole < width) silu_mul_tail<float>(g + whole, u + whole, width - whole, o + whole, silu_mul_row_f32);
+}
+
+void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o) {
+  const int64_t whole = width / 8 * 8;
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 gf = bf16x8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)));
+    const __m256 uf = bf16x8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i)));
+    const __m256 s = bf16x8_to_float(float8_to_bf16(silu_avx2(gf)));  // silu rounded first, as PyTorch's
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), float8_to_bf16(_mm256_mul_ps(s, uf)));
+  }
+  if (whole < width) silu_mul_tail<uint16_t>(g + whole, u + whole, width - whole, o + whole, silu_mul_row_bf16);
+}
 #endif
+#define LOWBIT_SILU_VECTORS (LOWBIT_HAS_AVX512BF16 || LOWBIT_HAS_AVX2)
 
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const at::Tensor gate_up = gate_up_in.contiguous();
@@ -210,17 +272,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
   shape.back() = width;
   at::Tensor out = at::empty(shape, gate_up.options());
-  const bool vectorized = cpu_has_avx512_bf16();
   if (gate_up.scalar_type() == at::kFloat) {
     const float* in = gate_up.data_ptr<float>();
     float* o = out.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = in + r * 2 * width;
-#ifdef LOWBIT_X86
-      if (vectorized) {
-        silu_mul_row_avx512(g, g + width, width, o + r * width);
-        continue;
-      }
+#if LOWBIT_SILU_VECTORS
+      silu_mul_row_f32(g, g + width, width, o + r * width);
+      continue;
 #endif
       for (int64_t i = 0; i < width; ++i) o[r * width + i] = silu(g[i]) * g[width + i];
     }
@@ -229,11 +288,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
     auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
     for (int64_t r = 0; r < rows; ++r) {
       const uint16_t* g = in + r * 2 * width;
-#ifdef LOWBIT_X86
-      if (vectorized) {
-        silu_mul_row_bf16(g, g + width, width, o + r * width);
-        continue;
-      }
+#if LOWBIT_SILU_VECTORS
+      silu_mul_row_bf16(g, g + width, width, o + r * width);
+      continue;
 #endif
       for (int64_t i = 0; i < width; ++i) {
         const float s = bf16_to_float(float_to_bf16_finite(silu(bf16_to_float(g[i]))));
@@ -288,14 +345,15 @@ at::Tensor rope_qk(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at:
   return out;
 }
 
-bool gemv_usable() { return cpu_has_avx512_bf16(); }
+bool gemv_usable() { return LOWBIT_HAS_AVX512BF16; }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv, "float32 [M, N] = a @ weight.T, weight bf16 [N, K], 1-4 rows rounded to bf16",
         py::arg("weight"), py::arg("a"));
-  m.def("gemv_usable", &gemv_usable, "whether bf16_gemv runs here (AVX512-BF16)");
+  m.def("gemv_usable", &gemv_usable, "whether bf16_gemv runs in this build (the avx512bf16 level and above)");
+  m.def("level", &build_level, "the instruction-set level this build was compiled for");
   m.def("add_rms_norm", &add_rms_norm, "(norm(x + residual) * weight, x + residual), float32", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [..., 2W] (gate first)", py::arg("gate_up"));

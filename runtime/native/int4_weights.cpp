@@ -139,4 +139,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4", &dequantize_int4, "Int4Slots' weight into a bf16 or float32 [K, N] buffer (out's dtype)",
         py::arg("packed"), py::arg("scale_zeros"), py::arg("group"), py::arg("block_n"), py::arg("halves"),
         py::arg("out"));
+  m.def("level", &build_level, "the instruction-set level this build was compiled for");
 }

@@ -15,9 +15,11 @@
 //
 // Paths: AMX (weights as the A tiles in their own row order, the activations as the B tiles, so only
 // the small activations are rearranged, and the [outputs, rows] sums are transposed once at the end);
-// float dot products along K with AVX512 (one row); a portable loop. Chosen at run time, compiled with
-// target attributes as runtime/native/int4_gemm.cpp is, with the same CPU and OS checks.
-#include <torch/extension.h>
+// float dot products along K with AVX512 (one row), or AVX2's 8 lanes; a portable loop. Each in the
+// builds of the levels that have its instructions (common.h's LOWBIT_HAS_*), as int4_gemm.cpp's.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: all of libtorch's headers, a minute to build
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -55,11 +57,66 @@ void outputs_portable(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-#ifdef LOWBIT_X86
-#define LOWBIT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
+#if LOWBIT_HAS_AVX2
+// ---------------------------------------------------------------- AVX2 path (dot products along K)
+// The AVX512 path's float dot products in 8 lanes, for the levels without AVX512-BF16: per 8 codes
+// one widening load and a convert, shared by 4 outputs' rows; 2 rows per pass (4 with AVX-512's 32
+// registers) keep the accumulators in registers. The last K % 8 inputs are summed one by one.
+constexpr int kAvx2Outs = 4;
+constexpr int kAvx2Rows = LOWBIT_HAS_AVX512 ? 4 : 2;
+
+inline float lanes_sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int ROWS, int OUTS>
+void dot_avx2(const Problem& p, const float* a_float, int64_t n0, int64_t m0) {
+  __m256 acc[ROWS][OUTS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm256_setzero_ps();
+  const int64_t whole = p.k / 8 * 8;
+  for (int64_t k0 = 0; k0 < whole; k0 += 8) {
+    __m256 w[OUTS];
+    for (int o = 0; o < OUTS; ++o)
+      w[o] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + (n0 + o) * p.k + k0))));
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 x = _mm256_loadu_ps(a_float + (m0 + r) * p.k + k0);
+      for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm256_fmadd_ps(w[o], x, acc[r][o]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int o = 0; o < OUTS; ++o) {
+      float sum = lanes_sum8(acc[r][o]);
+      for (int64_t kk = whole; kk < p.k; ++kk) sum += a_float[(m0 + r) * p.k + kk] * static_cast<float>(p.q[(n0 + o) * p.k + kk]);
+      p.out[(m0 + r) * p.n + n0 + o] = float_to_bf16(sum * bf16_to_float(p.scales[n0 + o]));
+    }
+}
+
+template <int OUTS>
+void dot_avx2_all_rows(const Problem& p, const float* a_float, int64_t n0) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kAvx2Rows) {
+    switch (std::min<int64_t>(kAvx2Rows, p.m - m0)) {
+      case 1: dot_avx2<1, OUTS>(p, a_float, n0, m0); break;
+      case 2: dot_avx2<2, OUTS>(p, a_float, n0, m0); break;
+      case 3: dot_avx2<3, OUTS>(p, a_float, n0, m0); break;
+      default: dot_avx2<4, OUTS>(p, a_float, n0, m0); break;
+    }
+  }
+}
+
+void outputs_avx2(const Problem& p, const float* a_float, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kAvx2Outs <= n1; n += kAvx2Outs) dot_avx2_all_rows<kAvx2Outs>(p, a_float, n);
+  for (; n < n1; ++n) dot_avx2_all_rows<1>(p, a_float, n);
+}
+#endif  // LOWBIT_HAS_AVX2
+
+#if LOWBIT_HAS_AVX512BF16
 
 // 32 codes (bytes; those past `valid` read as 0) as 32 exact bf16 values, in order.
-LOWBIT_AVX512BF16 inline __m512bh codes_to_bf16(const int8_t* src, __mmask32 valid) {
+inline __m512bh codes_to_bf16(const int8_t* src, __mmask32 valid) {
   const __m256i bytes = _mm256_maskz_loadu_epi8(valid, src);
   const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
   const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
@@ -77,7 +134,7 @@ constexpr int kOuts = 4;  // outputs per pass: their converted codes are shared 
 // Outputs n0 .. n0 + OUTS, rows m0 .. m0 + ROWS: ROWS x OUTS float accumulators over K, reduced at
 // the end. `a_float`: the activations as floats [M, K].
 template <int ROWS, int OUTS>
-LOWBIT_AVX512BF16 void dot_avx512(const Problem& p, const float* a_float, int64_t n0, int64_t m0) {
+void dot_avx512(const Problem& p, const float* a_float, int64_t n0, int64_t m0) {
   __m512 acc[ROWS][OUTS];
   for (int r = 0; r < ROWS; ++r)
     for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_ps();
@@ -97,7 +154,7 @@ LOWBIT_AVX512BF16 void dot_avx512(const Problem& p, const float* a_float, int64_
 }
 
 template <int OUTS>
-LOWBIT_AVX512BF16 void dot_all_rows(const Problem& p, const float* a_float, int64_t n0) {
+void dot_all_rows(const Problem& p, const float* a_float, int64_t n0) {
   for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
     switch (std::min<int64_t>(4, p.m - m0)) {
       case 1: dot_avx512<1, OUTS>(p, a_float, n0, m0); break;
@@ -108,26 +165,26 @@ LOWBIT_AVX512BF16 void dot_all_rows(const Problem& p, const float* a_float, int6
   }
 }
 
-LOWBIT_AVX512BF16 void outputs_avx512(const Problem& p, const float* a_float, int64_t n0, int64_t n1) {
+void outputs_avx512(const Problem& p, const float* a_float, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + kOuts <= n1; n += kOuts) dot_all_rows<kOuts>(p, a_float, n);
   for (; n < n1; ++n) dot_all_rows<1>(p, a_float, n);
 }
 
 // ---------------------------------------------------------------- AMX path (blocks of 64 outputs)
+#if LOWBIT_HAS_AMX
 // Sapphire Rapids' tile unit: one TDPBF16PS multiplies 16 rows of 32 inputs by 16 columns at a fixed
 // cost. The weights' own layout, q[n, k..k+31] per row, is an A tile (16 outputs x 32 inputs) once
 // converted to bf16; the activations, rearranged once per call into input pairs x 16 rows x 2 (the
 // B tile layout), are the other operand. The sums come out [outputs, rows] and are transposed when
 // scaled. Per block of 64 outputs and chunk of kChunk inputs, the codes are converted into an L1
 // buffer once and used by every chunk of 16 rows.
-#define LOWBIT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 
 constexpr int64_t kChunk = 256;  // inputs per conversion: 64 outputs x 256 bf16 = 32 KB, in L1
 
 // The bf16 codes of outputs n0 .. n0 + 63 (rows past N zero), inputs k0 .. k0 + kChunk (past K zero):
 // A tile (step s, outputs 16 j .. 16 j + 15) at out + (s * 4 + j) * 512 values, 32 per output.
-LOWBIT_AMX void convert_chunk(const Problem& p, int64_t n0, int64_t k0, int64_t steps, uint16_t* out) {
+void convert_chunk(const Problem& p, int64_t n0, int64_t k0, int64_t steps, uint16_t* out) {
   for (int64_t o = 0; o < 64; ++o) {
     const int8_t* row = p.q + (n0 + o) * p.k;
     for (int64_t s = 0; s < steps; ++s) {
@@ -147,7 +204,7 @@ LOWBIT_AMX void convert_chunk(const Problem& p, int64_t n0, int64_t k0, int64_t 
 
 // out[m0 + r, n0 .. n0 + 63] = bf16(sums[j][i][r] * scale) for the `rows` rows of one chunk, sums
 // [4 tiles][16 outputs][16 rows]: each row's 16 outputs of a tile are one gather.
-LOWBIT_AMX void store_rows(const Problem& p, const float* sums, int64_t rows, int64_t m0, int64_t n0) {
+void store_rows(const Problem& p, const float* sums, int64_t rows, int64_t m0, int64_t n0) {
   const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
   for (int j = 0; j < 4; ++j) {
@@ -165,7 +222,7 @@ LOWBIT_AMX void store_rows(const Problem& p, const float* sums, int64_t rows, in
 
 // Blocks b0..b1 of 64 outputs for all rows; `b` the activations as B tiles: per chunk of 16 rows,
 // [K padded to 32 / 2 pairs][16 rows][2].
-LOWBIT_AMX void blocks_amx(const Problem& p, const uint16_t* b, int64_t k_padded, int64_t b0, int64_t b1) {
+void blocks_amx(const Problem& p, const uint16_t* b, int64_t k_padded, int64_t b0, int64_t b1) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {  // tmm0-3 sums [16 outputs][16 rows], tmm4-6 codes, tmm7 activations
     config.rows[t] = 16;
@@ -232,36 +289,47 @@ std::vector<uint16_t> activation_tiles(const Problem& p, int64_t k_padded) {
   return b;
 }
 
-#endif
+#endif  // LOWBIT_HAS_AMX
+#endif  // LOWBIT_HAS_AVX512BF16
 
 // ---------------------------------------------------------------- entry
 
-torch::Tensor int8_matmul(const torch::Tensor& a, const torch::Tensor& q, const torch::Tensor& scales, int64_t path) {
-  TORCH_CHECK(a.dtype() == torch::kBFloat16 && a.dim() == 2 && a.is_contiguous(), "a: a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: a contiguous int8 [N, K] tensor");
+at::Tensor int8_matmul(const at::Tensor& a, const at::Tensor& q, const at::Tensor& scales, int64_t path) {
+  TORCH_CHECK(a.dtype() == at::kBFloat16 && a.dim() == 2 && a.is_contiguous(), "a: a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(q.dtype() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q: a contiguous int8 [N, K] tensor");
   const int64_t m = a.size(0), n = q.size(0), k = q.size(1);
   TORCH_CHECK(a.size(1) == k, "a has ", a.size(1), " inputs, the weight ", k);
   TORCH_CHECK(m >= 1 && m <= kMaxRows, "rows must be 1..", kMaxRows, ", got ", m);
   TORCH_CHECK(k >= 1 && n >= 1, "an empty weight");
-  TORCH_CHECK(scales.dtype() == torch::kBFloat16 && scales.is_contiguous() && scales.numel() == n,
+  TORCH_CHECK(scales.dtype() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == n,
               "scales: a contiguous bf16 tensor of N = ", n, " values");
   TORCH_CHECK(path >= kPortable && path <= best_path(), "path ", path, " cannot run here (best: ", best_path(), ")");
-  torch::Tensor out = torch::empty({m, n}, a.options());
+  at::Tensor out = at::empty({m, n}, a.options());
   const Problem p{reinterpret_cast<const uint16_t*>(a.data_ptr()), q.data_ptr<int8_t>(),
                   reinterpret_cast<const uint16_t*>(scales.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
                   m, n, k};
-#ifdef LOWBIT_X86
+#if LOWBIT_HAS_AMX
   if (path == kAmx) {
     const int64_t k_padded = (k + 31) / 32 * 32;
     const std::vector<uint16_t> b = activation_tiles(p, k_padded);
     at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t b0, int64_t b1) { blocks_amx(p, b.data(), k_padded, b0, b1); });
     return out;
   }
-  if (path == kAvx512) {
+#endif
+#if LOWBIT_HAS_AVX2
+  if (path == kAvx512 || path == kAvx2) {  // the one float conversion both dot-product paths read
     std::vector<float> a_float(m * k);
     for (int64_t i = 0; i < m * k; ++i) a_float[i] = bf16_to_float(p.a[i]);
-    at::parallel_for(0, (n + kOuts - 1) / kOuts, 16, [&](int64_t b0, int64_t b1) {
-      outputs_avx512(p, a_float.data(), b0 * kOuts, std::min(n, b1 * kOuts));
+#if LOWBIT_HAS_AVX512BF16
+    if (path == kAvx512) {
+      at::parallel_for(0, (n + kOuts - 1) / kOuts, 16, [&](int64_t b0, int64_t b1) {
+        outputs_avx512(p, a_float.data(), b0 * kOuts, std::min(n, b1 * kOuts));
+      });
+      return out;
+    }
+#endif
+    at::parallel_for(0, (n + kAvx2Outs - 1) / kAvx2Outs, 16, [&](int64_t b0, int64_t b1) {
+      outputs_avx2(p, a_float.data(), b0 * kAvx2Outs, std::min(n, b1 * kAvx2Outs));
     });
     return out;
   }
@@ -275,5 +343,6 @@ torch::Tensor int8_matmul(const torch::Tensor& a, const torch::Tensor& q, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul, "(a @ q.T) * scales for Int8Channels' weight, bf16 [M, N]", py::arg("a"),
         py::arg("q"), py::arg("scales"), py::arg("path"));
-  m.def("best_path", &best_path, "the fastest path here: 0 portable, 1 AVX512-BF16, 2 AMX");
+  m.def("best_path", &best_path, "the fastest path of this build here: 0 portable, 1 AVX2, 2 AVX512, 3 AMX");
+  m.def("level", &build_level, "the instruction-set level this build was compiled for");
 }

@@ -17,7 +17,10 @@
 // Codes are widened 16 bytes at a time and each field f of a byte (bits f*b..) taken with one shift
 // and mask: a row's values come out in field order (entry f*D/F + j is channel j*F + f, F = 8/bits),
 // so queries are permuted into that order and outputs back.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: all of libtorch's headers, a minute to build
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "common.h"
 #include "vec16.h"  // V, the 16-float vector (L floats; a score tile is L tokens)
 
 namespace {
@@ -377,7 +381,7 @@ Attend pick(int vb) {
   TORCH_CHECK(false, "value bits must be 32, 8, 4 or 2, got ", vb);
 }
 
-Side side(const torch::Tensor& data, const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& zero,
+Side side(const at::Tensor& data, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
           int64_t bits, int64_t G, int64_t H, int64_t B, int64_t D) {
   TORCH_CHECK(data.is_contiguous() && scale.has_value() == (bits != 32), "pool data must be contiguous, scales iff codes");
   TORCH_CHECK(bits == 32 ? data.scalar_type() == at::kFloat : data.scalar_type() == at::kInt, "pool data dtype");
@@ -404,12 +408,12 @@ Side side(const torch::Tensor& data, const c10::optional<torch::Tensor>& scale, 
 // q [S, H, nq, D] float32 (the softmax scale applied), block_table [S, M] int32, lengths and firsts [S]
 // int64 (positions held, the new one included; first position read), pools as stored (bits 32: float32
 // floats), residuals [S, H, B, D] float32; softcap 0: none. Returns [S, H, nq, D] float32.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor block_table, torch::Tensor lengths, torch::Tensor firsts,
-                               torch::Tensor k_data, c10::optional<torch::Tensor> k_scale,
-                               c10::optional<torch::Tensor> k_zero, int64_t k_bits, int64_t k_group,
-                               torch::Tensor v_data, c10::optional<torch::Tensor> v_scale,
-                               c10::optional<torch::Tensor> v_zero, int64_t v_bits, torch::Tensor residual_k,
-                               torch::Tensor residual_v, double softcap) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor block_table, at::Tensor lengths, at::Tensor firsts,
+                               at::Tensor k_data, c10::optional<at::Tensor> k_scale,
+                               c10::optional<at::Tensor> k_zero, int64_t k_bits, int64_t k_group,
+                               at::Tensor v_data, c10::optional<at::Tensor> v_scale,
+                               c10::optional<at::Tensor> v_zero, int64_t v_bits, at::Tensor residual_k,
+                               at::Tensor residual_v, double softcap) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [S, H, nq, D] float32");
   const int64_t S = q.size(0), H = q.size(1), nq = q.size(2), D = q.size(3), B = residual_k.size(2);
   TORCH_CHECK(D % L == 0 && D <= L * MAX_CHUNKS && B % L == 0, "head_dim and block size must be multiples of 16");
@@ -429,7 +433,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor block_table, torch
       TORCH_CHECK(block_table.data_ptr<int32_t>()[s * M + b] < pages, "a block table entry past the pool's pages");
   }
   TORCH_CHECK(!k_group || (k_group % L == 0 && B % k_group == 0), "key groups must be multiples of 16 dividing B");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   Problem P{q.data_ptr<float>(), block_table.data_ptr<int32_t>(), lengths.data_ptr<int64_t>(),
             firsts.data_ptr<int64_t>(), residual_k.data_ptr<float>(), residual_v.data_ptr<float>(),
             side(k_data, k_scale, k_zero, k_bits, k_group, H, B, D), side(v_data, v_scale, v_zero, v_bits, 0, H, B, D),
@@ -452,4 +456,5 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor block_table, torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache's stored codes");
+  m.def("level", &build_level, "the instruction-set level this build was compiled for");
 }
