@@ -7,8 +7,8 @@
 The device call (carry ``.gpu-cache``, built by ``make gpu-cache``: the quantized-matmul kernels
 compiled for sm_90a; without it they compile there):
 
-    run(command="python3 -m bench.gpu_first --commit $(git rev-parse --short HEAD)", carry=[".gpu-cache"],
-        timeout_s=600)
+    run(command="PYTHONUNBUFFERED=1 python3 -m bench.gpu_first --commit <SHA>", carry=[".gpu-cache"],
+        timeout_s=600)                                     # <SHA>: written out, there is no git there
 
 Steps, in order, each a child process with its own time budget (bench/gpu_check.py's runner: a
 step cut at its budget keeps what it reported), the results JSON rewritten after every row
@@ -87,6 +87,19 @@ def step_rows(batch: int, prompt_len: int, prefill_chunk: int) -> tuple[int, ...
     return tuple(sorted(rows | {decoding}))
 
 
+def tune_rows(case: dict) -> tuple[int, ...]:
+    """What an Engine for ``case`` is told to tune (``Engine(tune_rows=...)``): its steps' rows
+    (``step_rows``) and the batch buckets its CUDA graphs capture (each capture's warm-up runs its
+    bucket's step, tuning it then if not before)."""
+    import inspect
+
+    from runtime.execution import DecodeGraphs
+
+    graphs = inspect.signature(DecodeGraphs).parameters["buckets"].default
+    return tuple(sorted(set(step_rows(case["batch"], case["prompt_len"], case["prefill_chunk"]))
+                        | {b for b in graphs if b <= case["batch"]}))
+
+
 def engine_shapes(config=None) -> list[str]:
     """The engine model's quantized Linear shapes as bench/kernels.py takes them (``KxN``)."""
     from bench.gpu_compiles import meta_linears
@@ -114,7 +127,7 @@ def tuning_counts() -> dict:
 
     def engine(case, restricted=True):
         largest = max(case["batch"], case["prefill_chunk"])
-        rows = step_rows(case["batch"], case["prompt_len"], case["prefill_chunk"]) if restricted else None
+        rows = tune_rows(case) if restricted else None
         return lambda: gc.engine_start_up(weights, largest, rows=rows)
 
     def kernels(rows):
@@ -360,13 +373,19 @@ def main(argv=None) -> int:
         counts["run, each compile once"] = {"matmul_compiles": len(compile_tasks_of_run())}
         print(json.dumps(counts, indent=1))
         if args.out:
+            import platform
+
+            import torch
             import triton
 
             from bench.results_file import write_result
-            from evals.provenance import provenance
+            from evals.provenance import device_info
 
-            write_result(args.out, {"bench": "bench/gpu_first.py --count", "provenance": provenance("cpu"),
-                                    "triton": triton.__version__, "method": tuning_counts.__doc__, "counts": counts})
+            write_result(args.out, {"bench": "bench/gpu_first.py --count", "commit": gpu_stages.commit(),
+                                    "device": device_info("cpu"), "versions": {  # (.venv-triton36 has no transformers)
+                                        "torch": torch.__version__, "triton": triton.__version__,
+                                        "python": platform.python_version()},
+                                    "method": tuning_counts.__doc__, "counts": counts})
         return 0
     if args.smoke and gpu_check.smoke_refusal():
         ap.error(gpu_check.smoke_refusal())

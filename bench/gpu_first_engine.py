@@ -18,15 +18,15 @@ TOP_KERNELS = 25
 
 def compare(smoke: bool, case: dict, report=None) -> dict:
     """fp16 then W4 engines on ``case`` (batch, prompt_len, output_len, repeats, prefill_chunk),
-    each tuning only the row buckets the case's steps take (``gpu_first.step_rows``); their rows,
+    each tuning only the row buckets the case's steps take (``gpu_first.tune_rows``); their rows,
     and W4 against fp16."""
-    from bench.gpu_first import step_rows
+    from bench.gpu_first import tune_rows
     from evals import serving
 
     device = torch.device("cpu") if smoke else serving.require_cuda()
     dtype, shape = (torch.float32, serving.TINY) if smoke else (torch.float16, serving.LLAMA3_8B)
     record = {"passed": False, "case": case, "shape": "tiny" if smoke else "llama-3-8b", "dtype": str(dtype),
-              "tune_rows": step_rows(case["batch"], case["prompt_len"], case["prefill_chunk"]), "rows": []}
+              "tune_rows": tune_rows(case), "rows": []}
     for name in CONFIGS:
         record["rows"].append(engine_row(name, case, record["tune_rows"], device, dtype, shape, smoke))
         record["w4_vs_fp16"] = ratios(record["rows"])
@@ -44,7 +44,7 @@ def engine_row(name: str, case: dict, tune_rows, device, dtype, shape: dict, smo
     t0 = time.perf_counter()
     model = serving.random_model(shape, weights, "fp16-r16" if smoke else kv, device, dtype)
     built = time.perf_counter()
-    engine = Engine(model, kv_memory=serving.kv_budget(device, 8 * 2**30), max_batch=case["batch"],
+    engine = Engine(model, max_batch=case["batch"],  # KV cache: room for the case's sequences, no more
                     max_len=case["prompt_len"] + case["output_len"], prefill_chunk=case["prefill_chunk"],
                     tune_rows=tune_rows)
     started = time.perf_counter()
@@ -169,8 +169,8 @@ def attention_splits(smoke: bool, report=None) -> dict:
             dk, dv = kernels.dequantize_cache(paged, lens, context)
             want = F.scaled_dot_product_attention(q[:, :, None], dk, dv, enable_gqa=True)[:, :, 0]
             del dk, dv
-            block = paged.residual_k.shape[2]
-            default = ref.num_splits(context, block, batch * hq, target=2 * kernels._sm_count(device),
+            S, H, block, _ = paged.residual_k.shape  # as decode_attention sizes its default split
+            default = ref.num_splits(context, block, S * H, target=2 * kernels._sm_count(device),
                                      max_splits=kernels.MAX_SPLITS)
             for factor in factors:
                 splits = default * factor
