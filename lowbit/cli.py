@@ -206,7 +206,8 @@ def demo(recipe, tokens, overwrite):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the table as JSON.")
 @fail_cleanly
 def doctor(ckpt, device, dtype, kv, json_out):
-    """Which kernels run CKPT here: fused, or the reference path and why (the load-time self-check's table)."""
+    """Which kernels run CKPT here: each quantized Linear kind's backend and every backend it passed over,
+    with why (from the choice made at load); the small ops and attention fused, or the reference and why."""
     import torch
 
     import runtime
@@ -217,7 +218,7 @@ def doctor(ckpt, device, dtype, kv, json_out):
     selfcheck.check_decoder(model.decoder, model.dtype, model.kv_scheme)  # done at load on CUDA: kept outcomes
     rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
     prov = provenance(model.device)
-    on_triton = any(r["runs"] == "fused" or (r["why"] or "").startswith("fell back") for r in rows)
+    on_triton = any(r["runs"] in ("fused", "triton") or (r["why"] or "").startswith("fell back") for r in rows)
     checked = "no kernel runs on Triton here" if not on_triton else \
         "fused kernels checked against the reference at load" if selfcheck.enabled(model.decoder) else \
         f"fused kernels NOT checked ({selfcheck.ENV_SWITCH}=0 or --no-self-check)"

@@ -8,24 +8,24 @@ import torch
 from torch import nn
 
 from quant.affine import QuantScheme
-from quant.packing import pack, packed_length
-from runtime import cpu_linear
+from quant.packing import packed_length
+from runtime import backend as backends
+from runtime import linear_backends
 from runtime.kernels import reference, weight_layout
+from runtime.linear_backends import LinearCase, NotThese
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-_REPORTED_CPU_REASONS: set[str] = set()  # why layers keep the dense reference on CPU, warned once each
-_REPORTED_UNTUNED: set[str] = set()  # shapes the GEMM tuning found no configuration for, warned once each
-
-
-def runs_kernels(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes through the fused Triton kernels (CUDA) or the reference (anything else).
-    Tests replace this to run the kernels in the Triton interpreter on CPU tensors."""
-    return x.is_cuda
+_REPORTED_REFERENCE: set[str] = set()  # why layers run the reference (materialize), warned once each
 
 
 class QuantLinear(nn.Module):
     """Holds ``weight_packed``/``weight_scale``/``weight_zero_point``/``weight_shape`` buffers
-    named as in the checkpoint, so its tensors load by name."""
+    named as in the checkpoint, so its tensors load by name, and runs them on a backend
+    (``runtime/linear_backends/``) chosen once, at load (:meth:`materialize`).
+
+    Its public surface for the rest of the runtime, the tests and the benches: ``choice`` (the
+    backend and every one passed over, with why), ``backend_name``, :meth:`use_backend`,
+    :meth:`fall_back`, ``fallback_reason``, :meth:`kernel_weight` and :meth:`tune` (the Triton
+    tuner's), :meth:`self_check`. The backend's weight is the layer's own business."""
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False,
                  scale_dtype: torch.dtype = torch.float32):
@@ -41,12 +41,15 @@ class QuantLinear(nn.Module):
         if scheme.actorder == "group":
             self.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self._dense: torch.Tensor | None = None
-        self._kernel: weight_layout.KernelWeight | None = None
-        self._kernel_unsupported: str | None = None  # why the kernels cannot read this layer
-        self._fell_back = False  # switched to the reference by fall_back
-        self._cpu: cpu_linear.CpuWeight | None = None  # the CPU kernels' weight (materialize)
-        self._cpu_unsupported: str | None = None  # why no CPU kernel takes this layer ("" : one does)
+        self._forget_backend()
+        self._failed: dict[str, str] = {}  # backend name -> why it was left (fall_back): never chosen again
+
+    def _forget_backend(self) -> None:
+        self.choice: backends.Choice | None = None  # the backend and the ones passed over (materialize)
+        self._weight = None  # the chosen backend's weight (from build)
+        self._holds_codes = False  # _weight holds the codes: weight_packed is read back from it
+        self._dense: torch.Tensor | None = None  # a dense weight for inputs the backend does not take
+        self._asked: tuple = (None, None, None)  # materialize's off, only, priority (fall_back chooses again)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return reference.dequantize_weight(
@@ -54,137 +57,182 @@ class QuantLinear(nn.Module):
             (self.out_features, self.in_features), self.scheme, dtype, getattr(self, "weight_g_idx", None),
         )
 
-    def kernel_weight(self) -> weight_layout.KernelWeight:
-        """The packed weight re-laid for the Triton kernels (built once, never stored)."""
-        return weight_layout.make_kernel_weight(
-            self.weight_packed, self.weight_scale, getattr(self, "weight_zero_point", None),
-            (self.out_features, self.in_features), self.scheme, getattr(self, "weight_g_idx", None),
-        )
+    def case(self, dtype: torch.dtype) -> LinearCase:
+        """What the backends are asked about: this layer with ``dtype`` activations, where its buffers are."""
+        return LinearCase(self.scheme, self.in_features, self.out_features, self.weight_scale.device.type, dtype,
+                          getattr(self, "weight_g_idx", None))
 
-    def materialize(self, dtype: torch.dtype, cpu_kernels: bool = True) -> None:
-        """Prepare the weight for inference in ``dtype`` on the buffers' device (at load): the
-        backend is chosen here, once per layer.
+    # ------------------------------------------------------------------ choosing and building
 
-        On GPU the fused kernels read a re-laid copy of the packed weight (``kernel_weight``).
-        The checkpoint-layout buffers stay (state_dict, the dense fallback), so a GPU holds the
-        packed weight twice; keeping only the kernel copy there is a known follow-up.
-        On CPU PyTorch's weight-only kernels read their own packed copy (``runtime/cpu_linear.py``),
-        which replaces ``weight_packed`` (read back from it on demand). Layers no kernel takes, and
-        layers sent back by ``fall_back``, multiply with a dense weight dequantized once here
-        (``cpu_kernels=False``: every layer, the reference that tests compare at float32 precision).
-        """
-        if self.weight_scale.is_cuda and self.kernels_can_run(dtype):
-            self._kernel, self._dense = self.kernel_weight(), None
-        elif self.weight_scale.device.type == "cpu" and cpu_kernels and self._cpu_can_run():
-            if self._cpu is None:
-                self._cpu = cpu_linear.build(
-                    self.weight_packed, self.weight_scale, getattr(self, "weight_zero_point", None),
-                    (self.out_features, self.in_features), self.scheme, getattr(self, "weight_g_idx", None))
-            self._dense = None
-            if self._cpu.codes_readable and "weight_packed" in self._buffers:
-                del self._buffers["weight_packed"]  # one packed copy: __getattr__ reads it back from the kernel's
-        else:
-            self._dense = self.dequantized_weight(dtype)
+    def materialize(self, dtype: torch.dtype, off: frozenset[str] | None = None, only: str | None = None,
+                    priority: list | None = None) -> None:
+        """Choose this layer's backend for ``dtype`` activations (``runtime.backend.choose`` over
+        ``priority``, default ``linear_backends.PRIORITY``; ``off``: switched-off names and group
+        words, default ``LOWBIT_DISABLE``; ``only``: a backend by name) and build its weight now, so
+        the first request does not pay for it. Backends this layer fell back from stay passed over.
+
+        A backend's weight may replace ``weight_packed`` (the CPU kernels keep the codes in their own
+        layout): the buffer is dropped and read back exactly on demand (state_dict, the reference),
+        so memory stays proportional to bits. On GPU the Triton kernels' re-laid copy sits beside
+        the checkpoint's buffers (a known follow-up: keep only the kernel copy)."""
+        priority = linear_backends.PRIORITY if priority is None else priority
+        case = self.case(dtype)
+        off = backends.disabled() if off is None else frozenset(off)
+        failed = [backends.Rejected(b.name, reason) for b in priority if (reason := self._failed.get(b.name))]
+        left = [b for b in priority if b.name not in self._failed]
+        choice = backends.choose(left, case, off, None if only in self._failed else only)  # raises: layer unchanged
+        order = [b.name for b in priority]
+        rejected = sorted([*failed, *choice.rejected], key=lambda r: order.index(r.name))
+        self._release()
+        self.choice = backends.Choice(choice.backend, tuple(rejected))
+        self._asked, self._dtype = (off, only, priority), dtype
+        self._weight = choice.backend.build(self, case)
+        self._holds_codes = choice.backend.holds_codes(self._weight)
+        if self._holds_codes and "weight_packed" in self._buffers:
+            del self._buffers["weight_packed"]  # one packed copy: __getattr__ reads it back from the backend's
+        self._warn_reference(case)
+
+    def _warn_reference(self, case: LinearCase) -> None:
+        """Where a layer ends on the reference though a backend serving its device exists, say why:
+        once per process and message (it names the scheme and the reason, not the layer)."""
+        if self.choice.name != "reference" or self._failed:
+            return  # a fall_back was warned about by whoever called it (the self-check)
+        reason = self.fallback_reason
+        message = (f"{self.scheme.describe()} layers run the dense reference (a float copy of the weight) instead of "
+                   f"the kernels on {case.device}: {reason}")
+        if reason and message not in _REPORTED_REFERENCE:
+            _REPORTED_REFERENCE.add(message)
+            warnings.warn(message, stacklevel=3)
+
+    def use_backend(self, name: str, dtype: torch.dtype | None = None) -> None:
+        """Run this layer on the backend called ``name`` from now on (tests, benches; raises
+        ``runtime.backend.NoBackend`` with its refusal when it cannot)."""
+        # the dtype it was materialized for, else the float tensors' (a layer used on its own, e.g. .half())
+        dtype = dtype or getattr(self, "_dtype", None) or (self.bias if self.bias is not None else self.weight_scale).dtype
+        self.materialize(dtype, self._asked[0], name, self._asked[2])
+        if self.choice.name != name:  # it refused, or this layer fell back from it before
+            reason = next(r.reason for r in self.choice.rejected if r.name == name)
+            raise backends.NoBackend(f"the {name} backend does not run this {self.scheme.describe()} layer: {reason}")
+
+    def fall_back(self, reason: str) -> None:
+        """Leave the current backend for good (the self-check's switch when a kernel fails or
+        disagrees with the reference): the next one in the priority list that takes this layer
+        runs it, usually the reference; ``reason`` is recorded in ``choice``. Whoever calls this
+        has warned (the self-check: once per configuration), so nothing warns again."""
+        if self.choice is None:  # not chosen yet: whatever is chosen will be the reference
+            self._failed.update({b.name: reason for b in linear_backends.PRIORITY if b.name != "reference"})
+        elif self.choice.name != "reference":  # (the reference has nothing to fall back to)
+            self._failed[self.choice.name] = reason
+            self.materialize(self._dtype, *self._asked)
+
+    def _release(self) -> None:
+        """Back to the checkpoint's buffers: ``weight_packed`` read back from the backend's weight."""
+        packed = self._weight_packed() if self._holds_codes and "weight_packed" not in self._buffers else None
+        self.choice, self._weight, self._holds_codes, self._dense = None, None, False, None
+        if packed is not None:
+            self.register_buffer("weight_packed", packed)
 
     def __getattr__(self, name: str):
-        if name == "weight_packed" and self.__dict__.get("_cpu") is not None:
-            return self._cpu_weight_packed()
+        if name == "weight_packed" and self.__dict__.get("_holds_codes"):
+            return self._weight_packed()
         return super().__getattr__(name)
 
-    def _cpu_weight_packed(self) -> torch.Tensor:
-        """The checkpoint's ``weight_packed``, rebuilt from the CPU kernel's copy (exact)."""
-        return pack(self._cpu.codes(), self.scheme.bits, dim=1)
+    def _weight_packed(self) -> torch.Tensor:
+        """The checkpoint's ``weight_packed``, rebuilt from the backend's copy (exact)."""
+        return self.choice.backend.read_back(self._weight, self.scheme)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if "weight_packed" not in self._buffers:  # held by the CPU kernel's copy: saved as the checkpoint stores it
-            destination[prefix + "weight_packed"] = self._cpu_weight_packed()
+        if "weight_packed" not in self._buffers:  # held by the backend's copy: saved as the checkpoint stores it
+            destination[prefix + "weight_packed"] = self._weight_packed()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._drop_cpu_weight()  # new tensors: the kernel's copy is stale
-        self._dense = self._kernel = None
+        self._release()  # new tensors: the backend's weight is stale (chosen again at the next materialize)
+        self._failed = {}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _drop_cpu_weight(self) -> None:
-        """Back to the checkpoint's buffers: ``weight_packed`` read back from the CPU kernel's copy."""
-        if self._cpu is not None:
-            packed = self._cpu_weight_packed() if "weight_packed" not in self._buffers else None
-            self._cpu = None
-            if packed is not None:
-                self.register_buffer("weight_packed", packed)
+    # ------------------------------------------------------------------ what others read
 
-    def fall_back(self, reason: str) -> None:
-        """Run this layer on the dense reference path from now on (the load-time self-check's switch
-        when a kernel fails or disagrees with the reference); ``reason`` is what was wrong. The
-        self-check has warned once for every layer it switches, so the forward does not again."""
-        self._drop_cpu_weight()
-        self._kernel_unsupported, self._kernel, self._fell_back = reason, None, True
+    @property
+    def backend_name(self) -> str | None:
+        """The chosen backend's name (None before ``materialize`` or the first call)."""
+        return None if self.choice is None else self.choice.name
+
+    @property
+    def backend_weight(self):
+        """The chosen backend's weight, for the tests and benches of that backend (nothing else in the
+        runtime reads it: it goes back to the backend's ``run``)."""
+        return self._weight
 
     @property
     def fallback_reason(self) -> str | None:
-        """Why this layer cannot run the kernels (None: it can, or nothing has asked yet)."""
-        return self._kernel_unsupported or self._cpu_unsupported or None
+        """Why this layer does not run a kernel: what made it leave one (``fall_back``), or, on the
+        reference, the refusals of the backends for its device (None: it runs one, or the fastest
+        backend for its device was switched off or another one asked for by name)."""
+        if self._failed:
+            return next(reversed(self._failed.values()))
+        if self.choice is None or self.choice.name != "reference":
+            return None
+        device = self.weight_scale.device.type
+        serves = {b.name: b.serves() for b in self._asked[2] or linear_backends.PRIORITY if b.devices}
+        serving = [r for r in self.choice.rejected if device in serves.get(r.name, ())]
+        if not serving or linear_backends.passed_over_for(serving[0].reason):
+            return None
+        return "; ".join(f"{r.name}: {r.reason}" for r in serving if not linear_backends.passed_over_for(r.reason))
 
     @property
     def on_cpu_kernel(self) -> bool:
-        """Whether this layer runs PyTorch's CPU weight-only kernel (chosen by ``materialize``)."""
-        return self._cpu is not None
+        """Whether this layer runs a CPU kernel backend (bf16 activations: the MLP converts once)."""
+        return self.choice is not None and "cpu" in self.choice.backend.tags
 
-    def kernels_can_run(self, dtype: torch.dtype) -> bool:
-        """Whether the Triton kernels take this layer with ``dtype`` activations (warns why not)."""
-        if self._kernel_unsupported is None:
-            reason = weight_layout.unsupported_reason(self.scheme, self.in_features, getattr(self, "weight_g_idx", None))
-            self._kernel_unsupported = reason or ""
-        reason = self._kernel_unsupported or (None if dtype in KERNEL_DTYPES else f"{dtype} activations")
-        if reason and not self._fell_back:
-            warnings.warn(f"a {self.scheme.describe()} layer runs the dense reference instead of the kernels: {reason}")
-        return not reason
+    def kernel_weight(self) -> weight_layout.KernelWeight:
+        """The packed weight re-laid for the Triton kernels: the one this layer runs where Triton
+        is its backend, else built now (not stored)."""
+        if self.backend_name == "triton":
+            return self._weight
+        return linear_backends.by_name("triton").build(self, self.case(torch.float16))
 
-    def _cpu_can_run(self) -> bool:
-        if self._fell_back:
-            return False
-        if self._cpu_unsupported is None:
-            reason = cpu_linear.unsupported_reason(self.scheme, self.in_features, self.out_features,
-                                                   getattr(self, "weight_g_idx", None))
-            self._cpu_unsupported = reason or ""
-            if reason and reason not in _REPORTED_CPU_REASONS:  # once per reason, not per layer
-                _REPORTED_CPU_REASONS.add(reason)
-                warnings.warn(f"{self.scheme.describe()} layers with {reason} run the dense reference on CPU "
-                              "(a float copy of the weight)")
-        return not self._cpu_unsupported
+    def tune(self, buckets: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Tune the backend for these row buckets now (an Engine's start-up: ``execution.tuning_buckets``);
+        how many were asked (0: the backend tunes nothing)."""
+        tune = None if self.choice is None else self.choice.backend.tune
+        return 0 if tune is None else tune(self._weight, buckets, dtype)
+
+    @property
+    def self_checks(self) -> bool:
+        """Whether the chosen backend checks itself against the reference (``runtime/selfcheck.py``)."""
+        return self.choice is not None and self.choice.backend.self_check is not None
+
+    def self_check(self, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> str | None:
+        """The chosen backend's check against the reference (raises on a failure; returns what
+        failed in part)."""
+        return self.choice.backend.self_check(self, self._weight, dtype, rows, tuned)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The dispatch point: CUDA inputs go to the fused Triton kernels, CPU inputs to the CPU kernels
-        # when materialize chose them, everything else to the reference. Rows of a shape for which
-        # the GEMM tuning found no configuration that runs and matches the reference go to the
-        # reference too (the dense weight then sits beside the kernel's for the other row counts).
-        if runs_kernels(x) and self.kernels_can_run(x.dtype):
-            from runtime.kernels import quant_matmul  # imports triton: only where kernels run
-            from runtime.kernels.matmul_tuning import NoConfiguration
-
-            if self._kernel is None or self._kernel.qweight.device != x.device:
-                self._kernel = self.kernel_weight()
+        # The dispatch point: the backend chosen at load, unless it does not take this input (another
+        # device or dtype than it was built for, a row count its tuning found no configuration for):
+        # then the reference, from a dense weight built for such inputs.
+        if self.choice is None:
+            self.materialize(x.dtype)  # never materialized (a layer used on its own): chosen at first use
+        backend = self.choice.backend
+        if backend.accepts(self._weight, x):
             try:
-                return quant_matmul.quant_matmul(x, self._kernel, self.bias)
-            except NoConfiguration as e:
-                report_untuned(str(e))
-        if self._cpu is not None and x.is_cpu:
-            return self._cpu(x, self.bias)
+                return backend.run(self._weight, x, self.bias)
+            except NotThese:
+                pass
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
-            self._dense = self.dequantized_weight(x.dtype)
+            self._dense = self.dequantized_weight(x.dtype).to(x.device)
         return reference.quant_linear(x, self._dense, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
 
 
-def report_untuned(reason: str) -> None:
-    """One warning per shape the GEMM tuning found no configuration for (``reason`` names the
-    kernel, the shape and why each candidate failed), however many layers and calls meet it."""
-    if reason not in _REPORTED_UNTUNED:
-        _REPORTED_UNTUNED.add(reason)
-        warnings.warn(f"{reason}; layers of this shape run the dense reference (dequantize + matmul) for inputs of "
-                      "this row count (its M bucket) instead (correct, slower)", stacklevel=3)
+def use_backend(module: nn.Module, name: str) -> None:
+    """Every QuantLinear in ``module`` on the backend called ``name`` (tests, benches)."""
+    for m in module.modules():
+        if isinstance(m, QuantLinear):
+            m.use_backend(name)
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
 from runtime.generate import Generation, check_prompt
 from runtime.sampling import check_sampling
-from runtime import cpu_linear, cpu_plan, native, selfcheck
+from runtime import cpu_linear, cpu_plan, linear_backends, native, selfcheck
 from runtime.linear import QuantLinear
 from quant.architectures import architecture
 from runtime.model import MLP, Attention, Decoder, DecoderConfig, RMSNorm, plain_linear
@@ -173,7 +172,8 @@ def check_quantized_shapes(decoder: Decoder, path: Path) -> None:
             )
 
 
-def narrow_float_weights(decoder: Decoder, device: torch.device, cpu_kernels: bool | None) -> set[str]:
+def narrow_float_weights(decoder: Decoder, device: torch.device, cpu_kernels: bool | None,
+                         linear_backend: str | None = None) -> set[str]:
     """The float weights a quantized model keeps in bf16 (``cpu_linear.FLOAT_WEIGHTS``) rather than
     its compute dtype: on CPU with the quantized Linears on the CPU kernels, the embedding, lm_head and
     the decoder's unquantized Linears (not a mixture's router: its top-k picks are precision-sensitive).
@@ -181,7 +181,7 @@ def narrow_float_weights(decoder: Decoder, device: torch.device, cpu_kernels: bo
     model's memory and of the bytes read per token. A Linear's weight stays float32 where its bf16
     product (or its widening) is slower than float32's on this CPU (``cpu_plan.keeps_narrow``: speed
     before memory, issue 42); a tied embedding follows lm_head. Empty elsewhere (float models, the reference)."""
-    if device.type != "cpu" or not use_cpu_kernels(cpu_kernels) or not any(
+    if device.type != "cpu" or not use_cpu_kernels(cpu_kernels, linear_backend) or not any(
             isinstance(m, QuantLinear) for m in decoder.modules()):
         return set()
     linears = {"lm_head": decoder.lm_head} if type(decoder.lm_head) is torch.nn.Linear else {}
@@ -227,24 +227,24 @@ def kv_scheme_of(manifest: dict | None, kv: KVScheme | str | None) -> KVScheme:
     return kv or saved
 
 
-CPU_KERNELS_ENV = "LOWBIT_CPU_KERNELS"  # "0": quantized Linears on CPU run the dense reference (tests)
-
-
-def use_cpu_kernels(cpu_kernels: bool | None) -> bool:
-    """``cpu_kernels`` when given, else on unless ``LOWBIT_CPU_KERNELS=0``."""
-    if cpu_kernels is not None:
-        return cpu_kernels
-    return os.environ.get(CPU_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def use_cpu_kernels(cpu_kernels: bool | None, linear_backend: str | None = None) -> bool:
+    """Whether quantized Linears on CPU may run a CPU kernel backend: not switched off
+    (``cpu_kernels=False``, ``LOWBIT_DISABLE=cpu``, ``LOWBIT_CPU_KERNELS=0``) nor another backend
+    asked for by name (``linear_backend``)."""
+    return linear_backends.may_choose("cpu", linear_backends.switched_off(cpu_kernels), linear_backend)
 
 
 def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_scheme: KVScheme | None = None,
-            self_check: bool = True, cpu_kernels: bool | None = None) -> None:
+            self_check: bool = True, cpu_kernels: bool | None = None, linear_backend: str | None = None) -> None:
     """A decoder whose weights are in, made ready to run on ``device``: what every runtime model
     goes through (``load``, and the benchmarks' random models). ``self_check``: run each kernel
     configuration it chose once against the reference (attention over ``kv_scheme``) and send
     the failed ones to the reference path (``runtime/selfcheck.py``; nothing to do on CPU).
-    ``cpu_kernels``: quantized Linears on CPU run PyTorch's weight-only kernels (bf16 activations,
-    ``runtime/cpu_linear.py``) or, False, the dense float reference (default: ``use_cpu_kernels``)."""
+    Each quantized Linear's backend is chosen here (``QuantLinear.materialize``: the first of
+    ``runtime.linear_backends.PRIORITY`` that is not switched off and takes the layer).
+    ``linear_backend``: one backend by name (``"reference"``: the dense float weight, what tests compare
+    at float32 precision; a layer it refuses raises). ``cpu_kernels=False``: the CPU kernel backends
+    switched off (as ``LOWBIT_DISABLE=cpu``), True: on whatever the environment says."""
     decoder.to(device).eval()
     decoder.join_projections()  # q/k/v and gate/up as one GEMM each: built here, never stored
     decoder.activation_dtype = dtype
@@ -254,10 +254,13 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     use_native_ops(decoder, native.load("decode_ops") if device.type == "cpu" else None, dtype)
     # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
     decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
-    cpu = use_cpu_kernels(cpu_kernels)
+    off = linear_backends.switched_off(cpu_kernels)
     for module in decoder.modules():
-        if isinstance(module, QuantLinear):
-            module.materialize(dtype, cpu)  # at load, so the first request does not pay for it
+        if isinstance(module, QuantLinear):  # chosen and built at load, so the first request does not pay for it
+            if linear_backend is None:
+                module.materialize(dtype, off)
+            else:
+                module.use_backend(linear_backend, dtype)
     for mlp in (m for m in decoder.modules() if isinstance(m, MLP) and hasattr(m, "gate_up_proj")):
         both = [mlp.gate_up_proj, getattr(mlp, mlp.names[2])]
         on_kernels = all(isinstance(p, QuantLinear) and p.on_cpu_kernel for p in both)
@@ -294,7 +297,8 @@ def run_narrow_linears(decoder: Decoder, dtype: torch.dtype) -> None:
 
 
 def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-         kv: KVScheme | str | None = None, self_check: bool = True, cpu_kernels: bool | None = None) -> Model:
+         kv: KVScheme | str | None = None, self_check: bool = True, cpu_kernels: bool | None = None,
+         linear_backend: str | None = None) -> Model:
     """Load a Hugging Face directory, a lowbit/compressed-tensors checkpoint, or an alias.
 
     ``kv`` overrides the KV-cache scheme saved with the checkpoint (``"int4"``, ``"fp16"``, a KVScheme).
@@ -302,7 +306,8 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     the reference (``runtime/selfcheck.py``); a GEMM configuration tuned at first use is still checked
     (it is kept per process for every model of its shape: ``runtime/kernels/matmul_tuning.py``). Only
     ``LOWBIT_SELF_CHECK=0`` (``lowbit --no-self-check``) skips every check.
-    ``cpu_kernels=False``: quantized Linears on CPU run the dense float reference (``prepare``).
+    ``cpu_kernels=False``: quantized Linears on CPU run the dense float reference; ``linear_backend``:
+    every quantized Linear on the backend of that name (``prepare``).
     """
     path = models.resolve(path)
     manifest = checkpoint.verify(path)  # a manifest, when present, must match every file
@@ -317,13 +322,13 @@ def load(path, device: str | torch.device = "cpu", dtype: torch.dtype | None = N
     # Build on the meta device: no memory is spent on weights that are replaced right away.
     with torch.device("meta"):
         decoder = Decoder(cfg, linear_factory(schemes))
-    narrow = narrow_float_weights(decoder, device, cpu_kernels)
+    narrow = narrow_float_weights(decoder, device, cpu_kernels, linear_backend)
     tensors = to_compute_dtype(read_checked_tensors(path, decoder, config, tied), dtype, tied, narrow)
     decoder.load_state_dict(tensors, assign=True)
     del tensors  # the modules hold them now, so prepare frees what a layer's kernel copy replaces
     check_quantized_shapes(decoder, path)
     if tied:
         decoder.lm_head.weight = decoder.model.embed_tokens.weight
-    prepare(decoder, device, dtype, kv_scheme, self_check, cpu_kernels)
+    prepare(decoder, device, dtype, kv_scheme, self_check, cpu_kernels, linear_backend)
     tokenizer = load_tokenizer(path) if any((path / f).exists() for f in TOKENIZER_FILES) else None
     return Model(decoder, config, tokenizer, device, dtype, path, kv_scheme)

@@ -181,7 +181,9 @@ def triton_version() -> str:
 
 
 def kernel_table(decoder, dtype: torch.dtype, kv_scheme=None) -> list[dict]:
-    """What runs fused and what runs the reference (and why), one row per configuration."""
+    """What runs fused and what runs the reference (and why), one row per configuration; a quantized
+    Linear's row names its backend (``runs``) and every backend its choice passed over, with why
+    (``why``; read from ``QuantLinear.choice``, not decided again)."""
     configs = cases.linear_configs(decoder, dtype) + cases.small_op_configs(decoder, dtype)
     if kv_scheme is not None:
         configs.append(cases.attention_config(decoder, dtype, kv_scheme, decoder.attention_kernels))
@@ -189,8 +191,11 @@ def kernel_table(decoder, dtype: torch.dtype, kv_scheme=None) -> list[dict]:
     for c in configs:
         failed = _OUTCOMES.get(c.key)
         why = _PARTLY.get(c.key) if c.fused else (f"fell back: {failed}" if failed else c.why_not)
-        rows.append({"kernel": c.kernel, "configuration": c.config, "runs": "fused" if c.fused else c.instead,
-                     "reference": c.reference, "why": why})
+        if c.backend is not None and c.fused and c.why_not:  # a Linear on Triton: what it passed over too
+            why = "; ".join(filter(None, (why, c.why_not)))
+        runs = c.backend or ("fused" if c.fused else c.instead)  # a Linear: its backend, from its choice
+        rows.append({"kernel": c.kernel, "configuration": c.config, "runs": runs, "reference": c.reference,
+                     "why": why})
     return rows
 
 

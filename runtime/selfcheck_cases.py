@@ -22,7 +22,6 @@ from runtime.tolerances import Mismatch, compare, poison
 LINEAR_ROWS = (1, 5, 40, 65)  # an M per launch regime of matmul_configs.candidate_configs (65: a masked 128-row tile)
 CHECKED_OUTPUTS = 256  # output rows of a large Linear the reference computes, at each end
 CPU_ONLY = "kernels run on CUDA only; this device runs the reference"
-CPU_LINEAR = "kernels run on CUDA only; this device runs PyTorch's CPU weight-only kernel (runtime/cpu_linear.py)"
 
 
 @dataclass
@@ -39,6 +38,7 @@ class Config:
     check: Callable[[], str | None] | None = None  # raises when it fails; may return what failed in part
     fall_back: Callable[[str], None] | None = None
     instead: str = "reference"  # what runs when it is not fused
+    backend: str | None = None  # a quantized Linear's chosen backend (runtime/linear_backends/)
 
     @property
     def checkable(self) -> bool:
@@ -62,36 +62,33 @@ def linear_configs(decoder, dtype: torch.dtype, tuned_up_to: int | None = None) 
     """One configuration per distinct quantized Linear (layers of one shape share it). Checked at
     the first row count of each M regime on its default launch configuration, or, ``tuned_up_to``
     (an Engine), at every M bucket up to it (or at the buckets it lists) on the configuration tuned for it."""
-    from runtime.linear import QuantLinear, runs_kernels
+    from runtime.linear import QuantLinear
 
     groups: dict[tuple, list] = {}
     names: dict[tuple, set] = {}
     for name, m in decoder.named_modules():
         if isinstance(m, QuantLinear):
+            if m.choice is None:
+                m.materialize(dtype)  # (prepare chose every layer's backend; a decoder built by hand had not)
             shape = (m.scheme.describe(), m.out_features, m.in_features, m.bias is not None,
                      hasattr(m, "weight_g_idx"), dtype_name(m.weight_scale.dtype))
-            groups.setdefault(shape, []).append(m)
-            names.setdefault(shape, set()).add(name.rsplit(".", 1)[-1])
+            groups.setdefault((shape, m.backend_name), []).append(m)
+            names.setdefault((shape, m.backend_name), set()).add(name.rsplit(".", 1)[-1])
     configs = []
-    for shape, layers in groups.items():
+    for (shape, backend), layers in groups.items():
         first = layers[0]
         device = first.weight_scale.device  # (on CPU the packed codes may live in the CPU kernel's copy)
-        on_kernels = runs_kernels(first.weight_scale)
-        fused = on_kernels and first.kernels_can_run(dtype)
         description = (f"{shape[0]}, {shape[2]}->{shape[1]}{', bias' if shape[3] else ''}"
-                       f"{', act-order' if shape[4] else ''}, {dtype_name(dtype)}: {'/'.join(sorted(names[shape]))}"
-                       f" x{len(layers)}")
-        cpu_kernel = first.on_cpu_kernel
-        why = None if fused else (first._kernel_unsupported or (
-            f"{dtype_name(dtype)} activations (the kernels take float16 and bfloat16)" if on_kernels else
-            CPU_LINEAR if cpu_kernel else CPU_ONLY))
+                       f"{', act-order' if shape[4] else ''}, {dtype_name(dtype)}: "
+                       f"{'/'.join(sorted(names[shape, backend]))} x{len(layers)}")
         rows = _tuned_rows(tuned_up_to) if tuned_up_to else LINEAR_ROWS
         configs.append(Config(
             "quant_matmul", description, "dequantize + matmul",
-            ("linear", shape, dtype, "tuned" if tuned_up_to else "default", rows, device), fused, why,
-            check=lambda first=first, rows=rows: check_linear(first, dtype, rows, tuned=bool(tuned_up_to)),
-            fall_back=lambda reason, layers=layers: _linears_fall_back(layers, reason, dtype),
-            instead="cpu kernel" if cpu_kernel and not fused else "reference"))
+            ("linear", shape, dtype, "tuned" if tuned_up_to else "default", rows, device), first.self_checks,
+            passed_over(first.choice),
+            check=lambda first=first, rows=rows: first.self_check(dtype, rows, tuned=bool(tuned_up_to)),
+            fall_back=lambda reason, layers=layers: _linears_fall_back(layers, reason),
+            instead=backend, backend=backend))
     return configs
 
 
@@ -102,14 +99,19 @@ def _tuned_rows(tuned: int | tuple[int, ...]) -> tuple[int, ...]:
     return tuning_buckets(tuned) if isinstance(tuned, int) else tuple(tuned)
 
 
-def _linears_fall_back(layers, reason: str, dtype: torch.dtype) -> None:
+def _linears_fall_back(layers, reason: str) -> None:
     for layer in layers:
-        layer.fall_back(reason)
-        layer.materialize(dtype)  # the dense weight now, so the first request does not build it
+        layer.fall_back(reason)  # the next backend's weight built now, so the first request does not build it
 
 
-def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> str | None:
-    """The kernel's ``x @ W.T + b`` at each row count against float64 over the dequantized weight.
+def passed_over(choice) -> str | None:
+    """The backends a Linear's choice passed over and why, as ``lowbit doctor`` prints them."""
+    return "; ".join(f"{r.name}: {r.reason}" for r in choice.rejected) or None
+
+
+def check_linear(layer, kw, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> str | None:
+    """The Triton kernel's ``x @ W.T + b`` on ``layer``'s kernel weight ``kw`` at each row count
+    against float64 over the dequantized weight (the Triton backend's self-check hook).
 
     ``tuned`` (an Engine): the configuration tuned for each row count (one whose tuning found none
     is skipped: its rows run the reference); a failure raises. Otherwise each row count stands for
@@ -122,7 +124,6 @@ def check_linear(layer, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) 
     from runtime.kernels import quant_matmul as qm
     from runtime.kernels.matmul_configs import candidate_configs
 
-    kw = layer._kernel if layer._kernel is not None else layer.kernel_weight()
     bias = None if layer.bias is None else layer.bias.detach()
     device = layer.weight_scale.device
     outputs = _checked_outputs(layer.out_features, 32 // layer.scheme.bits)
