@@ -2,12 +2,14 @@
 
 Every forward hands each layer one *batch*, and ``runtime.model.Attention`` makes one call,
 ``batch.attend(layer, q, k, v, window)``. The batch knows the cache rows, the positions and
-the backend: the Triton kernels reading and writing the quantized cache in place
-(``runtime/kernels/attention.py``; CUDA, or the interpreter in tests), or the PyTorch
-reference (store, read back dequantized, SDPA). The backend is chosen once: at load for the
-model (``Decoder.attention_kernels``: on where Triton runs, see ``runtime.load.prepare``) and
-so for ``Model.generate``; at start-up for an Engine (:func:`kernels_for`, by default the
-model's choice), which then hands the same choice to every forward.
+the attention backend (``runtime/attention_backends/``): the Triton kernels reading and writing
+the quantized cache in place (``runtime/kernels/attention.py``; CUDA, or the interpreter in
+tests), the CPU decode paths over the stored codes (``cpu-native``, ``cpu-folded``: one call per
+layer of a decode step), or the PyTorch reference (store, read back dequantized, SDPA). The
+backend is chosen once by ``runtime.backend.choose`` over ``attention_backends.PRIORITY``: per
+model and cache scheme (:func:`model_attention`: at load for the model's own scheme, which is
+``Decoder.attention``; a ``LockstepCache`` of another scheme at its first forward) and per Engine
+(:func:`engine_attention`), which then hands the same backend to every forward.
 
 * :class:`NoCache`: a plain forward from position 0 (perplexity): causal SDPA;
 * :class:`WholeCache`: a ``LockstepCache``, whose rows advance together (evals, the speed bench);
@@ -28,47 +30,98 @@ import warnings
 import torch
 
 from kvquant import KVScheme
+from runtime.attention_backends import TRITON, AttentionBackend, backend_named, case_of, choose_attention
+from runtime.attention_backends.triton import KERNELS_DO_NOT, SOFTCAP
 from runtime.attention_math import attention_mask, sdpa, varlen_attention  # the math the batches share
+from runtime.backend import Choice, disabled
 from runtime.cache import KVCache
 from runtime.cache_lockstep import LockstepCache
-from runtime.cpu_attention import decode_attention
 from runtime.kernels import kv_reference as ref
 
 
 def no_softcap_kernels(softcap) -> None:
     if softcap is not None:
-        raise ValueError("the Triton attention kernels have no attention-logit soft-capping (Gemma 2): run this "
-                         "model on the PyTorch reference (attention='reference'; lowbit picks it by default)")
+        raise ValueError(SOFTCAP)
 
 
-def kernels_for(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device: torch.device,
-                attention: str = "auto", model_choice: bool | None = None) -> bool:
-    """Whether the Triton attention kernels serve this cache: ``auto`` when the model chose them
-    (``model_choice``; None: on CUDA) and they take this cache (else the reference, with a
-    warning), ``triton`` always (an error if they cannot; on CPU it needs the interpreter),
-    ``reference`` never. An Engine then checks the chosen kernels over its cache against the
-    reference once (``runtime.selfcheck.check_engine``): a failure sends it to the reference with
-    a warning, or with ``triton`` is an error."""
-    if attention not in ("auto", "triton", "reference"):
-        raise ValueError(f"attention must be auto, triton or reference, got {attention!r}")
-    wanted = device.type == "cuda" if model_choice is None else model_choice
-    if attention == "reference" or (attention == "auto" and not wanted):
-        return False
-    from runtime.kernels.attention import unsupported_reason
-
-    reason = unsupported_reason(scheme, head_dim, dtype, device)
-    if reason is None:
-        return True
-    if attention == "triton":
-        raise ValueError(f"KV cache {scheme.name}: the Triton attention kernels do not support {reason}")
-    warnings.warn(f"KV cache {scheme.name}: no attention kernel for {reason} on {device}; the PyTorch reference "
-                  "runs instead (correct, slow)")
-    return False
+def model_attention(decoder, scheme: KVScheme, dtype: torch.dtype, device) -> Choice:
+    """The decoder's attention backend over a ``scheme`` cache of ``dtype`` floats on ``device``:
+    chosen once per (scheme, dtype, device, ``LOWBIT_DISABLE``, what the decoder asked for and
+    passed over: ``Decoder.attention_asked``, ``attention_off``) and kept on the decoder, so a
+    forward's look-up is one dict read. A backend asked for by name that cannot run the cache is a
+    ValueError saying why (e.g. the Triton kernels on Gemma 2's soft-capping)."""
+    key = (scheme, dtype, torch.device(device).type, disabled(), decoder.attention_asked, decoder.attention_off)
+    choices = decoder.__dict__.setdefault("_attention_choices", {})
+    if key not in choices:
+        choices[key] = choose_attention(_case(decoder, scheme, dtype, device, decoder.attention_asked == "triton"),
+                                        decoder.attention_asked, dict(decoder.attention_off))
+    return choices[key]
 
 
-def as_batch(cache, start: int | torch.Tensor, length: int, kernels: bool):
+def _case(decoder, scheme, dtype, device, interpret: bool):
+    cfg = decoder.cfg
+    return case_of(scheme, cfg.head_dim, dtype, device, softcap=cfg.attn_softcap is not None,
+                   sliding=any(w is not None for w in cfg.sliding_windows), interpret=interpret)
+
+
+def pass_over(decoder, name: str, reason: str) -> None:
+    """The decoder's attention no longer runs backend ``name`` (``reason``: e.g. its self-check
+    failed over the model's own cache); its choices are made again without it."""
+    if decoder.attention_asked == name:
+        decoder.attention_asked = "auto"
+    decoder.attention_off = (*((n, r) for n, r in decoder.attention_off if n != name), (name, reason))
+
+
+def engine_attention(decoder, scheme: KVScheme, dtype: torch.dtype, device, attention: str = "auto",
+                     failed: dict[str, str] | None = None) -> Choice:
+    """An Engine's attention backend over its ``scheme`` cache: ``auto`` the priority list as the
+    model chose (the Triton interpreter on CPU only when the model asked for it; the backends the
+    model passed over stay passed over; a cache the Triton kernels do not take, where the model runs
+    them, warns that another backend runs), or a backend's name (``triton``, ``cpu-native``,
+    ``cpu-folded``, ``reference``): that one, a ValueError when it cannot. ``failed``: backends
+    whose self-check failed over this cache (``runtime.selfcheck.check_engine``), with what failed.
+    The Engine then checks the chosen Triton kernels over its cache against the reference once: a
+    failure sends it to the next backend with a warning, or with ``triton`` is an error."""
+    if attention != "auto":
+        backend_named(attention)
+        case = _case(decoder, scheme, dtype, device, interpret=attention == "triton")
+        return choose_attention(case, attention, failed)
+    passed = {**dict(decoder.attention_off), **(failed or {})}
+    case = _case(decoder, scheme, dtype, device, interpret=decoder.attention_asked == "triton")
+    choice = choose_attention(case, "auto", passed)
+    refused = next((r.reason for r in choice.rejected if r.name == TRITON.name), "")
+    if refused.startswith(KERNELS_DO_NOT):
+        warnings.warn(f"KV cache {scheme.name}: no attention kernel for {refused.removeprefix(KERNELS_DO_NOT)} on "
+                      f"{torch.device(device)}; {choice.name} runs instead (correct, slower)", stacklevel=2)
+    return choice
+
+
+def as_backend(kernels, cache) -> AttentionBackend:
+    """A batch's backend: the one given, or from a bool as older callers pass it
+    (``runtime.execution``'s CUDA-graph view, ``runtime.generate``): True the Triton kernels,
+    False the cache's choice without them (made once per scheme, dtype, device and switches)."""
+    if isinstance(kernels, AttentionBackend):
+        return kernels
+    if kernels:
+        return TRITON
+    return _without_triton(cache.scheme, cache.head_dim, cache.dtype, cache.device.type, disabled()).backend
+
+
+@functools.cache
+def _without_triton(scheme, head_dim, dtype, device, off) -> Choice:
+    return choose_attention(case_of(scheme, head_dim, dtype, device), "auto", {TRITON.name: "not asked for"}, off)
+
+
+def decode_attention(backend: AttentionBackend, paged, q, lengths, window, softcap, step) -> torch.Tensor:
+    """A CPU decode step's attention for one layer: the backend's ``decode`` (one call, so
+    ``bench/cpu_overhead_kinds.py`` times attention math by this name)."""
+    return backend.decode(paged, q, lengths, window, softcap, step)
+
+
+def as_batch(cache, start: int | torch.Tensor, length: int, decoder):
     """The batch a ``Decoder.forward`` hands its layers: ``cache`` itself when it is one, else a
-    view of a ``LockstepCache`` (or of none) at ``start`` for ``length`` new tokens."""
+    view of a ``LockstepCache`` (or of none) at ``start`` for ``length`` new tokens, on the
+    decoder's attention backend for that cache (:func:`model_attention`)."""
     if cache is None:
         if isinstance(start, torch.Tensor) or start:
             raise ValueError("a forward from a position other than 0 needs the KV cache")
@@ -76,7 +129,8 @@ def as_batch(cache, start: int | torch.Tensor, length: int, kernels: bool):
     if isinstance(cache, LockstepCache):
         if isinstance(start, torch.Tensor):
             raise ValueError("a LockstepCache advances all its rows together: per-sequence starts need a SequenceBatch")
-        return WholeCache(cache, start, length, kernels)
+        backend = model_attention(decoder, cache.scheme, cache.dtype, cache.device).backend
+        return WholeCache(cache, start, length, backend)
     return cache
 
 
@@ -100,26 +154,24 @@ class NoCache(Batch):
 
 
 class WholeCache(Batch):
-    """Every row of a ``LockstepCache`` at one ``start``: the kernels store and attend in place
-    (``kv_reference.cache_attention`` on their ops), or ``LockstepCache.update`` + SDPA. The kernels
-    serve the caches they support (dtype, head_dim, block and group sizes); others take the
-    reference, decided here once per forward."""
+    """Every row of a ``LockstepCache`` at one ``start``, on ``backend`` (an ``AttentionBackend``, or
+    a bool: :func:`as_backend`): the Triton kernels store and attend in place
+    (``kv_reference.cache_attention`` on their ops); a CPU backend's decode step stores the new
+    token and attends over the stored codes; otherwise ``LockstepCache.update`` + SDPA."""
 
-    def __init__(self, cache: LockstepCache, start: int, length: int, kernels: bool):
+    def __init__(self, cache: LockstepCache, start: int, length: int, backend):
         self.cache, self.start, self.length = cache, start, length
-        if kernels:
-            from runtime.kernels.attention import supported
-
-            kernels = supported(cache.scheme, cache.head_dim, cache.dtype, cache.device)
-        self.kernels = kernels
+        self.backend = as_backend(backend, cache)
+        self.kernels = self.backend.in_place
         # what every layer of the step shares, worked out once per step (a CPU decode step is
         # dispatch-bound: per-layer host work is 30 times this): the lengths once the new
-        # positions are stored, whether the step attends over the stored codes, each window's mask
+        # positions are stored, whether the step attends over the stored codes (the backend's
+        # way, unless the cache was set to read back: PagedCache.folded_decode), each window's mask
         self.lengths = [start + length] * cache.batch
-        self.folded = length == 1 and cache.folded_decode
+        self.folded = length == 1 and self.backend.on_codes and cache.folded_decode
         self.rows = range(cache.batch)
         self._masks: dict = {}
-        self._step: dict = {}  # what decode_attention keeps for every layer of the step
+        self._step: dict = {}  # what the backend's decode keeps for every layer of the step
 
     def mask(self, window, device):
         """:func:`attention_mask` of this step for a layer of ``window`` (the same for every such layer)."""
@@ -141,8 +193,8 @@ class WholeCache(Batch):
             cache.finish_write(layer, end)
             if in_residual(cache, self.lengths, window, q):
                 return residual_attention(cache, layer, slice(None), self.lengths, q, softcap)
-            return decode_attention(ref.PagedKV.from_cache(cache, layer), q, self.lengths, window, softcap,
-                                    step=self._step)
+            return decode_attention(self.backend, ref.PagedKV.from_cache(cache, layer), q, self.lengths, window,
+                                    softcap, self._step)
         keys, values = self.cache.update(layer, self.start, k, v)
         return sdpa(q, keys, values, self.mask(window, q.device), softcap)
 
@@ -151,9 +203,11 @@ class SequenceBatch(Batch):
     """Rows ``first .. first+count`` of the cache, sequence ``i`` writing at ``starts[i]``: what
     one decode forward of the engine reads and writes.
 
-    ``kernels``: the Triton ops over views of the cache tensors. Otherwise each sequence stores
-    its keys and values, reads back all of its cache dequantized and runs SDPA, exactly as the
-    lockstep cache (``LockstepCache.update`` + SDPA) does. ``starts_tensor`` and ``lengths``: ``starts``
+    ``kernels``: an ``AttentionBackend`` (or a bool, :func:`as_backend`). The Triton ops run over
+    views of the cache tensors; a CPU backend's decode step stores every row's token and attends
+    over the stored codes in one call per layer. Otherwise (and for a prefill chunk off the
+    kernels) each sequence stores its keys and values, reads back all of its cache dequantized and
+    runs SDPA, exactly as the lockstep cache (``LockstepCache.update`` + SDPA) does. ``starts_tensor`` and ``lengths``: ``starts``
     on the device, and ``starts + T`` (decode: given by the caller, so no layer computes them).
 
     On the kernels a decode step writes its keys and values in the RoPE launch
@@ -161,10 +215,12 @@ class SequenceBatch(Batch):
     step?) False skips the block-write launch; None: it runs, finding nothing to do or not.
     """
 
-    def __init__(self, cache: KVCache, first: int, starts: list[int], kernels: bool,
+    def __init__(self, cache: KVCache, first: int, starts: list[int], kernels,
                  starts_tensor: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                  max_seq_len: int | None = None, fills: bool | None = None):
-        self.cache, self.first, self.starts, self.kernels = cache, first, starts, kernels
+        self.cache, self.first, self.starts = cache, first, starts
+        self.backend = as_backend(kernels, cache)
+        self.kernels = self.backend.in_place
         self.count = len(starts)
         self.starts_tensor = starts_tensor if starts_tensor is not None else torch.tensor(
             starts, dtype=torch.int32, device=cache.device)
@@ -199,7 +255,7 @@ class SequenceBatch(Batch):
             write = dict(blocks=self.fills is not False, residual=layer not in self._stored)
             return kernel_attention(self.cache, layer, self._rows(), self.starts_tensor, q, k, v, window,
                                     self.max_seq_len, start, self.lengths, write)
-        if k.shape[2] == 1 and self.cache.folded_decode:  # a decode step: every row over its stored codes
+        if k.shape[2] == 1 and self.backend.on_codes and self.cache.folded_decode:  # every row over its codes
             step = self._decode_step()
             self.cache.store_decode(layer, self.first, self.starts, k, v, self.starts_tensor, at=step["at"])
             if in_residual(self.cache, step["lengths"], window, q):
@@ -208,8 +264,8 @@ class SequenceBatch(Batch):
                     step["mask"] = residual_mask(step["lengths"], q.device, on_device)
                 return residual_attention(self.cache, layer, self._rows(), step["lengths"], q, softcap,
                                           mask=step["mask"])
-            return decode_attention(ref.PagedKV.from_cache(self.cache, layer, self._rows()), q, step["lengths"],
-                                    window, softcap, step=step)
+            return decode_attention(self.backend, ref.PagedKV.from_cache(self.cache, layer, self._rows()), q,
+                                    step["lengths"], window, softcap, step)
         return torch.cat([reference_attention(self.cache, layer, self.first + i, self.starts[i], q[i:i + 1], k[i],
                                               v[i], window, softcap) for i in range(self.count)])
 
@@ -228,8 +284,9 @@ class PackedBatch(Batch):
     """
 
     def __init__(self, cache: KVCache, slots: list[int], starts: list[int], token_ids: list[list[int]],
-                 kernels: bool):
-        self.cache, self.slots, self.starts, self.kernels = cache, slots, starts, kernels
+                 kernels):
+        self.cache, self.slots, self.starts = cache, slots, starts
+        self.kernels = as_backend(kernels, cache).in_place
         self.query_lengths = [len(t) for t in token_ids]
         self.key_lengths = [s + n for s, n in zip(starts, self.query_lengths)]  # earlier positions + the chunk
         ends = list(itertools.accumulate(self.query_lengths))

@@ -32,12 +32,14 @@ float32 rounding (summation order differs; tests/test_cpu_attention.py). Which s
 path: :func:`grids` (integer families: int8, kivi, kv-split); FP8 and the unquantized cache keep
 the reference.
 
-The same algebra runs compiled (``runtime/native/kv_attention.cpp``, :func:`_native_kernel` says
-when: float32 models, the default int8/int4 layouts and the unquantized cache): one pass per (KV
-head x sequence) row, in parallel, reading codes, scales and zero points from the pool's pages
-through the block table (nothing gathered, no float codes written: a token's codes are widened
-in registers). The PyTorch code below is its reference and the fallback (no compiler,
-``LOWBIT_NATIVE=0``, the layouts it does not walk).
+The same algebra runs compiled (``runtime/native/kv_attention.cpp``, :func:`native_attention`; the
+layouts it walks: :func:`native_refusal`): one pass per (KV head x sequence) row, in parallel,
+reading codes, scales and zero points from the pool's pages through the block table (nothing
+gathered, no float codes written: a token's codes are widened in registers). Which of the two runs
+is the attention backend's choice (``runtime/attention_backends/``: ``cpu-native``, then
+``cpu-folded``, made once per model and cache scheme); the PyTorch code below is the compiled
+kernel's reference and the fallback (no compiler, ``LOWBIT_NATIVE=0`` or ``LOWBIT_DISABLE=cpu-native``,
+the layouts it does not walk).
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ def folds(scheme: KVScheme, head_dim: int) -> bool:
 
 
 def decodes(scheme: KVScheme, head_dim: int) -> bool:
-    """Whether :func:`decode_attention` serves this scheme's cache: the integer ones it folds, and
-    the unquantized one (its stored floats are read as they are: one batched call per layer
-    instead of a read-back and an SDPA per sequence). FP8 keeps the reference path."""
+    """Whether decode steps over this scheme's cache attend over what it stores, one call per layer
+    (the ``cpu-folded`` backend's cases): the integer ones it folds, and the unquantized one (its
+    stored floats are read as they are: one batched call per layer instead of a read-back and an
+    SDPA per sequence). FP8 keeps the reference path."""
     return not scheme.quantized or folds(scheme, head_dim)
 
 
@@ -88,21 +91,17 @@ def decodes(scheme: KVScheme, head_dim: int) -> bool:
 CHUNK_FLOATS = 1 << 20
 
 
-def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
-                     softcap: float | None = None, step: dict | None = None) -> torch.Tensor:
-    """Attention of one new token per sequence over everything the cache holds for it.
+def folded_attention(paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over everything the cache holds for it, by PyTorch
+    ops over the stored codes (the ``cpu-folded`` backend, ``runtime/attention_backends/``).
 
     ``paged``: ``runtime.kernels.kv_reference.PagedKV`` of one layer and the batch's rows (the new
     token already stored: :meth:`runtime.cache_paged.PagedCache.store`); ``q`` [S, Hq, 1, D];
     ``lengths[i]``: positions sequence ``i`` holds, the new one included; ``window``: the layer's
     sliding window (positions before ``length - window`` are not read; a ring may have dropped
-    them). ``softcap``: scores through ``softcap * tanh(s / softcap)`` (Gemma 2). ``step``: a dict
-    that lives one decode step (every layer's call with these ``lengths``), where the compiled
-    path keeps what all its layers share (the lengths as a tensor): a CPU decode step is
-    dispatch-bound, so per-layer host work counts 30 times. [S, Hq, 1, D] in ``q``'s dtype."""
-    kernel = _native_kernel(paged, q)
-    if kernel is not None:
-        return _native_attention(kernel, paged, q, lengths, window, softcap, step)
+    them). ``softcap``: scores through ``softcap * tanh(s / softcap)`` (Gemma 2). [S, Hq, 1, D]
+    in ``q``'s dtype."""
     S, Hq, _, D = q.shape
     H, B = paged.residual_k.shape[1], paged.block_size
     nq, R = Hq // H, H * S
@@ -135,38 +134,45 @@ def decode_attention(paged, q: torch.Tensor, lengths: list[int], window: int | N
     return out.view(H, S, nq, D).transpose(0, 1).reshape(S, Hq, 1, D).to(q.dtype)
 
 
-def _native_kernel(paged, q: torch.Tensor):
-    """The compiled kernel (``runtime/native/kv_attention.cpp``) when it serves this call, else None:
-    float32 model, head_dim and block size multiples of 16 (head_dim <= 256), key groups of whole
-    16-token tiles, a token's codes whole 16-byte chunks, value channel groups of whole chunks; the
-    float (unquantized) pool and every integer scheme :func:`grids` accepts that fits."""
-    if not _native_fits(paged.scheme, q.shape[-1], q.dtype, paged.dtype, paged.k.data.dtype):
-        return None
-    from runtime import native
-
-    return native.load("kv_attention")
-
-
-@functools.cache  # decided once per (scheme, head_dim, dtypes), not per layer of every step
-def _native_fits(scheme: KVScheme, D: int, q_dtype: torch.dtype, dtype: torch.dtype, data_dtype: torch.dtype) -> bool:
-    """Whether the compiled kernel walks this layout (:func:`_native_kernel`'s conditions)."""
+@functools.cache  # decided once per (scheme, head_dim, dtypes): a backend's refusal, asked at its choice
+def native_refusal(scheme: KVScheme, D: int, dtype: torch.dtype, data_dtype: torch.dtype) -> str | None:
+    """Why the compiled kernel (``runtime/native/kv_attention.cpp``) does not walk this cache's
+    layout, or None when it does: float32 model, head_dim and block size multiples of 16 (head_dim
+    <= 256), key groups of whole 16-token tiles, a token's codes whole 16-byte chunks, value
+    channel groups of whole chunks; the float (unquantized) pool and every integer scheme
+    :func:`grids` accepts that fits. ``data_dtype``: how the pool stores a block (the layout)."""
     B = scheme.block_size
-    if q_dtype != torch.float32 or dtype != torch.float32 or D % 16 or D > 256 or B % 16:
-        return False
+    if dtype != torch.float32:
+        return f"model dtype {dtype} (the kernel takes float32 models)"
+    if D % 16 or D > 256:
+        return f"head_dim {D} (the kernel takes multiples of 16 up to 256)"
+    if B % 16:
+        return f"block size (residual) {B} (the kernel takes multiples of 16)"
     grid = grids(scheme, D)
     if grid is None:
-        return not scheme.quantized and data_dtype == torch.float32
+        if scheme.quantized:
+            return f"the {scheme.definition.name} family (the kernel reads integer codes and float32 pools)"
+        return None if data_dtype == torch.float32 else f"an unquantized pool stored as {data_dtype}"
     keys, values = grid
     groups = 1 if values.group is None else D // values.group
     chunks = D * values.bits // 128  # 16-byte chunks of a token's value codes
-    return not ((keys.over_tokens and keys.group % 16) or D * keys.bits % 128 or chunks % groups or not chunks
-                or B * groups > 4096)
+    if keys.over_tokens and keys.group % 16:
+        return f"key groups of {keys.group} tokens (the kernel takes whole 16-token tiles)"
+    if D * keys.bits % 128 or not chunks or chunks % groups:
+        return "a token's codes or a value channel group not whole 16-byte chunks"
+    if B * groups > 4096:
+        return f"{B} tokens x {groups} value groups per block (the kernel takes up to 4096)"
+    return None
 
 
-def _native_attention(kernel, paged, q: torch.Tensor, lengths: list[int], window: int | None,
-                      softcap: float | None, step: dict | None = None) -> torch.Tensor:
-    """:func:`decode_attention` by the compiled kernel: one pass per (KV head x sequence) row over
-    the pool's pages through the block table (nothing gathered, no float codes written)."""
+def native_attention(kernel, paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
+                     softcap: float | None = None, step: dict | None = None) -> torch.Tensor:
+    """:func:`folded_attention` by the compiled kernel ``kernel`` (``runtime.native.load("kv_attention")``;
+    the ``cpu-native`` backend, on the layouts :func:`native_refusal` accepts): one pass per (KV
+    head x sequence) row over the pool's pages through the block table (nothing gathered, no float
+    codes written). ``step``: a dict that lives one decode step (every layer's call with these
+    ``lengths``), where what all its layers share is kept (the lengths as a tensor): a CPU decode
+    step is dispatch-bound, so per-layer host work counts 30 times."""
     S, Hq, _, D = q.shape
     H = paged.residual_k.shape[1]
     key_grid, value_grid = grids(paged.scheme, D) or (None, None)

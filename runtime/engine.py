@@ -46,7 +46,7 @@ import itertools
 import time
 
 from kvquant import KVScheme, parse_kv
-from runtime.attention import kernels_for
+from runtime.attention import engine_attention
 from runtime.cache import KVCache, cache_size
 from runtime.execution import Executor, sample_tokens, tuning_buckets, warm_matmul_tuning
 from runtime.generate import check_prompt
@@ -70,7 +70,8 @@ class Engine:
     sequences of ``max_len`` tokens. ``max_batch``: the most sequences running at once (cache
     slots). ``max_len``: the longest sequence, prompt and output (default and upper bound: the
     model's context). ``kv``: the cache scheme (default: the model's). ``prefill_chunk``: prompt
-    tokens prefilled per step. ``attention``: see :func:`runtime.attention.kernels_for`. ``cuda_graphs``: capture
+    tokens prefilled per step. ``attention``: ``auto`` or a backend's name (``runtime.attention.engine_attention``;
+    ``stats()["attention_backend"]`` names the one chosen). ``cuda_graphs``: capture
     the decode step per batch-size bucket (CUDA with the attention kernels only; default on there).
     ``tune_rows``: the row counts the steps will take (decode batch sizes, packed prefill lengths),
     whose GEMM buckets alone are tuned and self-checked at start-up (CUDA); default: every bucket up
@@ -98,8 +99,9 @@ class Engine:
         scheme = parse_kv(kv, default=model.kv_scheme) if isinstance(kv, str) else (kv or model.kv_scheme)
         scheme.check_head_dim(cfg.head_dim)
         self.model, self.max_len, self.prefill_chunk = model, max_len, prefill_chunk
-        self.kernels = kernels_for(scheme, cfg.head_dim, model.dtype, model.device, attention,
-                                   model.decoder.attention_kernels)
+        # the attention backend over this cache, chosen once (runtime/attention_backends/; stats() names it)
+        self.attention = engine_attention(model.decoder, scheme, model.dtype, model.device, attention)
+        self.kernels = self.attention.backend.in_place
 
         self.kv_budget, num_blocks = cache_size(model, scheme, kv_memory, max_batch, max_len)
         self.cache = KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, cfg.head_dim, max_len, model.dtype,
@@ -116,11 +118,16 @@ class Engine:
         if model.device.type == "cuda":  # tune every GEMM shape the steps will take before the first request
             warm_matmul_tuning(model.decoder, max(max_batch, prefill_chunk), tune_rows)
         # before the graphs capture them: the tuned GEMMs and this cache's attention against the reference
-        self.kernels = check_engine(model, scheme, self.kernels, attention == "triton", self.tuned_buckets)
+        kept = check_engine(model, scheme, self.kernels, attention == "triton", self.tuned_buckets)
+        if self.kernels and not kept:  # the Triton kernels failed over this cache (warned): the next backend
+            self.attention = engine_attention(model.decoder, scheme, model.dtype, model.device, attention,
+                                              failed={"triton": "over this cache (see its warning)"})
+            self.kernels = False
         use_graphs = cuda_graphs if cuda_graphs is not None else model.device.type == "cuda" and self.kernels
         if use_graphs and (model.device.type != "cuda" or not self.kernels):
             raise ValueError("cuda_graphs needs a CUDA model and the Triton attention kernels")
-        self.executor = checked_capture(lambda graphs: Executor(model.decoder, self.cache, self.kernels, graphs),
+        self.executor = checked_capture(lambda graphs: Executor(model.decoder, self.cache, self.attention.backend,
+                                                                graphs),
                                         bool(use_graphs), model.decoder)
 
     # ------------------------------------------------------------------ public
@@ -257,7 +264,7 @@ class Engine:
             num_blocks=cache.num_blocks if cache else None, block_size=cache.block_size if cache else None,
             max_batch=cache.batch if cache else None, capacity_tokens=self.capacity_tokens if cache else None,
             sequences_at_max_len=self.sequences_at(self.max_len) if cache else None,
-            attention="triton" if self.kernels else "reference",
+            attention="triton" if self.kernels else "reference", attention_backend=self.attention.name,
             cuda_graph_buckets=self.executor.graphs.buckets if self.executor and self.executor.graphs else [],
         )
 

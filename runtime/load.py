@@ -252,8 +252,10 @@ def prepare(decoder: Decoder, device: torch.device, dtype: torch.dtype, kv_schem
     decoder.use_kernels(device.type == "cuda")  # the fused small ops where Triton runs
     # on CPU their native counterparts where they build (None with LOWBIT_NATIVE=0: PyTorch)
     use_native_ops(decoder, native.load("decode_ops") if device.type == "cpu" else None, dtype)
-    # the attention backend, chosen once (runtime.attention); the kernels have no soft-capping (Gemma 2)
-    decoder.attention_kernels = device.type == "cuda" and decoder.cfg.attn_softcap is None
+    # the attention backend over the model's cache, chosen once here (runtime.attention.model_attention:
+    # the priority list of runtime/attention_backends/; the choice is Decoder.attention)
+    decoder.kv_scheme = kv_scheme
+    decoder.attention  # noqa: B018 (chosen now: a native kernel is built at load, not at the first request)
     off = linear_backends.switched_off(cpu_kernels)
     for module in decoder.modules():
         if isinstance(module, QuantLinear):  # chosen and built at load, so the first request does not pay for it

@@ -297,7 +297,11 @@ class Body(nn.Module):
 
 
 class Decoder(nn.Module):
-    attention_kernels = False  # the Triton attention kernels over the KV cache (runtime.load.prepare), else PyTorch
+    # the attention backend (runtime/attention_backends/), chosen once per cache scheme by
+    # runtime.attention.model_attention from what is asked for and passed over here
+    kv_scheme = None  # the model's own KV cache scheme (runtime.load.prepare); None: the default scheme
+    attention_asked = "auto"  # "auto" (the priority list decides) or a backend's name
+    attention_off: tuple = ()  # (name, why) of backends passed over for this model (a failed self-check)
     activation_dtype: torch.dtype | None = None  # set by runtime.load.prepare; None: the embedding's dtype
 
     def __init__(self, cfg: DecoderConfig, make_linear: LinearFactory = plain_linear):
@@ -308,6 +312,33 @@ class Decoder(nn.Module):
         # the full-attention layers' RoPE, then the sliding layers' where it differs (Block.rope_index)
         self.ropes = nn.ModuleList(Rope(r, cfg.head_dim, cfg.max_positions)
                                    for r in (cfg.rope, cfg.local_rope) if r is not None)
+
+    @property
+    def attention(self):
+        """The attention backend's choice over the model's own cache (``runtime.backend.Choice``:
+        the backend and every one passed over, with why), as ``lowbit doctor`` prints it."""
+        from kvquant import KVScheme
+        from runtime.attention import model_attention
+
+        embedding = self.model.embed_tokens.weight
+        return model_attention(self, self.kv_scheme or KVScheme(), self.activation_dtype or embedding.dtype,
+                               embedding.device)
+
+    @property
+    def attention_kernels(self) -> bool:
+        """Whether the model's attention runs the Triton kernels (the chosen backend is ``triton``)."""
+        return self.attention.backend.in_place
+
+    @attention_kernels.setter
+    def attention_kernels(self, on: bool) -> None:
+        # True: the Triton kernels asked for by name (on CPU the interpreter: tests); False: passed over
+        if on:
+            self.attention_asked = "triton"
+            self.attention_off = tuple((n, r) for n, r in self.attention_off if n != "triton")
+        else:
+            from runtime.attention import pass_over
+
+            pass_over(self, "triton", "switched off (attention_kernels = False)")
 
     def rope(self, start: int | torch.Tensor, length: int, dtype) -> list:
         """cos, sin [T, D] of each RoPE for positions ``start .. start+T``; [B, 1, T, D] when
@@ -346,10 +377,11 @@ class Decoder(nn.Module):
         ``cache``: a ``LockstepCache`` (its rows advance together: the new keys/values are stored and
         attention reads every position before them), a batch of ``runtime.attention`` (the
         engine: ``start`` may then be a tensor [B] of per-sequence positions), or None (a plain
-        forward: ``start`` must be 0). Attention runs on ``attention_kernels``' backend.
+        forward: ``start`` must be 0). Attention runs on the decoder's backend for the cache's scheme
+        (``runtime.attention.model_attention``).
         """
         T = input_ids.shape[1]
-        batch = as_batch(cache, start, T, self.attention_kernels)
+        batch = as_batch(cache, start, T, self)
         x = self.embed(input_ids)
         x, residual = self._blocks(x, self.rope(start, T, x.dtype), batch)
         if last_only:

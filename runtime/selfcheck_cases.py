@@ -325,8 +325,9 @@ def check_rope(decoder, dtype, device) -> None:
 def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool, own_cache: bool = True) -> Config:
     """Attention over a ``scheme`` cache: the quantize-on-write, dequantize-to-dense (chunked
     prefill) and decode kernels, for the decoder's head layout and windows. ``own_cache``: the
-    model's own scheme, whose failure turns the model's choice (``attention_kernels``) off; an
-    Engine's other scheme only decides that Engine's backend."""
+    model's own scheme, whose failure passes the Triton backend over in the model's choice
+    (``Decoder.attention``); an Engine's other scheme only decides that Engine's backend. Not
+    ``chosen``: the row says which backend runs decode steps and why the ones before it do not."""
     cfg = decoder.cfg
     device = next(decoder.parameters()).device
     windows = tuple(sorted(set(cfg.sliding_windows), key=lambda w: w or 0))  # None: a layer that sees everything
@@ -334,19 +335,18 @@ def attention_config(decoder, dtype: torch.dtype, scheme, chosen: bool, own_cach
     shape = f"{scheme.name} cache, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads x {cfg.head_dim}" + \
         (f", windows {slides}" if slides else "")
     key = ("attention", scheme, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, windows, dtype, device)
-    why = None
-    if not chosen:
-        why = CPU_ONLY if device.type != "cuda" else \
-            "the kernels have no attention soft-capping (Gemma 2)" if cfg.attn_softcap is not None else "not chosen"
-    else:
-        from runtime.kernels.attention import unsupported_reason
+    why = None  # chosen: the Triton backend took this cache (runtime/attention_backends/)
+    if not chosen:  # the backend the model runs instead, and why each before it was passed over
+        from runtime.attention import model_attention
 
-        reason = unsupported_reason(scheme, cfg.head_dim, dtype, device)
-        why = reason and f"the kernels do not support {reason}"
+        where = "kernels run on CUDA only" if device.type != "cuda" else "not on the kernels"
+        why = f"{where}; decode attention: {model_attention(decoder, scheme, dtype, device).explain()}"
 
     def fall_back(reason: str) -> None:
-        if own_cache:
-            decoder.attention_kernels = False
+        if own_cache:  # the model's choice made again without the Triton backend
+            from runtime.attention import pass_over
+
+            pass_over(decoder, "triton", reason)
 
     return Config("attention (write, decode, prefill)", f"{shape}, {dtype_name(dtype)}",
                   "SDPA over the dequantized cache", key, why is None, why,

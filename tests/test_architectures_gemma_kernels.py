@@ -45,9 +45,9 @@ def test_decoding_on_the_kernels_matches_the_reference(family):
     with torch.inference_mode():
         for pos in range(20):
             model.use_kernels(False)
-            model.attention_kernels = False
+            model.attention_asked = "reference"  # backends picked by name
             want.append(model(ids[:, pos:pos + 1], plain, pos))
             model.use_kernels(True)
-            model.attention_kernels = True
+            model.attention_asked = "triton"
             got.append(model(ids[:, pos:pos + 1], fused, pos))
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=1e-4)

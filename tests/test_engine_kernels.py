@@ -9,7 +9,7 @@ import torch
 
 import runtime
 from kvquant import parse_kv
-from runtime.attention import kernels_for
+from runtime.attention import engine_attention
 from runtime.engine import Engine
 from engine_setup import FP16, INT4, greedy, model_dir, models, plain, prompts  # noqa: F401 (fixtures)
 
@@ -67,12 +67,14 @@ def test_padded_decode_buckets_as_the_cuda_graphs_run_them(models, prompts):
 
 
 def test_a_scheme_without_kernels_falls_back_with_a_warning_or_fails_clearly(models):
+    decoder = models[INT4].decoder
     odd = parse_kv("int4-g8-r24")  # block 24: the kernels take powers of two
-    with pytest.warns(UserWarning, match="reference"):
-        assert kernels_for(odd, 64, torch.float16, torch.device("cuda")) is False
+    with pytest.warns(UserWarning, match="int4-g8-r24: no attention kernel for block size .* reference runs instead"):
+        assert engine_attention(decoder, odd, torch.float16, "cuda").name == "reference"  # what a GPU would run
     with pytest.raises(ValueError, match="do not support block size"):
-        kernels_for(odd, 64, torch.float16, torch.device("cpu"), attention="triton")
-    assert kernels_for(parse_kv("int4"), 64, torch.float16, torch.device("cpu")) is False  # CPU: the reference
+        engine_attention(decoder, odd, torch.float16, "cpu", attention="triton")
+    on_cpu = engine_attention(decoder, parse_kv(INT4), torch.float16, "cpu")  # CPU: the folded codes
+    assert on_cpu.name == "cpu-folded" and "CUDA" in on_cpu.rejected[0].reason
 
 
 # ----------------------------------------------------------------------------- the decode step's cost
@@ -133,12 +135,10 @@ def test_a_decode_step_launches_9_kernels_per_layer_plus_the_block_write_when_on
     assert seen == {False, True}
 
 
-def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
+def test_every_gemm_m_bucket_is_tuned_before_the_first_request(kernels_on_cpu, monkeypatch):
     """On CUDA the engine asks quant_matmul's tuner for every M bucket a step can take at start-up
     (a GPU times the candidates then, not on a request): here the tuner is replaced by a recorder,
     and every M from 1 to the largest falls in a bucket that was asked."""
-    from types import SimpleNamespace
-
     from quant.affine import QuantScheme
     from runtime.execution import warm_matmul_tuning
     from runtime.kernels import quant_matmul
@@ -147,7 +147,7 @@ def test_every_gemm_m_bucket_is_tuned_before_the_first_request(monkeypatch):
     layer = QuantLinear(64, 32, QuantScheme(4, 32, True))
     decoder = torch.nn.Sequential(torch.nn.Linear(2, 2), layer)
     assert warm_matmul_tuning(decoder, 24) == 0  # the dense reference (CPU): nothing to tune
-    layer._kernel = SimpleNamespace(qweight=torch.zeros(1))  # as materialize leaves it on a GPU
+    layer.use_backend("triton", torch.float16)  # as materialize chooses it on a GPU
     asked = []
     monkeypatch.setattr(quant_matmul, "choose_config", lambda M, kw, dtype, device: asked.append(M))
     assert warm_matmul_tuning(decoder, 40) == len(asked) == len(set(asked))

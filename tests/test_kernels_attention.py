@@ -354,10 +354,10 @@ def test_kernels_compile_for_a_hopper_gpu(triton_release):
 @pytest.mark.parametrize("family", [{"model_type": "llama"}, {"model_type": "mistral", "sliding_window": 12}],
                          ids=["llama", "mistral-window"])
 def test_the_models_kernel_backend_matches_its_reference_backend(monkeypatch, family):
-    """The attention backend is the decoder's, chosen once (``attention_kernels``: on CUDA at
-    load). With it on, every layer's attention runs the kernels over one shared cache (mask,
-    window, layer index); decoding token by token, it must give the reference backend's logits
-    (Mistral: a sliding window the 20 tokens outgrow)."""
+    """The attention backend is the decoder's, chosen once per cache scheme (``Decoder.attention``;
+    here picked by name). On ``triton`` every layer's attention runs the kernels over one shared
+    cache (mask, window, layer index); decoding token by token, it must give the ``reference``
+    backend's logits (Mistral: a sliding window the 20 tokens outgrow)."""
     from runtime.model import Decoder, DecoderConfig
 
     cfg = DecoderConfig.from_hf(dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -374,9 +374,9 @@ def test_the_models_kernel_backend_matches_its_reference_backend(monkeypatch, fa
     want, got = [], []
     with torch.inference_mode():
         for pos in range(20):  # crosses a block boundary: 16 tokens fill and quantize one
-            model.attention_kernels = False
+            model.attention_asked = "reference"  # backends picked by name
             want.append(model(ids[:, pos:pos + 1], plain, pos))
-            model.attention_kernels = True
+            model.attention_asked = "triton"
             got.append(model(ids[:, pos:pos + 1], fused, pos))
     assert len(calls) == 20 * cfg.num_layers
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=1e-4)

@@ -193,17 +193,25 @@ def test_a_model_decodes_through_a_split_cache_between_its_two_widths():
     assert 0 < gap["int8"] < gap["k8v4"] < gap["int4"]
 
 
-def test_a_family_without_kernels_takes_the_reference_path_and_says_why():
-    from runtime.attention import kernels_for
+def test_a_family_without_kernels_takes_another_backend_and_says_why():
+    """The Triton backend refuses a family that declares no kernel: an engine of a model that runs
+    the kernels warns and takes the next backend of the priority list; asked for by name, an error."""
+    from runtime.attention import engine_attention
     from runtime.kernels.paged import unsupported_reason
+    from runtime.model import Decoder, DecoderConfig
 
     scheme = parse_kv("k8v4")
     assert unsupported_reason(scheme, 64, torch.float16) == "the kv-split family (it declares no Triton kernel)"
     assert unsupported_reason(parse_kv("int4"), 64, torch.float16) is None
+    decoder = Decoder(DecoderConfig.from_hf(dict(model_type="llama", vocab_size=64, hidden_size=128,
+                                                 intermediate_size=128, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1)))
+    decoder.attention_kernels = True  # the model runs the kernels (here in the interpreter)
     with pytest.warns(UserWarning, match="k8v4-g64-r128: no attention kernel for the kv-split family"):
-        assert kernels_for(scheme, 64, torch.float16, torch.device("cpu"), model_choice=True) is False
+        choice = engine_attention(decoder, scheme, torch.float16, "cpu")
+    assert choice.name == "cpu-folded" and choice.rejected[0].name == "triton"
     with pytest.raises(ValueError, match="Triton attention kernels do not support the kv-split family"):
-        kernels_for(scheme, 64, torch.float16, torch.device("cpu"), attention="triton")
+        engine_attention(decoder, scheme, torch.float16, "cpu", attention="triton")
 
 
 # ------------------------------------------- a family added by one declaration
