@@ -3,6 +3,16 @@ bf16 scratch weight and a dense bf16 matmul (``Int4Slots``' path from ``dequanti
 and the same for W8 (``Int8Channels``: the int8 kernel against its codes cast into the scratch).
 
     flock /tmp/lowbit-bench.lock python -m bench.cpu_prefill [--shapes smollm2-135m,llama-1b]
+    flock /tmp/lowbit-bench.lock python -m bench.cpu_prefill --compare [--isas native,avx2] [--threads 2]
+
+``--compare`` (issue 42: the measured CPU plan, runtime/cpu_plan.py): prefills of ``--tokens``
+(default 64,256,1024 with it) at batch 1 of the float32 model and, per W4 scheme (g64 asymmetric,
+g32 symmetric), the W4 model *before* (``LOWBIT_CPU_PLAN=bf16``: the fixed bf16 scratch path and bf16
+float leftovers, as before the plan) and *after* (the plan measured at first use into a fresh cache
+folder; its timing seconds and table are recorded), alternating round by round, wall and process CPU
+seconds (medians of ``--rounds``), at ``--threads``. Each ``--isas`` entry runs in a child process:
+``native`` as the CPU is, ``avx2`` with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (an
+AVX2-only CPU as far as ATen and oneDNN go: no bf16 GEMM hardware); each records its capability.
 
 Per Linear (the decoder's shapes, W4 g64 and W8 per channel, random codes): process CPU ms at 1
 thread, medians of ``--repeats``: dequantizing the int4 weight natively into the reused scratch
@@ -37,10 +47,13 @@ import torch.nn.functional as F  # noqa: E402
 from bench.cpu_decode import SHAPES, prefill_seconds, random_model  # noqa: E402
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
-from runtime import cpu_linear  # noqa: E402
+from runtime import cpu_linear, cpu_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = 64
+COMPARE_SCHEMES = {"w4-g64-asym": dict(bits=4, group_size=64, symmetric=False),
+                   "w4-g32-sym": dict(bits=4, group_size=32, symmetric=True)}
+ISAS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
 def cpu_ms(fn, repeats: int) -> float:
@@ -145,25 +158,170 @@ def run_variant(models: dict, variant: tuple, tokens: int) -> float:
     for n in names:
         setattr(cpu_linear, n, shipped[n] if threshold is None else threshold)
     try:
-        if native:
-            return prefill_cpu_seconds(models[name], tokens)
-        with native_off():
-            return prefill_cpu_seconds(models[name], tokens)
+        with plan_mode("bf16"):  # these variants are the bf16 scratch's thresholds (before runtime/cpu_plan.py)
+            if native:
+                return prefill_cpu_seconds(models[name], tokens)
+            with native_off():
+                return prefill_cpu_seconds(models[name], tokens)
     finally:
         for n in names:
             setattr(cpu_linear, n, shipped[n])
+
+
+@contextmanager
+def environ(**values):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def plan_mode(mode: str):
+    """``LOWBIT_CPU_PLAN`` for the calls inside (read on every prefill call)."""
+    return environ(**{cpu_plan.MODE_ENV: mode})
+
+
+@contextmanager
+def scheme_as(scheme: dict):
+    """bench.cpu_decode.random_model quantizes with its module's SCHEME: this one inside."""
+    from bench import cpu_decode
+
+    before = cpu_decode.SCHEME
+    cpu_decode.SCHEME = scheme
+    try:
+        yield
+    finally:
+        cpu_decode.SCHEME = before
+
+
+@contextmanager
+def plan_seconds(total: list):
+    """Adds the wall seconds cpu_plan spends timing candidates (first use) to ``total[0]``."""
+    real = cpu_plan.measure
+
+    def timed(*args):
+        start = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    cpu_plan.measure = timed
+    try:
+        yield
+    finally:
+        cpu_plan.measure = real
+
+
+def prefill_times(model, tokens: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one prefill (``bench.cpu_decode.prefill_seconds``'s forward)."""
+    cpu = time.process_time()
+    wall = prefill_seconds(model, tokens)
+    return wall, time.process_time() - cpu
+
+
+def compare_rows(shape: str, tokens: list[int], rounds: int, schemes: list[str]) -> dict:
+    """The float32 model against each W4 scheme before and after the plan, per prompt length."""
+    cfg = SHAPES[shape]
+    out = {"prefill": [], "plans": []}
+    float_model = random_model(cfg, quantized=False)
+    for scheme in schemes:
+        spent = [0.0]
+        with scheme_as(COMPARE_SCHEMES[scheme]), plan_seconds(spent):
+            with plan_mode("bf16"):
+                before = random_model(cfg, quantized=True)
+            with plan_mode("measure"):
+                after = random_model(cfg, quantized=True)  # the plan decides the float leftovers' dtype
+                table = cpu_plan.table_rows(after.decoder)  # times every shape not yet timed
+        print(cpu_plan.table_text(table), flush=True)
+        out["plans"].append({"shape": shape, "scheme": scheme, "plan_seconds": spent[0], "table": table,
+                             "lm_head_dtype": str(after.decoder.lm_head.weight.dtype)})
+        variants = {"float32": (float_model, "measure"), "before": (before, "bf16"), "after": (after, "measure")}
+        for model, mode in variants.values():  # warm-up: first calls allocate the scratch and pick kernels
+            with plan_mode(mode):
+                prefill_times(model, min(tokens))
+        for n in tokens:
+            samples = {v: [] for v in variants}
+            for _ in range(rounds):
+                for v, (model, mode) in variants.items():
+                    with plan_mode(mode):
+                        samples[v].append(prefill_times(model, n))
+            row = {"shape": shape, "scheme": scheme, "tokens": n, "rounds": rounds, "load_average": os.getloadavg()[0]}
+            for v, s in samples.items():
+                row[f"{v}_wall_s"] = statistics.median(w for w, _ in s)
+                row[f"{v}_cpu_s"] = statistics.median(c for _, c in s)
+            for v in ("before", "after"):
+                row[f"{v}_over_float32_wall"] = row[f"{v}_wall_s"] / row["float32_wall_s"]
+                row[f"{v}_over_float32_cpu"] = row[f"{v}_cpu_s"] / row["float32_cpu_s"]
+            print(json.dumps(row), flush=True)
+            out["prefill"].append(row)
+        del before, after
+        gc.collect()
+    return out
+
+
+def compare_child(args) -> dict:
+    """One ISA's comparison, in this (child) process: what it ran on, then every shape's rows."""
+    import tempfile
+
+    torch.set_num_threads(args.threads)
+    result = {"isa": args.isa_child, "capability": torch.backends.cpu.get_cpu_capability(),
+              "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "fast_bf16": cpu_plan.fast_bf16(),
+              "threads": torch.get_num_threads(), "prefill": [], "plans": []}
+    with tempfile.TemporaryDirectory() as cache, environ(**{cpu_plan.CACHE_ENV: cache}):
+        for shape in args.shapes.split(","):
+            rows = compare_rows(shape, [int(t) for t in args.tokens.split(",")], args.rounds, args.schemes.split(","))
+            result["prefill"] += rows["prefill"]
+            result["plans"] += rows["plans"]
+    return result
+
+
+def compare(args) -> dict:
+    """Each ISA in a child process (ATen and oneDNN read their ISA variables once, at load)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    runs = []
+    for isa in args.isas.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, "-m", "bench.cpu_prefill", "--compare", "--isa-child", isa, "--child-out", f.name,
+                   "--shapes", args.shapes, "--tokens", args.tokens, "--rounds", str(args.rounds),
+                   "--schemes", args.schemes, "--threads", str(args.threads)]
+            print(f"# {isa}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, env={**os.environ, **ISAS[isa]}, cwd=ROOT, check=True)
+            runs.append(json.loads(Path(f.name).read_text()))
+    return {"runs": runs}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2-135m,llama-1b")
     ap.add_argument("--rows", default="1,8,16,32,64,128,256,512", help="activation rows of the per-Linear timing")
-    ap.add_argument("--tokens", default="16,64,128,512", help="prompt lengths of the end-to-end prefill")
+    ap.add_argument("--tokens", default=None, help="prompt lengths of the end-to-end prefill "
+                    "(default 16,64,128,512; with --compare 64,256,1024)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-prefill", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "cpu-prefill.json")
+    ap.add_argument("--compare", action="store_true", help="float32 vs W4 before/after the CPU plan (issue 42)")
+    ap.add_argument("--isas", default="native,avx2", help="with --compare: " + ", ".join(ISAS))
+    ap.add_argument("--schemes", default=",".join(COMPARE_SCHEMES), help="with --compare")
+    ap.add_argument("--threads", type=int, default=2, help="with --compare (the per-Linear timing runs 1)")
+    ap.add_argument("--isa-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default bench/results/cpu/cpu-prefill.json (--compare: cpu-prefill-plan.json)")
     args = ap.parse_args()
+    args.tokens = args.tokens or ("64,256,1024" if args.compare else "16,64,128,512")
+    if args.compare:
+        return main_compare(args)
+    args.out = args.out or ROOT / "bench" / "results" / "cpu" / "cpu-prefill.json"
     torch.set_num_threads(1)
     result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "threads": 1, "versions": versions(),
               "native_dequantize_rows": cpu_linear.NATIVE_DEQUANTIZE_ROWS,
@@ -178,6 +336,20 @@ def main():
         if not args.skip_prefill:
             result["prefill"] += prefill_rows(shape, tokens, args.rounds)
     write_result(args.out, result)
+
+
+def main_compare(args) -> None:
+    if args.isa_child:
+        args.child_out.write_text(json.dumps(compare_child(args), default=str))
+        return
+    result = {"commit": commit(), "device": f"cpu: {cpu_name()}", "cpu": cpu_name(), "cpu_flags": sorted(
+        f for f in cpu_plan.cpu_info()[1] if f.startswith(("avx", "amx", "fma"))), "versions": versions(),
+        "threads": args.threads, "protocol": __doc__.split("``--compare``", 1)[1].strip(),
+        "command": "python -m bench.cpu_prefill --compare " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k in ("shapes", "tokens", "rounds", "schemes", "threads", "isas")),
+        "load_average_start": os.getloadavg(), **compare(args)}
+    write_result(args.out or ROOT / "bench" / "results" / "cpu" / "cpu-prefill-plan.json", result)
 
 
 if __name__ == "__main__":

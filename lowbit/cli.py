@@ -225,9 +225,17 @@ def doctor(ckpt, device, dtype, kv, json_out):
     click.echo(f"{ckpt} on {describe_device(prov['device'])}, torch {torch.__version__}, Triton "
                f"{selfcheck.triton_version()}; {checked}:")
     click.echo(selfcheck.table_text(rows))
+    plan = None
+    if model.device.type == "cpu":  # which path each CPU weight runs per rows bucket, and the float bar
+        from runtime import cpu_plan
+
+        plan = cpu_plan.table_rows(model.decoder)
+        click.echo(cpu_plan.describe_machine() + ":")
+        click.echo(cpu_plan.table_text(plan))
     if json_out:
         json_out.write_text(json.dumps({"model": ckpt, "kernels": rows, "triton": selfcheck.triton_version(),
-                                        "self_check": selfcheck.enabled(model.decoder), **prov}, indent=2))
+                                        "self_check": selfcheck.enabled(model.decoder), "cpu_plan": plan, **prov},
+                                       indent=2))
 
 
 for _command in cli_measure.COMMANDS:

@@ -59,6 +59,7 @@ MIN_TIMED_WEIGHTS = 1 << 17  # smaller weights follow the capability rule: their
 # (a shared machine's noise decides a timing) and little time or memory is at stake (tests' tiny models)
 TIMED_BLOCK = 64  # the cut keeps whole blocks of the int4 layout (and int8's 16-input rows)
 REPEATS = 5  # timed calls per candidate, alternating; the minimum is kept (the machine is shared)
+HOPELESS = 3.0  # a candidate this many times the fastest call so far is not timed again (AVX2's bf16 GEMM: 40x)
 MARGIN = 0.9  # a candidate slower than the bar beats the float32 scratch only at this ratio or better
 NARROW_TOLERANCE = 1.05  # bf16 float leftovers are kept where their product is within this of the bar
 PLAN_VERSION = 1
@@ -170,6 +171,7 @@ class Entry:
     times_ms: dict[str, float] = field(default_factory=dict)
     bar_ms: float | None = None  # float32 F.linear on a dense float32 weight of the timed shape
     timed_shape: tuple[int, int] | None = None
+    bounds: list[str] = field(default_factory=list)  # candidates whose time is a lower bound (not timed here)
 
     @property
     def over_bar(self) -> float | None:
@@ -199,18 +201,36 @@ def rule(threshold_reached: bool, kind: str, forced: str | None = None) -> str:
     return scratch if threshold_reached else KERNEL
 
 
-def time_paths(runs: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
-    """Milliseconds per call of each run (wall: the products use every thread), alternating, after
-    one warm-up call each; the minimum of ``repeats`` (other work on the machine only adds)."""
-    for run in runs.values():
-        run()
-    samples: dict[str, list[float]] = {name: [] for name in runs}
+def time_paths(runs: dict[str, Callable[[], object]], floors: dict[str, float] | None = None,
+               repeats: int = REPEATS) -> tuple[dict[str, float], set[str]]:
+    """Milliseconds per call of each run (wall: the products use every thread): the minimum of a first
+    call and ``repeats`` more, alternating (other work on the machine only adds). A run already
+    :data:`HOPELESS` times the fastest first call is not repeated, and one whose ``floors`` (its time
+    at fewer rows: a lower bound) is, is not run at all; those come back in the set, the latter with
+    the floor as its time. So a bf16 GEMM without bf16 hardware costs one call, not seven."""
+    floors = floors or {}
+    times: dict[str, float] = {}
+    skipped: set[str] = set()
+    for name in sorted(runs, key=lambda n: floors.get(n, 0.0)):  # likely fastest first: the best sets the bar
+        best = min(times.values(), default=float("inf"))
+        if floors.get(name, 0.0) > HOPELESS * best:
+            times[name] = floors[name]
+            skipped.add(name)
+            continue
+        times[name] = _call_ms(runs[name])
+        if times[name] > HOPELESS * min(best, times[name]):
+            skipped.add(name)
     for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
-    return {name: 1e3 * min(s) for name, s in samples.items()}
+        for name in runs:
+            if name not in skipped:
+                times[name] = min(times[name], _call_ms(runs[name]))
+    return times, {n for n in skipped if n in floors and times[n] == floors[n]}
+
+
+def _call_ms(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return 1e3 * (time.perf_counter() - start)
 
 
 def timed_shape(n: int, k: int) -> tuple[int, int]:
@@ -232,14 +252,18 @@ def measure(kind: str, n: int, k: int, group: int) -> dict[str, Entry]:
 
 
 def _measure_buckets(weight, dense: torch.Tensor, g: torch.Generator) -> dict[str, Entry]:
-    plan, (tn, tk) = {}, tuple(dense.shape)
-    for b in BUCKETS:
+    plan, (tn, tk), floors = {}, tuple(dense.shape), {}
+    few = torch.randn(2, tk, generator=g)
+    for p in weight.paths:  # untimed: a native kernel's first use builds or loads it, the scratch grows
+        weight.product(few, p)
+    for b in BUCKETS:  # fewest rows first: each bucket's times are lower bounds for the next
         a = torch.randn(b.rows, tk, generator=g)
-        runs = {p: (lambda p=p: weight.product(a, p)) for p in weight.paths}
-        runs["bar"] = lambda: torch.nn.functional.linear(a, dense)
-        times = TIMER(runs)
+        runs = {"bar": lambda: torch.nn.functional.linear(a, dense)}  # first: the fastest call decides what is hopeless
+        runs |= {p: (lambda p=p: weight.product(a, p)) for p in weight.paths}
+        times, bounds = TIMER(runs, floors)
         bar = times.pop("bar")
-        plan[b.name] = Entry(pick(times, bar), b.rows, times, bar, (tn, tk))
+        plan[b.name] = Entry(pick(times, bar), b.rows, times, bar, (tn, tk), sorted(bounds))
+        floors = dict(times)
     return plan
 
 
@@ -386,16 +410,19 @@ def table_rows(decoder) -> list[dict]:
                 continue
             e = plan_for(kind, n, k, group)[b.name]
             rows.append({"kind": kind, "shape": f"{n}x{k}", "group": group, "rows": b.name, "path": e.path,
-                         "times_ms": e.times_ms, "bar_ms": e.bar_ms,
+                         "times_ms": e.times_ms, "bar_ms": e.bar_ms, "bounds": e.bounds,
                          "note": f"timed {e.timed_shape[0]}x{e.timed_shape[1]} at {e.rows} rows"})
     return rows
 
 
 def table_text(rows: list[dict]) -> str:
+    if not rows:
+        return "  no quantized Linear on the CPU kernels and no bf16 float leftovers: nothing to plan"
     lines = [f"{'kind':7} {'shape':>11} {'group':>5} {'rows':>7}  {'path':7} {'float bar':>10}  candidates (ms)"]
     for r in rows:
         bar = f"{r['bar_ms']:.2f} ms" if r["bar_ms"] else "-"
-        times = ", ".join(f"{p} {t:.2f}" for p, t in sorted(r["times_ms"].items(), key=lambda kv: kv[1]))
+        times = ", ".join(f"{p} {'>' if p in r.get('bounds', ()) else ''}{t:.2f}"
+                          for p, t in sorted(r["times_ms"].items(), key=lambda kv: kv[1]))
         lines.append(f"{r['kind']:7} {r['shape']:>11} {r['group']:>5} {r['rows']:>7}  {r['path']:7} {bar:>10}  "
                      f"{times or r['note']}")
     return "\n".join(lines)

@@ -34,10 +34,10 @@ class FakeTimer:
     def __init__(self, by_rows: dict[int, dict[str, float]]):
         self.by_rows, self.calls = by_rows, 0
 
-    def __call__(self, runs):
+    def __call__(self, runs, floors=None):
         self.calls += 1
         rows = cpu_plan.BUCKETS[(self.calls - 1) % len(cpu_plan.BUCKETS)].rows
-        return {name: self.by_rows[rows][name] for name in runs}
+        return {name: self.by_rows[rows][name] for name in runs}, set()
 
 
 def cpu_weight(layer):
@@ -190,6 +190,22 @@ def test_decode_rows_are_never_timed_and_stay_on_the_kernels(monkeypatch):
     for rows in range(1, cpu_plan.DECODE_ROWS + 1):
         assert cpu_plan.path("int4", *BIG, 64, rows, threshold_reached=False) == KERNEL
         assert cpu_plan.path("narrow", *BIG, 0, rows, threshold_reached=True) == BF16
+
+
+def test_a_hopeless_candidate_is_timed_once_and_not_at_all_where_fewer_rows_bound_it(monkeypatch):
+    monkeypatch.setattr(cpu_plan, "_call_ms", lambda run: run())
+    calls = {"bar": 0, BF16: 0, FP32: 0}
+
+    def run(name, ms):
+        return lambda: calls.__setitem__(name, calls[name] + 1) or ms
+
+    times, bounds = cpu_plan.time_paths({"bar": run("bar", 1.0), BF16: run(BF16, 40.0), FP32: run(FP32, 1.2)},
+                                        repeats=3)
+    assert times == {"bar": 1.0, BF16: 40.0, FP32: 1.2} and bounds == set()
+    assert calls == {"bar": 4, BF16: 1, FP32: 4}
+    times, bounds = cpu_plan.time_paths({"bar": run("bar", 4.0), BF16: run(BF16, 160.0), FP32: run(FP32, 4.5)},
+                                        floors={BF16: 40.0, FP32: 1.2}, repeats=3)
+    assert times[BF16] == 40.0 and bounds == {BF16} and calls[BF16] == 1  # its floor already 10x the bar
 
 
 def test_a_real_timing_runs_every_candidate_and_the_bar():
