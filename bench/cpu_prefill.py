@@ -226,8 +226,9 @@ def prefill_times(model, tokens: int) -> tuple[float, float]:
     return wall, time.process_time() - cpu
 
 
-def compare_rows(shape: str, tokens: list[int], rounds: int, schemes: list[str]) -> dict:
-    """The float32 model against each W4 scheme before and after the plan, per prompt length."""
+def compare_rows(shape: str, tokens: list[int], rounds: int, schemes: list[str], before_max: int) -> dict:
+    """The float32 model against each W4 scheme before and after the plan, per prompt length ("before"
+    up to ``before_max`` tokens: under the AVX2 emulation it runs 20x the float model's time)."""
     cfg = SHAPES[shape]
     out = {"prefill": [], "plans": []}
     float_model = random_model(cfg, quantized=False)
@@ -247,16 +248,17 @@ def compare_rows(shape: str, tokens: list[int], rounds: int, schemes: list[str])
             with plan_mode(mode):
                 prefill_times(model, min(tokens))
         for n in tokens:
-            samples = {v: [] for v in variants}
+            samples = {v: [] for v in variants if v != "before" or n <= before_max}
             for _ in range(rounds):
-                for v, (model, mode) in variants.items():
+                for v in samples:
+                    model, mode = variants[v]
                     with plan_mode(mode):
                         samples[v].append(prefill_times(model, n))
             row = {"shape": shape, "scheme": scheme, "tokens": n, "rounds": rounds, "load_average": os.getloadavg()[0]}
             for v, s in samples.items():
                 row[f"{v}_wall_s"] = statistics.median(w for w, _ in s)
                 row[f"{v}_cpu_s"] = statistics.median(c for _, c in s)
-            for v in ("before", "after"):
+            for v in ("before", "after")[n > before_max:]:
                 row[f"{v}_over_float32_wall"] = row[f"{v}_wall_s"] / row["float32_wall_s"]
                 row[f"{v}_over_float32_cpu"] = row[f"{v}_cpu_s"] / row["float32_cpu_s"]
             print(json.dumps(row), flush=True)
@@ -276,7 +278,8 @@ def compare_child(args) -> dict:
               "threads": torch.get_num_threads(), "prefill": [], "plans": []}
     with tempfile.TemporaryDirectory() as cache, environ(**{cpu_plan.CACHE_ENV: cache}):
         for shape in args.shapes.split(","):
-            rows = compare_rows(shape, [int(t) for t in args.tokens.split(",")], args.rounds, args.schemes.split(","))
+            rows = compare_rows(shape, [int(t) for t in args.tokens.split(",")], args.rounds, args.schemes.split(","),
+                                args.before_max_tokens)
             result["prefill"] += rows["prefill"]
             result["plans"] += rows["plans"]
     return result
@@ -293,7 +296,8 @@ def compare(args) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", "bench.cpu_prefill", "--compare", "--isa-child", isa, "--child-out", f.name,
                    "--shapes", args.shapes, "--tokens", args.tokens, "--rounds", str(args.rounds),
-                   "--schemes", args.schemes, "--threads", str(args.threads)]
+                   "--schemes", args.schemes, "--threads", str(args.threads),
+                   "--before-max-tokens", str(args.before_max_tokens)]
             print(f"# {isa}: {' '.join(cmd[1:])}", flush=True)
             subprocess.run(cmd, env={**os.environ, **ISAS[isa]}, cwd=ROOT, check=True)
             runs.append(json.loads(Path(f.name).read_text()))
@@ -313,6 +317,8 @@ def main():
     ap.add_argument("--isas", default="native,avx2", help="with --compare: " + ", ".join(ISAS))
     ap.add_argument("--schemes", default=",".join(COMPARE_SCHEMES), help="with --compare")
     ap.add_argument("--threads", type=int, default=2, help="with --compare (the per-Linear timing runs 1)")
+    ap.add_argument("--before-max-tokens", type=int, default=1 << 30, help="with --compare: the 'before' "
+                    "variant only up to this prompt length (0: not run)")
     ap.add_argument("--isa-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None,
@@ -347,7 +353,7 @@ def main_compare(args) -> None:
         "threads": args.threads, "protocol": __doc__.split("``--compare``", 1)[1].strip(),
         "command": "python -m bench.cpu_prefill --compare " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k in ("shapes", "tokens", "rounds", "schemes", "threads", "isas")),
+            if k in ("shapes", "tokens", "rounds", "schemes", "threads", "isas", "before_max_tokens")),
         "load_average_start": os.getloadavg(), **compare(args)}
     write_result(args.out or ROOT / "bench" / "results" / "cpu" / "cpu-prefill-plan.json", result)
 
