@@ -19,15 +19,15 @@ checkpoint is exported by ``lowbit export --gguf exact`` (Q4_0, its codes copied
    32-token prompt (``bench.cpu_decode.side_by_side``), the three models alternating round by round;
    medians; W4/float ratios against the targets prefill <= 1.0x, ITL <= 0.5x.
 3. The peer: llama.cpp's ``llama-bench -m Q4_0 -p 512 -n 128 -t THREADS -r 1 -o json`` (each build found:
-   ``make llama-cpp``'s AVX2 build; ``make llama-cpp-native``'s CPU backend built -DGGML_NATIVE=ON, which
-   the same llama-bench loads first) against lowbit's
-   own pp512 (one 512-token prefill, tokens/s, after one untimed) and tg128 (128 decode steps at batch 1
-   after a 1-token prompt, 128 / their summed wall time, after one untimed step) of the W4 g32 sym checkpoint
-   the GGUF file was exported from. Every contender runs in a fresh child process, one after another in
-   each of ``--peer-rounds`` rounds (medians reported, every round kept); a child's peak resident memory is
-   its ``ru_maxrss`` (``os.wait4``: llama.cpp maps the file, so its touched pages count; lowbit's includes
-   the Python interpreter and torch). llama-bench gets the environment without lowbit's OpenMP settings
-   (as a user runs it); the lowbit child imports ``lowbit.cli_options`` as the CLI does. Beside each
+   ``make llama-cpp``'s AVX2 build; ``make llama-cpp-native``'s CPU backend built -DGGML_NATIVE=ON, which the
+   same llama-bench loads first) against lowbit's own pp512 (one 512-token prefill, tokens/s, after one
+   untimed) and tg128 (128 decode steps at batch 1 after a 1-token prompt, 128 / their summed wall time,
+   after one untimed step) of the W4 g32 sym checkpoint the GGUF file was exported from. Every contender
+   runs in a fresh child process, one after another in each round (medians reported, every round kept).
+   llama-bench runs with lowbit's CLI's OpenMP settings by default (``--llama-env user``: without them, as
+   a user runs it; on a quiet machine only). A child's peak resident memory is its ``ru_maxrss``
+   (GNU time's ``%M``: llama.cpp maps the file, so its touched pages count; lowbit's includes the Python
+   interpreter and torch); the lowbit child imports ``lowbit.cli_options`` as the CLI does. Beside each
    decode figure the memory bound: (the GGUF file's tensor bytes + the fp16 KV bytes read at the
    run's mean context) / the measured copy bandwidth -> the most tokens/s a step that reads every weight
    once could reach, and each engine's fraction of it.
@@ -66,6 +66,7 @@ LLAMA_BIN = ROOT / ".llama-cpp" / "build" / "bin"  # make llama-cpp: the tests' 
 # Each build: the folders its shared libraries load from, first found first. make llama-cpp-native rebuilds
 # only the CPU backend (libggml-cpu.so) with -DGGML_NATIVE=ON; the AVX2 build's llama-bench loads it from there.
 LLAMA_BUILDS = {"avx2": [LLAMA_BIN], "native": [ROOT / ".llama-cpp" / "build-native" / "bin", LLAMA_BIN]}
+TIME = "/usr/bin/time"  # GNU time: a child's peak resident memory (run_child)
 SCHEMES = {"w4g32sym": dict(bits=4, group_size=32, symmetric=True),
            "w4g64asym": dict(bits=4, group_size=64, symmetric=False)}
 TARGETS = {"prefill": 1.0, "itl": 0.5}  # W4 / float: issue 42, item 4
@@ -171,11 +172,23 @@ def float_checkpoint(shape: str, base: Path) -> Path:
         from quant.models import resolve
 
         write_checkpoint(tmp / "ckpt", SHAPES[shape], quantized=False)
+        write_index(tmp / "ckpt")
         for name in ("tokenizer.json", "tokenizer_config.json"):  # SmolLM2's: GGUF export writes its vocabulary
             shutil.copy(Path(resolve("smollm2-135m")) / name, tmp / "ckpt" / name)
     (tmp / "ckpt").rename(target)
     shutil.rmtree(tmp)
     return target
+
+
+def write_index(path: Path) -> None:
+    """The shards' model.safetensors.index.json, which Hugging Face's loader (the quantizer's) needs."""
+    from safetensors import safe_open
+
+    weight_map = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), shard.name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
 
 
 def w4_checkpoint(float_path: Path, shape: str, scheme: str, base: Path) -> Path:
@@ -243,20 +256,31 @@ def ratios(row: dict, suffix: str, target: str) -> dict:
 # ---- part 3: the peer, each contender a fresh child process ----
 
 def run_child(command: list[str], env: dict) -> tuple[str, int]:
-    """A child's stdout and its peak resident memory in bytes (its own ``ru_maxrss``, from ``wait4``)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
+    """A child's stdout and its peak resident memory in bytes. GNU time's ``%M`` (its child's ``ru_maxrss``):
+    a child forked from this process directly would report this process's resident memory too, which
+    ``ru_maxrss`` keeps across ``exec``; forked from ``time`` it starts from time's few hundred KB."""
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "peak_kb"
+        proc = subprocess.run([TIME, "-f", "%M", "-o", str(peak_file), *command], capture_output=True, text=True,
+                              env=env, cwd=ROOT)
         if proc.returncode != 0:
-            raise RuntimeError(f"{command[0]} failed ({proc.returncode}):\n{err.read().decode()[-3000:]}")
-        return out.read().decode(), usage.ru_maxrss * 1024
+            raise RuntimeError(f"{command[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return proc.stdout, int(peak_file.read_text().split()[-1]) * 1024
 
 
-def llama_bench(libraries: list[Path], gguf: Path, threads: int, pp: int, tg: int) -> dict:
+def llama_env(kind: str) -> dict:
+    """llama-bench's environment: OpenMP as lowbit's CLI sets it (``lowbit``: the same settings for both
+    engines), or none of lowbit's OpenMP variables (``user``: as a user runs llama.cpp). llama.cpp's CPU
+    backend is built with OpenMP; with its default spinning, a loaded 2-core machine made its 2-thread
+    tg 50-100x slower (SmolLM2 Q4_0 tg16 0.53 against 53 tokens/s with PASSIVE, load 17)."""
+    from lowbit.cli_options import OPENMP_DEFAULTS
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    return {**env, **OPENMP_DEFAULTS} if kind == "lowbit" else env
+
+
+def llama_bench(libraries: list[Path], gguf: Path, threads: int, pp: int, tg: int, env_kind: str) -> dict:
+    env = llama_env(env_kind)
     env["LD_LIBRARY_PATH"] = ":".join(map(str, libraries))
     stdout, peak = run_child([str(LLAMA_BIN / "llama-bench"), "-m", str(gguf), "-p", str(pp), "-n", str(tg),
                               "-t", str(threads), "-r", "1", "-o", "json"], env)
@@ -312,16 +336,19 @@ def memory_bound(gguf: Path, config: dict, context: float, bandwidth: float) -> 
             "max_tokens_per_s": bandwidth / (weights + kv)}
 
 
-def against_llama_cpp(checkpoint: Path, gguf: Path, mode: dict, threads: int, bandwidth: float) -> dict:
+def against_llama_cpp(checkpoint: Path, gguf: Path, mode: dict, threads: int, bandwidth: float,
+                      env_kind: str) -> dict:
     builds = {name: libs for name, libs in LLAMA_BUILDS.items()
               if (LLAMA_BIN / "llama-bench").exists() and (libs[0] / "libggml-cpu.so").exists()}
     out = {"load_average_start": os.getloadavg(),
            "builds": {n: {"library_path": [str(d.relative_to(ROOT)) for d in libs],
                           "libggml_cpu": resolved_cpu_backend(libs)} for n, libs in builds.items()},
-           "gguf_bytes": gguf.stat().st_size, "rounds": []}
+           "gguf_bytes": gguf.stat().st_size, "llama_bench_env": env_kind,
+           "llama_bench_omp": {k: v for k, v in llama_env(env_kind).items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
+           "rounds": []}
     if not builds:
         out["skipped"] = "no llama-bench: `make llama-cpp` (AVX2) and/or `make llama-cpp-native` build it"
-    contenders = {**{f"llama.cpp-{n}": (lambda libs=libs: llama_bench(libs, gguf, threads, mode["pp"], mode["tg"]))
+    contenders = {**{f"llama.cpp-{n}": (lambda libs=libs: llama_bench(libs, gguf, threads, mode["pp"], mode["tg"], env_kind))
                      for n, libs in builds.items()},
                   "lowbit": lambda: lowbit_child(checkpoint, threads, mode["pp"], mode["tg"])}
     for _ in range(mode["peer_rounds"]):
@@ -378,6 +405,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one round, fewer decode steps")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, seconds (the test)")
     ap.add_argument("--skip-peer", action="store_true", help="no llama.cpp part")
+    ap.add_argument("--rounds", type=int, help="rounds of both parts (default: the mode's, 3; --quick 1)")
+    ap.add_argument("--llama-env", choices=("lowbit", "user"), default="lowbit",
+                    help="llama-bench's OpenMP settings: lowbit's CLI's (default: both engines alike) or none (as a "
+                         "user runs it; on a quiet machine only: spinning threads collapse under load)")
+    ap.add_argument("--add", action="store_true",
+                    help="keep the other shapes of an existing result file (each shape's row has its own commit, settings, load)")
+    ap.add_argument("--commit", help="the commit of the tree that runs, where it is no git checkout (a git archive of it)")
     ap.add_argument("--checkpoints", type=Path, default=CHECKPOINTS)
     ap.add_argument("--out", type=Path, help="default: bench/results/cpu/<cpu-kind>/cpu-everywhere.json")
     ap.add_argument("--lowbit-one", type=Path, help=argparse.SUPPRESS)
@@ -388,12 +422,14 @@ def main():
     if args.lowbit_one:
         print(json.dumps(lowbit_one(args.lowbit_one, args.pp, args.tg)))
         return
-    mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    mode = dict(MODES["smoke" if args.smoke else "quick" if args.quick else "full"])
+    if args.rounds:
+        mode.update(rounds=args.rounds, peer_rounds=args.rounds)
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
     facts = cpu_facts()
     kind = cpu_kind(facts)
     out = args.out or ROOT / "bench" / "results" / "cpu" / kind / "cpu-everywhere.json"
-    result = {"commit": commit(), "device": f"cpu: {facts['model_name']}", "cpu_kind": kind, "cpu": facts,
+    result = {"commit": args.commit or commit(), "device": f"cpu: {facts['model_name']}", "cpu_kind": kind, "cpu": facts,
               "threads": torch.get_num_threads(), "versions": versions(),
               "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
               "mode": "smoke" if args.smoke else "quick" if args.quick else "full", "settings": mode,
@@ -403,6 +439,8 @@ def main():
                       "between contenders timed in alternating rounds of one run",
               "command": "python -m bench.cpu_everywhere " + " ".join(sys.argv[1:]),
               "load_average_start": os.getloadavg(), "shapes": {}}
+    if args.add and out.exists():
+        result["shapes"] = {k: v for k, v in json.loads(out.read_text())["shapes"].items() if k not in shapes}
     result["bandwidth"] = copy_bandwidth(mode["mb"])
     print(json.dumps(result["bandwidth"]), flush=True)
     args.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -411,11 +449,13 @@ def main():
         base.mkdir(parents=True, exist_ok=True)
         float_path = float_checkpoint(shape, base)
         paths = {"float": float_path, **{s: w4_checkpoint(float_path, shape, s, base) for s in SCHEMES}}
-        row = {"checkpoints": {n: str(p) for n, p in paths.items()}, "vs_float": against_float(paths, mode)}
+        row = {"commit": result["commit"], "command": result["command"], "settings": mode,
+               "bandwidth": result["bandwidth"], "llama_cpp_builds": result["llama_cpp_builds"],
+               "checkpoints": {n: str(p) for n, p in paths.items()}, "vs_float": against_float(paths, mode)}
         if not args.skip_peer:
             gguf = gguf_file(paths["w4g32sym"])
             row["vs_llama_cpp"] = against_llama_cpp(paths["w4g32sym"], gguf, mode, args.threads,
-                                                    result["bandwidth"]["copy_gb_per_s"] * 1e9)
+                                                    result["bandwidth"]["copy_gb_per_s"] * 1e9, args.llama_env)
         result["shapes"][shape] = row
         write_result(out, result)  # after each shape: a long run keeps what it measured
 
