@@ -17,13 +17,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The suite compares the runtime with references at float32 precision, so quantized Linears on CPU
-# run the dense reference; tests/test_cpu_linear.py runs PyTorch's CPU kernels (bf16 activations).
-os.environ.setdefault("LOWBIT_CPU_KERNELS", "0")
+# Quantized Linears on CPU run what users get: the backend runtime.linear_backends chooses (the CPU
+# kernels, bf16 activations). Tests that compare with a reference at float32 precision ask for the
+# "reference" backend by name (runtime.load(..., linear_backend="reference"), QuantLinear.use_backend).
 os.environ.setdefault("LOWBIT_TUNING_CACHE", "0")  # no tuned GEMM winners kept on disk (test_kernels_tuning sets a folder)
 
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Quantized Linears chosen as on a GPU: the Triton backend takes CPU layers too (run in the
+    Triton interpreter, TRITON_INTERPRET=1 above) and the CPU kernel backends are switched off, so
+    what Triton refuses runs the reference. Nothing changes where a GPU runs the tests."""
+    from runtime.linear_backends.triton import ON_CPU_ENV
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(ON_CPU_ENV, "1")
+        monkeypatch.setenv("LOWBIT_DISABLE", "cpu")
 # Triton releases the compile checks also run under, each in a venv of its own (`make venv-triton36`):
 # 3.6.0 is the lent GPU machine's (torch 2.11); the project venv has the newest.
 TRITON_VENVS = {"3.6.0": ROOT / ".venv-triton36"}

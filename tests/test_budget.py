@@ -262,7 +262,7 @@ def test_budgeted_checkpoint_is_an_ordinary_mixed_checkpoint(tmp_path, tiny_dir,
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = theirs(ids).logits
-    torch.testing.assert_close(runtime.load(out).logits(ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runtime.load(out, linear_backend="reference").logits(ids), expected, atol=1e-4, rtol=1e-4)
 
     # the manifest's recipe is the choice as plain overrides: run again, it makes the same weights, no budget
     again = parse_recipe({**manifest["recipe"], "output": str(tmp_path / "again")})

@@ -66,7 +66,7 @@ def test_cpu_kernels_compute_the_reference_to_bf16_rounding(scheme):
     layer = quant_layer(48, k, scheme, seed=scheme.bits)
     x = torch.randn(2, 5, k, generator=torch.Generator().manual_seed(1))
     layer.materialize(torch.float32)
-    assert layer._cpu is not None and layer._dense is None
+    assert layer.backend_name == ("cpu-int8" if scheme.bits == 8 else "cpu-int4")
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (2, 5, 48)
     ref = reference_out(layer, x)
@@ -93,12 +93,13 @@ def test_the_kernel_copy_replaces_the_checkpoint_codes_which_read_back_exactly()
     stored = {k: v.clone() for k, v in layer.state_dict().items()}
     layer.materialize(torch.float32)
     assert "weight_packed" not in layer._buffers  # one packed copy in memory: the kernel's
-    assert layer._cpu.packed.nbytes == 80 * 256 // 2
+    assert layer.backend_weight.packed.nbytes == 80 * 256 // 2
     assert torch.equal(layer.weight_packed, stored["weight_packed"])
     saved = layer.state_dict()
     assert saved.keys() == stored.keys() and all(torch.equal(saved[k], stored[k]) for k in stored)
     again = QuantLinear(256, 80, QuantScheme(4, 64, False), bias=True)
     again.load_state_dict(saved)
+    again.use_backend("reference")  # exact, to compare at float32 precision
     x = torch.randn(3, 256)
     torch.testing.assert_close(again(x), F.linear(x, layer.dequantized_weight(torch.float32), layer.bias))
 
@@ -110,8 +111,11 @@ def test_fall_back_on_cpu_switches_to_the_exact_dense_reference():
     layer.materialize(torch.float32)
     assert not torch.equal(layer(x), exact)  # bf16 activations
     layer.fall_back("disagreed with the reference")
-    layer.materialize(torch.float32)
-    assert layer._cpu is None and layer.fallback_reason == "disagreed with the reference"
+    assert layer.backend_name == "reference" and layer.fallback_reason == "disagreed with the reference"
+    assert [(r.name, r.reason) for r in layer.choice.rejected][1:] == [
+        ("cpu-int4", "disagreed with the reference"), ("cpu-int8", "4-bit codes (this kernel takes 8 bits)")]
+    layer.materialize(torch.float32)  # (at a new load: the backend it left is not chosen again)
+    assert layer.backend_name == "reference"
     torch.testing.assert_close(layer(x), exact, rtol=1e-6, atol=1e-6)
 
 
@@ -119,14 +123,14 @@ def test_act_order_groups_run_the_kernel_through_a_permutation():
     layer = quant_layer(32, 256, QuantScheme(4, 64, False, actorder="group"), seed=5, act_order=True)
     x = torch.randn(3, 256)
     layer.materialize(torch.float32)
-    assert layer._cpu is not None and layer._cpu.perm is not None
+    assert layer.backend_name == "cpu-int4" and layer.backend_weight.perm is not None
     ref = reference_out(layer, x)
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
     assert torch.equal(layer.weight_packed, quant_layer(32, 256, layer.scheme, seed=5, act_order=True).weight_packed)
 
 
 def test_layers_no_kernel_takes_keep_the_reference_and_say_why_once(monkeypatch):
-    monkeypatch.setattr(linear_module, "_REPORTED_CPU_REASONS", set())
+    monkeypatch.setattr(linear_module, "_REPORTED_REFERENCE", set())
     layers = [quant_layer(32, 128, QuantScheme(8, 32, True), seed=s) for s in range(2)]
     odd = quant_layer(40, 128, QuantScheme(4, 32, True), seed=3)  # 40 outputs: not whole int4 blocks
     with warnings.catch_warnings(record=True) as caught:
@@ -137,9 +141,9 @@ def test_layers_no_kernel_takes_keep_the_reference_and_say_why_once(monkeypatch)
     assert len(messages) == 2, messages  # one per reason, not one per layer
     assert "per-channel scales only" in messages[0] and "multiple of 16" in messages[1]
     for layer in layers + [odd]:
-        assert layer._cpu is None and layer._dense is not None and layer.fallback_reason
+        assert layer.backend_name == "reference" and layer.fallback_reason
         x = torch.randn(2, 128)
-        torch.testing.assert_close(layer(x), F.linear(x, layer._dense, layer.bias))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.dequantized_weight(torch.float32), layer.bias))
 
 
 def test_unsupported_reasons_name_what_the_kernels_refuse():
@@ -166,7 +170,8 @@ def test_a_loaded_checkpoint_runs_the_cpu_kernels_close_to_the_reference(tmp_pat
     kernels = runtime.load(path, cpu_kernels=True)
     reference = runtime.load(path, cpu_kernels=False)
     quantized = [m for m in kernels.decoder.modules() if isinstance(m, QuantLinear)]
-    assert quantized and all(isinstance(m._cpu, cpu_linear.Int4Slots) and m._dense is None for m in quantized)
+    assert quantized and all(m.backend_name == "cpu-int4" and isinstance(m.backend_weight, cpu_linear.Int4Slots)
+                             for m in quantized)
     ids = torch.randint(0, kernels.decoder.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     got, want = kernels.logits(ids), reference.logits(ids)
     assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
@@ -183,7 +188,7 @@ def test_prefill_scratch_weight_is_the_kernels_weight(bits, symmetric, group):
     layer = quant_layer(128, 512, QuantScheme(bits, group, symmetric, actorder="group" if act_order else None),
                         seed=bits + group, bias=False, act_order=act_order)
     layer.materialize(torch.float32)
-    slots = layer._cpu
+    slots = layer.backend_weight
     assert (slots.perm is not None) == act_order
     eye = torch.eye(512, dtype=torch.bfloat16)
     through_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, slots.packed, slots.group, slots.scale_zeros)
@@ -201,7 +206,7 @@ def test_a_partial_block_of_outputs_keeps_the_kernel_at_prefill_without_the_nati
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     layer = quant_layer(80, 256, QuantScheme(4, 64, False), seed=9)
     layer.materialize(torch.float32)
-    assert not layer._cpu.scratch_ok
+    assert not layer.backend_weight.scratch_ok
     x = torch.randn(cpu_linear.DEQUANTIZE_ROWS, 256)  # the PyTorch path's threshold
     ref = reference_out(layer, x)
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=4 * BF16_EPS * float(ref.detach().abs().max()))
@@ -211,7 +216,7 @@ def test_a_partial_block_of_outputs_keeps_the_kernel_at_prefill_without_the_nati
 def test_int8_prefill_scratch_agrees_with_the_kernel(symmetric):
     layer = quant_layer(48, 256, QuantScheme(8, -1, symmetric), seed=11, bias=False)
     layer.materialize(torch.float32)
-    w = layer._cpu
+    w = layer.backend_weight
     for rows in (cpu_linear.INT8_DEQUANTIZE_ROWS - 1, cpu_linear.INT8_DEQUANTIZE_ROWS, cpu_int8_gemm.MAX_ROWS + 1):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         a = x.bfloat16()
@@ -229,7 +234,7 @@ def test_the_int8_scratch_is_reused_and_exact():
     buffer = cpu_linear._SCRATCH.weight
     assert buffer is not None and buffer.numel() >= 48 * 256
     x = torch.randn(rows, 256)
-    assert torch.equal(layer(x), F.linear(x.bfloat16(), layer._cpu.q.bfloat16()).mul(layer._cpu.scales).float())
+    assert torch.equal(layer(x), F.linear(x.bfloat16(), layer.backend_weight.q.bfloat16()).mul(layer.backend_weight.scales).float())
     assert cpu_linear._SCRATCH.weight is buffer  # no new allocation for a layer no larger
 
 
@@ -378,10 +383,11 @@ def test_few_rows_run_lowbits_matmul_where_built_and_agree_with_aten(rows, monke
         assert served and (served[-1] is not None) == (rows >= cpu_int4_gemm.MIN_ROWS)
         # the decode call is the bf16 product of x.to(bf16), widened: equal to converting around matmul
         a = x.to(cpu_linear.ACTIVATIONS)
-        before = cpu_int4_gemm.matmul(a, layer._cpu.packed, layer._cpu.group, layer._cpu.scale_zeros,
+        w = layer.backend_weight
+        before = cpu_int4_gemm.matmul(a, w.packed, w.group, w.scale_zeros,
                                       cpu_int4_layout.int4_layout()).float() + layer.bias
         assert torch.equal(out, before)
-        assert layer._cpu.dequantize_rows() == (cpu_linear.AMX_DEQUANTIZE_ROWS if cpu_int4_gemm.best_path() == "amx"
+        assert w.dequantize_rows() == (cpu_linear.AMX_DEQUANTIZE_ROWS if cpu_int4_gemm.best_path() == "amx"
                                                 else cpu_linear.NATIVE_DEQUANTIZE_ROWS)
     monkeypatch.setenv("LOWBIT_NATIVE", "0")
     aten = layer(x)

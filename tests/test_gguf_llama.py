@@ -40,7 +40,7 @@ def llama_logits(llama_cpp, path, ids=IDS) -> np.ndarray:
 
 
 def lowbit_logits(path, ids=IDS) -> np.ndarray:
-    return runtime.load(path, dtype=torch.float32).logits(torch.tensor([ids]))[0].numpy()
+    return runtime.load(path, dtype=torch.float32, linear_backend="reference").logits(torch.tensor([ids]))[0].numpy()  # float32 precision
 
 
 def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
@@ -180,7 +180,7 @@ def test_smollm2_w4_checkpoint_in_llama_cpp(llama_cpp, tmp_path):
     export(str(ckpt), "F32", tmp_path / "f32.gguf")
     text = ("Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement, "
             "never took up any book but the Baronetage; there he found occupation for an idle hour.")
-    lowbit = runtime.load(ckpt, dtype=torch.float32)
+    lowbit = runtime.load(ckpt, dtype=torch.float32, linear_backend="reference")  # compared with llama.cpp's F32 file
     ids = lowbit.tokenizer(text).input_ids
     model = llama_cpp.Llama(str(tmp_path / "q4_0.gguf"), n_ctx=256, n_threads=2, verbose=False, vocab_only=True)
     try:

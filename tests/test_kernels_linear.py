@@ -43,7 +43,7 @@ from runtime.kernels.weight_layout import (  # noqa: E402
     unsupported_reason,
     word_rows,
 )
-from runtime.linear import QuantLinear  # noqa: E402
+from runtime.linear import QuantLinear, use_backend  # noqa: E402
 
 Config = qm.MatmulConfig
 
@@ -241,13 +241,6 @@ def test_bad_inputs_are_refused():
 # -- QuantLinear and checkpoints through the kernels ---------------------------------------------------
 
 
-@pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """QuantLinear sends CPU tensors to the (interpreted) kernels, as it sends CUDA tensors on a GPU."""
-    if DEVICE.type == "cpu":
-        monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
-
-
 def load_layer(scheme, N, K, seed, bias=True, act_order=False):
     packed, scale, zero_packed, g_idx = checkpoint_tensors(N, K, scheme, seed, act_order)
     layer = QuantLinear(K, N, scheme, bias=bias, scale_dtype=scale.dtype)
@@ -262,23 +255,24 @@ def load_layer(scheme, N, K, seed, bias=True, act_order=False):
     return layer.to(DEVICE)
 
 
-def test_quant_linear_dispatches_to_the_kernels(kernels_on_cpu, monkeypatch):
+def test_quant_linear_dispatches_to_the_kernels(kernels_on_cpu):
     layer = load_layer(QuantScheme(4, 32, False, actorder="group"), 48, 128, seed=3, act_order=True).half()
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
-    through_kernels = layer(x)
-    assert layer._kernel is not None and layer._kernel.perm is not None and layer._dense is None
-    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: False)
+    through_kernels = layer(x)  # chosen at first use: Triton
+    assert layer.backend_name == "triton" and layer.kernel_weight().perm is not None
+    layer.use_backend("reference")
     through_reference = layer(x)
     assert through_kernels.shape == (2, 3, 48)
     assert_close_to_precision(through_kernels, through_reference.float(), torch.float16)
 
 
-def test_quant_linear_keeps_the_reference_where_kernels_cannot_run(kernels_on_cpu):
+def test_quant_linear_keeps_the_reference_where_kernels_cannot_run(kernels_on_cpu, monkeypatch):
+    monkeypatch.setattr(linear_module, "_REPORTED_REFERENCE", set())  # each reason warns once per process
     layer = load_layer(QuantScheme(3, 32, True), 16, 64, seed=5, bias=False).half()
     x = torch.randn(4, 64, device=DEVICE).half()
     with pytest.warns(UserWarning, match="3-bit"):
         out = layer(x)
-    assert layer._kernel is None and layer._dense is not None
+    assert layer.backend_name == "reference" and "3-bit" in layer.fallback_reason
     torch.testing.assert_close(out, F.linear(x, layer.dequantized_weight(torch.float16)))
     fp32 = load_layer(QuantScheme(4, 32, True), 16, 64, seed=6, bias=False)
     with pytest.warns(UserWarning, match="float32 activations"):
@@ -286,7 +280,7 @@ def test_quant_linear_keeps_the_reference_where_kernels_cannot_run(kernels_on_cp
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
-def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu, monkeypatch, method):
+def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu, method):
     """RTN, GPTQ (act-order with g_idx) and AWQ checkpoints, saved by quant and loaded by runtime,
     give the same logits through the kernels (prefill and a one-token step) as through the reference."""
     if method != "rtn":  # calibration's lockstep pass; the lent GPU machine lacks greenlet (gpu_check says so)
@@ -317,8 +311,8 @@ def test_checkpoints_run_through_the_kernels_unchanged(tmp_path, kernels_on_cpu,
     hf = dict(model.named_modules())  # q/k/v and gate/up are joined at load: count weights, not modules
     assert sum(m.in_features * m.out_features for m in layers) == sum(hf[n].weight.numel() for n in plan)
     prefill, step = m.logits(ids), m.logits(ids[:, :1])
-    assert all(layer._kernel is not None for layer in layers)
-    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: False)
+    assert all(layer.backend_name == "triton" for layer in layers)
+    use_backend(m.decoder, "reference")
     ref_prefill, ref_step = m.logits(ids), m.logits(ids[:, :1])
     for got, want in ((prefill, ref_prefill), (step, ref_step)):
         scale = want.abs().max().item()

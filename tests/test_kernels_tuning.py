@@ -15,7 +15,7 @@ from kernel_device import DEVICE  # noqa: F401 (sets TRITON_INTERPRET before tri
 
 from quant.affine import QuantScheme, choose_qparams, quantize  # noqa: E402
 from quant.packing import pack  # noqa: E402
-from runtime import linear  # noqa: E402
+from runtime.linear_backends import triton as triton_backend  # noqa: E402
 from runtime.kernels import matmul_tuning as tuning  # noqa: E402
 from runtime.kernels import quant_matmul as qm  # noqa: E402
 from runtime.kernels.matmul_configs import MatmulConfig, candidate_configs  # noqa: E402
@@ -204,14 +204,14 @@ def test_a_shape_is_tuned_through_the_check_once_per_process(monkeypatch):
 
 
 @pytest.fixture
-def tuning_on_cpu(monkeypatch):
+def tuning_on_cpu(monkeypatch, kernels_on_cpu):
     """``choose_config`` tunes CPU tensors (in the interpreter) as it tunes on a GPU, from empty
-    outcomes, and QuantLinear sends CPU tensors to the kernels; nothing injected outlives the test."""
+    outcomes, and QuantLinear chooses the Triton backend for CPU layers (``kernels_on_cpu``); nothing
+    injected outlives the test."""
     monkeypatch.setattr(qm, "tunes_on", lambda device: True)
     monkeypatch.setattr(qm, "_TUNED", {})
     monkeypatch.setattr(qm, "_NO_CONFIGURATION", {})
-    monkeypatch.setattr(linear, "runs_kernels", lambda x: True)
-    monkeypatch.setattr(linear, "_REPORTED_UNTUNED", set())
+    monkeypatch.setattr(triton_backend, "_REPORTED_UNTUNED", set())
 
 
 def failing_tuning(monkeypatch, how: str, failing_bucket: int) -> list[int]:
@@ -276,7 +276,7 @@ def test_other_row_counts_of_that_layer_keep_the_kernels(tuning_on_cpu, monkeypa
     monkeypatch.setattr(qm, "launch", lambda *args: launched.append(args[-1]) or qm_launch(*args))
     with torch.inference_mode():
         one = layer(rows(1))
-    assert asked == [5, 1] and launched == [candidate_configs(1, layer._kernel)[0]]
+    assert asked == [5, 1] and launched == [candidate_configs(1, layer.kernel_weight())[0]]
     reference = F.linear(rows(1).double(), layer.dequantized_weight(torch.float16).double(), layer.bias.detach().double())
     compare(one, reference, torch.float16, "M=1 on the kernels")
 
@@ -289,17 +289,17 @@ def test_the_engine_start_up_leaves_an_untuned_bucket_to_the_reference(tuning_on
 
     asked = failing_tuning(monkeypatch, "launch", failing_bucket=5)
     layer = quant_layer()
-    layer._kernel = layer.kernel_weight()
+    layer.use_backend("triton")  # as materialize chooses it on a GPU
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the forward warns, at first use, not the start-up
         assert warm_matmul_tuning(torch.nn.Sequential(layer), 5) == 5
-        selfcheck_cases.check_linear(layer, torch.float16, (5,), tuned=True)
+        selfcheck_cases.check_linear(layer, layer.kernel_weight(), torch.float16, (5,), tuned=True)
     assert asked == [1, 2, 3, 4, 5]
     with pytest.warns(UserWarning, match="dense reference"):
         layer(rows(5))
 
 
-def test_load_without_the_self_check_still_checks_what_is_tuned(checkpoint, monkeypatch):
+def test_load_without_the_self_check_still_checks_what_is_tuned(checkpoint, kernels_on_cpu, monkeypatch):
     """``runtime.load(..., self_check=False)`` skips the model's load-time check, not the check of a
     configuration tuned at first use (kept per process for every model of the shape); only
     ``LOWBIT_SELF_CHECK=0`` skips that."""
@@ -311,10 +311,9 @@ def test_load_without_the_self_check_still_checks_what_is_tuned(checkpoint, monk
             monkeypatch.setenv(SELF_CHECK_ENV, "0")
         for name, value in (("tunes_on", lambda device: True), ("_TUNED", {}), ("_NO_CONFIGURATION", {})):
             monkeypatch.setattr(qm, name, value)
-        monkeypatch.setattr(linear, "runs_kernels", lambda x: True)
         monkeypatch.setattr(tuning, "time_ms", lambda fn: 1.0)
         monkeypatch.setattr(tuning, "check", lambda M, kw, *rest: checked.append((switched_off, M)))
-        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, self_check=False, cpu_kernels=False)
+        model = runtime.load(checkpoint, device=DEVICE, dtype=torch.float16, self_check=False)
         model.logits(IDS)
     assert {M for off, M in checked if not off} == {len(IDS[0])} and not [c for c in checked if c[0]]
 

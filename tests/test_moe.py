@@ -87,7 +87,7 @@ def test_quantized_checkpoint_runtime_and_transformers_agree(kind, tmp_path):
 
     ids = token_ids(model)
     expected = fake_quantized(model, quantized)(ids).logits
-    torch.testing.assert_close(runtime.load(out).logits(ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runtime.load(out, linear_backend="reference").logits(ids), expected, atol=1e-4, rtol=1e-4)  # float32 precision
     for options in ({}, {"quantization_config": CompressedTensorsConfig(dequantize=True)}):
         theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **options).eval()
         with torch.no_grad():
@@ -206,23 +206,24 @@ def test_a_moe_config_without_routing_keys_is_named():
         runtime.check_supported(config)
 
 
-def test_quantized_experts_through_the_w4_kernels(tmp_path, monkeypatch):
+def test_quantized_experts_through_the_w4_kernels(tmp_path, kernels_on_cpu, monkeypatch):
     """Each expert's tokens through the Triton W4 kernels (the interpreter on CPU; M = 1 takes the
     GEMV, more the tl.dot path) give the dense reference's logits."""
     import triton  # noqa: F401  (tests/conftest.py set TRITON_INTERPRET before any import of it)
 
-    from runtime import linear as linear_module
     from runtime.kernels import quant_matmul
+    from runtime.linear import use_backend
 
     if not quant_matmul.interpreting() and not torch.cuda.is_available():
         pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
     _, _, _, out = quantize_and_save("mixtral", tmp_path)
     device = "cpu" if quant_matmul.interpreting() else "cuda"
-    loaded = runtime.load(out, device=device, dtype=torch.float16)
+    loaded = runtime.load(out, device=device, dtype=torch.float16, linear_backend="reference")
     ids = torch.tensor([[5, 17, 33, 2, 90, 41]])
     reference = loaded.logits(ids)
-    calls = []
-    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: calls.append(x.shape[0]) or True)
+    use_backend(loaded.decoder, "triton")
+    calls, real = [], quant_matmul.quant_matmul
+    monkeypatch.setattr(quant_matmul, "quant_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     through_kernels = loaded.logits(ids)
     assert calls  # the kernels ran
     torch.testing.assert_close(through_kernels, reference, atol=2e-2, rtol=2e-2)

@@ -99,6 +99,7 @@ def test_quant_linear_equals_linear_with_the_fake_quantized_weight(bits, symmetr
     scheme = QuantScheme(bits, group_size, symmetric)
     layer = QuantLinear(in_features, out_features, scheme, bias=True)
     layer.load_state_dict({**packed_tensors(weight, scheme), "bias": bias})
+    layer.use_backend("reference", torch.float32)  # compared at float32 precision (the CPU kernels: test_cpu_linear)
     expected = F.linear(x, fake_quantize(weight, scheme), bias)
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer(x[:, :1]), expected[:, :1], atol=1e-5, rtol=1e-5)  # decode shape, cached weight
@@ -155,7 +156,7 @@ def test_quantized_checkpoint_runs_with_the_fake_quantized_weights(tmp_path, kin
     plan = {n: QuantScheme(8, -1, True) if "self_attn" in n else QuantScheme(4, 32, False) for n in linears}
     plan["lm_head"] = QuantScheme(4, 32, True)
     path = write_quantized(model, tok, tmp_path / "q", plan)
-    rt = runtime.load(path)
+    rt = runtime.load(path, linear_backend="reference")  # compared at float32 precision
     # every planned layer is quantized (q/k/v and gate/up joined at load: count their weights)
     hf_linears = dict(model.named_modules())
     assert sum(m.in_features * m.out_features for m in rt.decoder.modules() if isinstance(m, QuantLinear)) == sum(
@@ -184,7 +185,7 @@ def test_quantized_checkpoint_matches_transformers_with_compressed_tensors(tmp_p
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = theirs(ids).logits
-    ours = runtime.load(out).logits(ids)
+    ours = runtime.load(out, linear_backend="reference").logits(ids)  # compared at float32 precision
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     # and quantization changed something: the comparison is not float against float
     with torch.no_grad():

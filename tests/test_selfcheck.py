@@ -20,6 +20,7 @@ from quant.affine import QuantScheme  # noqa: E402
 from runtime import linear as linear_module  # noqa: E402
 from runtime import selfcheck  # noqa: E402
 from runtime import selfcheck_cases as cases  # noqa: E402
+from runtime.linear_backends import triton as triton_backend  # noqa: E402
 from runtime.kernels import attention as attention_kernels  # noqa: E402
 from runtime.kernels import matmul_tuning as tuning  # noqa: E402
 from runtime.kernels import quant_matmul, small_ops  # noqa: E402
@@ -53,15 +54,9 @@ def fresh_outcomes(monkeypatch):
     monkeypatch.setattr(tuning, "_FAILED", {})
 
 
-@pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    if DEVICE.type == "cpu":
-        monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
-
-
 def load_on_kernels(path, kv=INT4, small_ops=True, **options):
     """Load as on a GPU: every kernel chosen, then checked (on CUDA ``prepare`` does both; here
-    Linears go to the kernels when the test sends them, ``kernels_on_cpu``)."""
+    Linears choose Triton when the test lets it take CPU layers, ``kernels_on_cpu``)."""
     model = runtime.load(path, device=DEVICE, dtype=torch.float16, kv=kv, **options)
     if DEVICE.type == "cpu":
         model.decoder.use_kernels(small_ops)
@@ -70,9 +65,9 @@ def load_on_kernels(path, kv=INT4, small_ops=True, **options):
     return model
 
 
-def reference_logits(model, ids, monkeypatch):
+def reference_logits(model, ids):
     """The model's logits on the reference path throughout."""
-    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: False)
+    linear_module.use_backend(model.decoder, "reference")
     model.decoder.use_kernels(False)
     model.decoder.attention_kernels = False
     return model.logits(ids)
@@ -108,11 +103,10 @@ def test_a_wrong_linear_kernel_falls_back_and_the_model_computes_the_reference(c
         assert "quant_matmul" in message and "relative error" in message and "M=1" in message
         assert "Triton " in message and ("Triton interpreter" in message or "CUDA" in message)
     assert all(layer.fallback_reason and "relative error" in layer.fallback_reason for layer in quant_layers(model))
-    assert torch.equal(logits, reference_logits(model, IDS, monkeypatch))
+    assert torch.equal(logits, reference_logits(model, IDS))
     rows = rows_of(model, "quant_matmul")
     assert len(rows) == 4 and all(r["runs"] == "reference" and r["why"].startswith("fell back: ") for r in rows)
 
-    monkeypatch.setattr(linear_module, "runs_kernels", lambda x: True)
     with warnings.catch_warnings(record=True) as caught:  # the outcome is kept: a second model falls back silently
         warnings.simplefilter("always")
         again = load_on_kernels(checkpoint, small_ops=False)
@@ -163,7 +157,7 @@ class Launches:
         monkeypatch.setattr(quant_matmul, "_TUNED", {})
         monkeypatch.setattr(quant_matmul, "_NO_CONFIGURATION", {})
         monkeypatch.setattr(tuning, "time_ms", lambda fn: fn() or 1.0)
-        monkeypatch.setattr(linear_module, "_REPORTED_UNTUNED", set())
+        monkeypatch.setattr(triton_backend, "_REPORTED_UNTUNED", set())
 
     def launch(self, x2, kw, bias, out, config):
         if kw.out_features == GATE_UP:
@@ -207,7 +201,7 @@ def test_a_failing_launch_configuration_gives_way_to_the_regimes_next_candidate(
     layer = gate_up_layer(model)
     assert not any(m.fallback_reason for m in quant_layers(model))
     [row] = [r for r in rows_of(model, "quant_matmul") if "gate_up" in r["configuration"]]
-    assert row["runs"] == "fused" and "PassManager" in row["why"]
+    assert row["runs"] == "triton" and "PassManager" in row["why"]
 
     launches.launched.clear()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
@@ -248,14 +242,14 @@ def test_a_wrong_small_op_falls_back_alone(checkpoint, monkeypatch):
     monkeypatch.setattr(small_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[..., ::2]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = load_on_kernels(checkpoint)
+        model = load_on_kernels(checkpoint, linear_backend="reference")  # compared at float32 precision below
         logits = model.logits(IDS)
     [message] = self_check_warnings(caught)
     assert "silu_mul [width 160, float16]" in message and "relative error inf" not in message
     assert "PyTorch ops" in message
     kinds = {type(m).__name__: m.kernels for m in model.decoder.modules() if hasattr(m, "kernels")}
     assert kinds == {"MLP": False, "Attention": True, "RMSNorm": True}  # add + norm and RoPE passed
-    want = reference_logits(model, IDS, monkeypatch)
+    want = reference_logits(model, IDS)
     torch.testing.assert_close(logits, want, rtol=0, atol=2e-3 * want.abs().max().item())
 
 
@@ -307,7 +301,7 @@ def test_the_real_kernels_pass_their_check(checkpoint, kernels_on_cpu, monkeypat
     rows = selfcheck.kernel_table(model.decoder, model.dtype, model.kv_scheme)
     assert [r["kernel"] for r in rows] == ["quant_matmul"] * 4 + ["add_rmsnorm", "rope_qkv", "silu_mul",
                                                                    "attention (write, decode, prefill)"]
-    assert all(r["runs"] == "fused" and r["why"] is None for r in rows), rows
+    assert [r["runs"] for r in rows] == ["triton"] * 4 + ["fused"] * 4 and all(r["why"] is None for r in rows), rows
     assert all(error is None for error in selfcheck._OUTCOMES.values()) and len(selfcheck._OUTCOMES) == 8
 
 
@@ -324,7 +318,7 @@ def test_a_large_linear_is_checked_at_both_ends_of_its_outputs(monkeypatch):
                            "bias": torch.randn(600)})
     layer = layer.to(DEVICE).half()
     assert cases._checked_outputs(600, 8) == [(0, 256), (344, 600)]
-    cases.check_linear(layer, torch.float16, (5,), tuned=False)  # the real kernels, act-order and bias: pass
+    cases.check_linear(layer, layer.kernel_weight(), torch.float16, (5,), tuned=False)  # the real kernels, act-order and bias: pass
 
     def last_tile_wrong(x, kw, bias=None, config=None):
         out = reference_matmul(x, kw, bias)
@@ -333,7 +327,7 @@ def test_a_large_linear_is_checked_at_both_ends_of_its_outputs(monkeypatch):
 
     monkeypatch.setattr(quant_matmul, "quant_matmul", last_tile_wrong)
     with pytest.raises(Mismatch, match="M=1 \\(GEMV"):
-        cases.check_linear(layer, torch.float16, (1,), tuned=False)
+        cases.check_linear(layer, layer.kernel_weight(), torch.float16, (1,), tuned=False)
 
 
 def test_the_switches_skip_it(checkpoint, kernels_on_cpu, monkeypatch):
@@ -374,11 +368,12 @@ def test_doctor_on_cpu_says_the_reference_runs(checkpoint):
     result = CliRunner().invoke(main, ["doctor", str(checkpoint), "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "no kernel runs on Triton here" in result.output
-    lines = result.output.splitlines()[2:]
-    assert len(lines) == 8 and all("kernels run on CUDA only" in line for line in lines)
-    linears = [line for line in lines if line.startswith("quant_matmul")]  # the CPU kernels, unless switched off
-    assert len(linears) == 4 and all(" reference " in line or " cpu kernel " in line for line in linears)
-    assert all(" reference " in line for line in lines if line not in linears)
+    kernels = ("quant_matmul", "add_rmsnorm", "rope_qkv", "silu_mul", "attention")
+    lines = [line for line in result.output.splitlines()[2:] if line.startswith(kernels)]  # (a CPU plan follows)
+    assert len(lines) == 8
+    linears = [line for line in lines if line.startswith("quant_matmul")]  # the CPU kernels, from each choice
+    assert len(linears) == 4 and all(" cpu-int4 " in line and "triton: runs on cuda only" in line for line in linears)
+    assert all(" reference " in line and "kernels run on CUDA only" in line for line in lines if line not in linears)
 
 
 def test_cuda_graphs_that_fail_or_disagree_leave_the_engine_on_eager_steps():
@@ -448,4 +443,4 @@ def test_the_cli_flag_switches_it_off(checkpoint, kernels_on_cpu, monkeypatch):
                                        "--dtype", "float16"])
     assert result.exit_code == 0, result.output
     assert "fused kernels NOT checked" in result.output and not selfcheck.enabled()
-    assert [line.split()[-1] for line in result.output.splitlines() if line.startswith("quant_matmul")] == ["fused"] * 4
+    assert [line.split()[-1] for line in result.output.splitlines() if line.startswith("quant_matmul")] == ["triton"] * 4

@@ -33,13 +33,6 @@ def test_runtime_matches_transformers_on_the_real_model(smollm2):
     assert ours.logits(ids)[0, -1].argmax() == expected[0, -1].argmax()
 
 
-@pytest.fixture
-def cpu_kernels(monkeypatch):
-    """The quantized model runs as users run it on CPU: PyTorch's weight-only kernels (the suite's
-    default is the dense reference, tests/conftest.py)."""
-    monkeypatch.setenv("LOWBIT_CPU_KERNELS", "1")
-
-
 def quantize_and_eval(tmp_path, **weights):
     recipe = parse_recipe({"model": "smollm2-135m", "output": str(tmp_path / "ckpt"), "dtype": "bfloat16",
                            "weights": {"method": "rtn", **weights}})
@@ -47,14 +40,14 @@ def quantize_and_eval(tmp_path, **weights):
     return pipeline.evaluate(str(ckpt), protocol=PROTOCOL, progress=False)
 
 
-def test_rtn_8bit_is_within_half_a_percent(smollm2, tmp_path, cpu_kernels):
+def test_rtn_8bit_is_within_half_a_percent(smollm2, tmp_path):
     r = quantize_and_eval(tmp_path, bits=8, group_size=-1, symmetric=True)
     assert r["baseline"] == "smollm2-135m" and r["tokens"] == 2048
     assert abs(r["delta_ppl_pct"]) < 0.5, r
     assert 8.0 < r["bits_per_weight"] < 8.1
 
 
-def test_rtn_4bit_group64_costs_perplexity_and_saves_bytes(smollm2, tmp_path, cpu_kernels):
+def test_rtn_4bit_group64_costs_perplexity_and_saves_bytes(smollm2, tmp_path):
     r = quantize_and_eval(tmp_path, bits=4, group_size=64, symmetric=False)
     assert 5 < r["delta_ppl_pct"] < 60, r  # RTN 4-bit loses a clear, bounded amount on a 135M model
     assert abs(r["bits_per_weight"] - (4 + 16 / 64 + 4 / 64)) < 1e-6  # bf16 scale + 4-bit zero per 64
@@ -63,4 +56,4 @@ def test_rtn_4bit_group64_costs_perplexity_and_saves_bytes(smollm2, tmp_path, cp
 
     model = runtime.load(tmp_path / "ckpt")  # what lowbit doctor reports: every W4 Linear on the CPU kernel
     rows = [row for row in kernel_table(model.decoder, model.dtype) if row["kernel"] == "quant_matmul"]
-    assert rows and all(row["runs"] == "cpu kernel" for row in rows), rows
+    assert rows and all(row["runs"] == "cpu-int4" for row in rows), rows
