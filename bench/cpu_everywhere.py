@@ -313,9 +313,14 @@ def lowbit_one(checkpoint: Path, pp: int, tg: int) -> dict:
     prefill_seconds(model, pp)
     pp_s = prefill_seconds(model, pp)
     step_times(model, 1, 1, 1)
-    tg_s = sum(wall for wall, _ in step_times(model, 1, 1, tg))
-    return {"pp_tokens_per_s": pp / pp_s, "tg_tokens_per_s": tg / tg_s, "rss_before_load_bytes": rss_before,
-            "rss_loaded_bytes": rss_loaded, "threads": torch.get_num_threads()}
+    steps = sorted(wall for wall, _ in step_times(model, 1, 1, tg))
+    # llama-bench's figure is tokens / the run's time; on a loaded machine a few stalled steps sink it, so
+    # 1 / the median step (lowbit speed's decode tokens/s) and the step-time spread are kept beside it
+    return {"pp_tokens_per_s": pp / pp_s, "tg_tokens_per_s": tg / sum(steps),
+            "tg_median_step_tokens_per_s": 1 / statistics.median(steps),
+            "tg_step_ms": {"p10": 1e3 * steps[len(steps) // 10], "median": 1e3 * statistics.median(steps),
+                           "p90": 1e3 * steps[9 * len(steps) // 10], "max": 1e3 * steps[-1]},
+            "rss_before_load_bytes": rss_before, "rss_loaded_bytes": rss_loaded, "threads": torch.get_num_threads()}
 
 
 def resident_bytes() -> int:
