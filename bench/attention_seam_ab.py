@@ -71,11 +71,13 @@ def main() -> None:
 
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
-    native_builds = tempfile.TemporaryDirectory(prefix="lowbit-seam-ab-native-")  # each tree its own (cpu_step_ab)
+    # each tree its own native build folder (cpu_step_ab), under $LOWBIT_NATIVE_CACHE when set (kept
+    # between runs: a cold build of every kernel takes minutes on a loaded machine), else a temporary one
+    native_builds = os.environ.get("LOWBIT_NATIVE_CACHE") or tempfile.TemporaryDirectory(prefix="lowbit-seam-ab-").name
     workers = {name: subprocess.Popen([sys.executable, "-m", "bench.attention_seam_ab", "--worker", tree,
                                        "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True, cwd=ROOT,
-                                      env={**env, "LOWBIT_NATIVE_CACHE": str(Path(native_builds.name) / name)})
+                                      env={**env, "LOWBIT_NATIVE_CACHE": str(Path(native_builds) / name)})
                for name, tree in trees.items()}
     for name, w in workers.items():
         if w.stdout.readline().strip() != "ready":

@@ -279,10 +279,11 @@ def test_which_caches_the_native_kernel_takes():
 
 
 @pytest.mark.parametrize("switch", [{"LOWBIT_NATIVE": "0"}, {"LOWBIT_DISABLE": "cpu-native"},
-                                    {"LOWBIT_DISABLE": "native,triton"}])
+                                    {"LOWBIT_DISABLE": "native,triton"}, {"LOWBIT_CPU_KERNELS": "0"}])
 def test_switches_pass_the_native_kernel_over(switch, monkeypatch):
-    """LOWBIT_NATIVE=0 and LOWBIT_DISABLE (runtime.backend.disabled) switch the compiled kernel off
-    by name or group word; a model's next forward chooses again (the switches are part of the key)."""
+    """LOWBIT_NATIVE=0, LOWBIT_CPU_KERNELS=0 and LOWBIT_DISABLE (runtime.backend.disabled) switch the
+    compiled kernel off by name or group word; a model's next forward chooses again (the switches
+    are part of the key)."""
     from runtime.attention import model_attention
     from runtime.model import Decoder, DecoderConfig
 

@@ -10,9 +10,9 @@ from runtime.attention_backends import AttentionBackend
 
 class CpuNative(AttentionBackend):
     name = "cpu-native"
-    # "native": LOWBIT_NATIVE=0. Not "cpu" (LOWBIT_CPU_KERNELS=0 switches the quantized Linears'
-    # CPU kernels off, as it always did; the test suite sets it, and attention kept its kernel there)
-    tags = frozenset({"native"})
+    # lowbit's C++ kernels (LOWBIT_NATIVE=0) and the CPU kernels (LOWBIT_CPU_KERNELS=0,
+    # LOWBIT_DISABLE=cpu): switched off, decode steps take cpu-folded, its PyTorch reference
+    tags = frozenset({"native", "cpu"})
     on_codes = True
 
     def refuses(self, case) -> str | None:
