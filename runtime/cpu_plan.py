@@ -58,7 +58,9 @@ TIMED_WEIGHTS = 1 << 21  # weights of the timed product (outputs cut to fit): 16
 MIN_TIMED_WEIGHTS = 1 << 17  # smaller weights follow the capability rule: their products take microseconds
 # (a shared machine's noise decides a timing) and little time or memory is at stake (tests' tiny models)
 TIMED_BLOCK = 64  # the cut keeps whole blocks of the int4 layout (and int8's 16-input rows)
-REPEATS = 5  # timed calls per candidate, alternating; the minimum is kept (the machine is shared)
+REPEATS = 5  # timed calls per candidate at least, alternating; the minimum is kept (the machine is shared)
+MAX_REPEATS = 20  # cheap calls are repeated up to this many rounds, until a bucket has had SETTLE_MS of them
+SETTLE_MS = 100.0  # (a busy machine's descheduling spikes last milliseconds: many short calls find a quiet one)
 HOPELESS = 3.0  # a candidate this many times the fastest call so far is not timed again (AVX2's bf16 GEMM: 40x)
 MARGIN = 0.9  # a candidate slower than the bar beats the float32 scratch only at this ratio or better
 NARROW_TOLERANCE = 1.05  # bf16 float leftovers are kept where their product is within this of the bar
@@ -179,10 +181,13 @@ class Entry:
         return self.times_ms[self.path] / self.bar_ms if self.bar_ms and self.path in self.times_ms else None
 
 
-def pick(times: dict[str, float], bar: float) -> str:
+def pick(times: dict[str, float], bar: float, bounds=()) -> str:
     """The fastest candidate not slower than the bar; when all are slower, the float32 scratch (the
     bar plus one dequantizing pass, a cost that holds on every CPU) unless another is faster than it
-    by :data:`MARGIN` (more than a shared machine's noise)."""
+    by :data:`MARGIN` (more than a shared machine's noise). ``bounds``: candidates not timed at these
+    rows (their times are lower bounds, already hopeless): never picked while a timed one is left."""
+    timed = {p: t for p, t in times.items() if p not in bounds}
+    times = timed or times
     under = {p: t for p, t in times.items() if t <= bar}
     if under:
         return min(under, key=under.get)
@@ -212,18 +217,25 @@ def time_paths(runs: dict[str, Callable[[], object]], floors: dict[str, float] |
     times: dict[str, float] = {}
     skipped: set[str] = set()
     for name in sorted(runs, key=lambda n: floors.get(n, 0.0)):  # likely fastest first: the best sets the bar
-        best = min(times.values(), default=float("inf"))
-        if floors.get(name, 0.0) > HOPELESS * best:
+        timed = [t for n, t in times.items() if n in floors and n not in skipped]  # candidates timed here
+        if name in floors and timed and floors[name] > HOPELESS * min(timed):
             times[name] = floors[name]
             skipped.add(name)
             continue
+        best = min(times.values(), default=float("inf"))
         times[name] = _call_ms(runs[name])
-        if times[name] > HOPELESS * min(best, times[name]):
-            skipped.add(name)
-    for _ in range(repeats):
+        if times[name] > HOPELESS * best:  # a second chance: one call may have met a busy machine
+            times[name] = min(times[name], _call_ms(runs[name]))
+            if times[name] > HOPELESS * best:
+                skipped.add(name)
+    spent, rounds = 0.0, 0
+    while rounds < repeats or (rounds < MAX_REPEATS and spent < SETTLE_MS):
+        rounds += 1
         for name in runs:
             if name not in skipped:
-                times[name] = min(times[name], _call_ms(runs[name]))
+                t = _call_ms(runs[name])
+                spent += t
+                times[name] = min(times[name], t)
     return times, {n for n in skipped if n in floors and times[n] == floors[n]}
 
 
@@ -262,7 +274,7 @@ def _measure_buckets(weight, dense: torch.Tensor, g: torch.Generator) -> dict[st
         runs |= {p: (lambda p=p: weight.product(a, p)) for p in weight.paths}
         times, bounds = TIMER(runs, floors)
         bar = times.pop("bar")
-        plan[b.name] = Entry(pick(times, bar), b.rows, times, bar, (tn, tk), sorted(bounds))
+        plan[b.name] = Entry(pick(times, bar, bounds), b.rows, times, bar, (tn, tk), sorted(bounds))
         floors = dict(times)
     return plan
 

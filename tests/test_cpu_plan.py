@@ -64,6 +64,8 @@ def test_no_candidate_slower_than_the_float_bar_beats_the_float32_scratch_within
     assert cpu_plan.pick({KERNEL: 9.0, BF16: 1.2, FP32: 2.0}, bar=1.0) == BF16
     # under the bar wins over a faster-looking float32 scratch never: fp32 is above the bar by construction
     assert cpu_plan.pick({KERNEL: 0.9, BF16: 3.0, FP32: 1.2}, bar=1.0) == KERNEL
+    # a candidate only bounded at these rows (not timed: hopeless at fewer rows) is not picked
+    assert cpu_plan.pick({KERNEL: 1.3, BF16: 9.0, FP32: 1.35}, bar=1.0, bounds={FP32}) == KERNEL
 
 
 def test_measured_entries_record_the_times_and_the_bar(monkeypatch):
@@ -192,8 +194,9 @@ def test_decode_rows_are_never_timed_and_stay_on_the_kernels(monkeypatch):
         assert cpu_plan.path("narrow", *BIG, 0, rows, threshold_reached=True) == BF16
 
 
-def test_a_hopeless_candidate_is_timed_once_and_not_at_all_where_fewer_rows_bound_it(monkeypatch):
+def test_a_hopeless_candidate_is_timed_twice_and_not_at_all_where_fewer_rows_bound_it(monkeypatch):
     monkeypatch.setattr(cpu_plan, "_call_ms", lambda run: run())
+    monkeypatch.setattr(cpu_plan, "SETTLE_MS", 0.0)  # exactly ``repeats`` rounds
     calls = {"bar": 0, BF16: 0, FP32: 0}
 
     def run(name, ms):
@@ -202,10 +205,21 @@ def test_a_hopeless_candidate_is_timed_once_and_not_at_all_where_fewer_rows_boun
     times, bounds = cpu_plan.time_paths({"bar": run("bar", 1.0), BF16: run(BF16, 40.0), FP32: run(FP32, 1.2)},
                                         repeats=3)
     assert times == {"bar": 1.0, BF16: 40.0, FP32: 1.2} and bounds == set()
-    assert calls == {"bar": 4, BF16: 1, FP32: 4}
+    assert calls == {"bar": 4, BF16: 2, FP32: 4}  # one call may meet a busy machine: bf16 gets a second
     times, bounds = cpu_plan.time_paths({"bar": run("bar", 4.0), BF16: run(BF16, 160.0), FP32: run(FP32, 4.5)},
                                         floors={BF16: 40.0, FP32: 1.2}, repeats=3)
-    assert times[BF16] == 40.0 and bounds == {BF16} and calls[BF16] == 1  # its floor already 10x the bar
+    assert times[BF16] == 40.0 and bounds == {BF16} and calls[BF16] == 2  # its floor already 9x fp32's time
+    # however slow their floors, the candidate with the lowest is timed (a spike at fewer rows prunes no more)
+    times, bounds = cpu_plan.time_paths({"bar": run("bar", 1.0), BF16: run(BF16, 2.0), FP32: run(FP32, 1.2)},
+                                        floors={BF16: 30.0, FP32: 20.0}, repeats=3)
+    assert times == {"bar": 1.0, BF16: 30.0, FP32: 1.2} and bounds == {BF16}
+
+
+def test_cheap_calls_are_repeated_until_the_bucket_settles(monkeypatch):
+    monkeypatch.setattr(cpu_plan, "_call_ms", lambda run: run())
+    calls = []
+    cpu_plan.time_paths({"bar": lambda: calls.append(1) or 1.0}, repeats=3)
+    assert len(calls) == 1 + cpu_plan.MAX_REPEATS  # 1 ms calls: 20 rounds do not reach SETTLE_MS
 
 
 def test_a_real_timing_runs_every_candidate_and_the_bar():
