@@ -163,10 +163,76 @@ void block_avx2(const Problem& p, const uint8_t* bytes, int64_t half, int64_t n0
   }
 }
 
+// More rows than one pass holds: per 16-byte span and group, the weights unpacked into floats once
+// (an L1 buffer, `group` x 32), then every pass of up to kAvx2Rows rows reads them there (an FMA's
+// memory operand) instead of unpacking them again. Each row's operations and their order are the
+// register path's, so its sums are the same bits.
+constexpr int kAvx2Rows = LOWBIT_HAS_AVX512 ? 6 : 3;  // accumulators 4 per row, and the broadcast
+
+template <int ROWS>
+void span_rows_avx2(const Problem& p, const float* w, int64_t g, int64_t half, int64_t n0, int64_t m0, int64_t s0,
+                    float* total) {
+  const int64_t groups = p.k / p.group;
+  __m256 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < p.group; ++i) {
+    const int64_t kk = g * p.group + i;
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 x = _mm256_broadcast_ss(p.a_float + (m0 + r) * p.k + kk);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(w + i * 32 + 8 * j), x, acc[r][j]);
+    }
+  }
+  const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < 4; ++j) {  // as block_avx2's fold
+    const int64_t out = s0 * 16 + (j & 1) * 8 + (j >> 1) * half;
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scale_zeros + (g * p.n + n0 + out) * 2));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, _mm256_castsi256_ps(_mm256_and_si256(pairs, high_words)));
+    for (int r = 0; r < ROWS; ++r) {
+      float* t = total + (m0 + r) * 2 * half + out;
+      const __m256 sums = _mm256_set1_ps(p.row_sums[(m0 + r) * groups + g]);
+      _mm256_storeu_ps(t, _mm256_fmadd_ps(offset, sums, _mm256_fmadd_ps(scale, acc[r][j], _mm256_loadu_ps(t))));
+    }
+  }
+}
+
+void block_avx2_buffered(const Problem& p, const uint8_t* bytes, int64_t block_n, int64_t n0, float* total) {
+  const int64_t half = block_n / 2;
+  alignas(32) float w[kMaxGroup * 32];
+  std::fill(total, total + p.m * block_n, 0.0f);
+  for (int64_t s0 = 0; s0 < half / 16; ++s0)
+    for (int64_t g = 0; g < p.k / p.group; ++g) {
+      for (int64_t i = 0; i < p.group; ++i) {
+        const uint8_t* row = bytes + (g * p.group + i) * half + s0 * 16;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kAvx2Prefetch), _MM_HINT_T0);
+        __m256 v[4];
+        nibbles_avx2(row, v);
+        for (int j = 0; j < 4; ++j) _mm256_store_ps(w + i * 32 + 8 * j, v[j]);
+      }
+      for (int64_t m0 = 0; m0 < p.m; m0 += kAvx2Rows) {
+        switch (std::min<int64_t>(kAvx2Rows, p.m - m0)) {
+          case 1: span_rows_avx2<1>(p, w, g, half, n0, m0, s0, total); break;
+          case 2: span_rows_avx2<2>(p, w, g, half, n0, m0, s0, total); break;
+          case 3: span_rows_avx2<3>(p, w, g, half, n0, m0, s0, total); break;
+          case 4: span_rows_avx2<4>(p, w, g, half, n0, m0, s0, total); break;
+          case 5: span_rows_avx2<5>(p, w, g, half, n0, m0, s0, total); break;
+          default: span_rows_avx2<6>(p, w, g, half, n0, m0, s0, total); break;
+        }
+      }
+    }
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t j = 0; j < block_n; ++j) p.out[r * p.n + n0 + j] = float_to_bf16(total[r * block_n + j]);
+}
+
 // One full block (block_n 32 or 64, `halves`) for all rows, rounded into p.out.
 void block_avx2_all_rows(const Problem& p, const uint8_t* bytes, int64_t block_n, int64_t n0) {
   const int64_t half = block_n / 2, spans = half / 16;
   thread_local std::vector<float> total_buffer;  // this thread's, kept between calls
+  if (p.m > kAvx2Tiles && p.group <= kMaxGroup) {
+    block_avx2_buffered(p, bytes, block_n, n0, at_least(total_buffer, p.m * block_n));
+    return;
+  }
   float* total = at_least(total_buffer, kAvx2Tiles * block_n);
   for (int64_t m0 = 0; m0 < p.m; m0 += kAvx2Tiles) {
     const int64_t rows = std::min<int64_t>(kAvx2Tiles, p.m - m0);

@@ -1,5 +1,5 @@
-// 16 floats as one vector for runtime/native/kv_attention.cpp: AVX512 where the build has it, plain
-// loops the compiler vectorizes otherwise; the same operations either way (loads, FMA, lane sums and
+// 16 floats as one vector for runtime/native/kv_attention.cpp: AVX512 where the build has it, two
+// AVX2 registers at the avx2 level, plain loops the compiler vectorizes otherwise; the same operations either way (loads, FMA, lane sums and
 // maxima, 16 codes of a byte field widened to floats, 16 lane sums as one vector, exp, float16 rows).
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,84 @@ inline V exp16(V v) {
   __m512 e = _mm512_scalef_ps(p, n);
   return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(v.x, _mm512_set1_ps(-103.f), _CMP_LT_OQ), e, _mm512_setzero_ps())};
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// lanes 0-7 in lo, 8-15 in hi; the same operations as the AVX512 V lane by lane, and lanes_sum's
+// tree is _mm512_reduce_add_ps's (halves, quarters, pairs), so both levels sum a vector alike
+struct V {
+  __m256 lo, hi;
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V all(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V halves(const at::Half* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+};
+inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+template <class OP>
+inline float lanes_reduce(V a, OP op) {
+  const __m256 quarter = op(a.hi, a.lo);
+  const __m128 pair = op(_mm256_extractf128_ps(quarter, 1), _mm256_castps256_ps128(quarter));
+  const __m128 two = op(pair, _mm_shuffle_ps(pair, pair, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(op(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 0, 0, 1))));
+}
+struct Add {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
+  __m128 operator()(__m128 a, __m128 b) const { return _mm_add_ps(a, b); }
+};
+struct Max {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
+  __m128 operator()(__m128 a, __m128 b) const { return _mm_max_ps(a, b); }
+};
+inline float lanes_sum(V a) { return lanes_reduce(a, Add()); }
+inline float lanes_max(V a) { return lanes_reduce(a, Max()); }
+
+template <int BITS>
+inline void widen(const uint8_t* p, V* out, int stride) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  if constexpr (BITS == 8) {
+    out[0] = {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+  } else {
+    const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    for (int f = 0; f < 8 / BITS; ++f)
+      out[f * stride] = {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, f * BITS), mask)),
+                         _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, f * BITS), mask))};
+  }
+}
+
+// 8 vectors of 8 summed across lanes: one vector of their 8 sums (horizontal adds, then the halves)
+inline __m256 sums8(const __m256* s) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+inline V sums16(const V* p) {
+  __m256 s[16];
+  for (int t = 0; t < 16; ++t) s[t] = _mm256_add_ps(p[t].lo, p[t].hi);
+  return {sums8(s), sums8(s + 8)};
+}
+
+// exp16's Cephes expf in 8 lanes; 2^n in two normal halves (n reaches -149 where scalef goes subnormal)
+inline __m256 exp8(__m256 v) {
+  __m256 x = _mm256_max_ps(v, _mm256_set1_ps(-103.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  const auto power = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+  const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, power(half)), power(_mm256_sub_epi32(ni, half)));
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(v, _mm256_set1_ps(-103.f), _CMP_LT_OQ));
+}
+inline V exp16(V v) { return {exp8(v.lo), exp8(v.hi)}; }
 #else  // plain loops (the compiler vectorizes them for what this CPU has)
 struct V {
   float x[L];
