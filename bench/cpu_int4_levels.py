@@ -51,6 +51,19 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def cpu_model() -> dict:
+    """/proc/cpuinfo's model name, family and model of the first CPU (empty off Linux)."""
+    fields = {}
+    path = Path("/proc/cpuinfo")
+    for line in path.read_text().splitlines() if path.exists() else []:
+        key, _, value = line.partition(":")
+        if not line.strip():
+            break
+        if key.strip() in ("model name", "cpu family", "model"):
+            fields[key.strip()] = value.strip()
+    return fields
+
+
 def kernels() -> dict[str, tuple]:
     """name -> (module, path number) of each lowbit variant this CPU runs."""
     out = {}
@@ -111,7 +124,7 @@ def main():
         raise SystemExit("no level of the native int4 kernel builds or runs here (see the warnings above)")
     llc = last_level_cache_bytes()
     layout = cpu_int4_layout.int4_layout()
-    result = {"device": cpu_name(), "versions": versions(), "commit": commit(), "command": " ".join(
+    result = {"device": cpu_name(), "cpu_model": cpu_model(), "versions": versions(), "commit": commit(), "command": " ".join(
         ["python -m bench.cpu_int4_levels", *os.sys.argv[1:]]), "cpu_capability": capability,
         "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"), "native_levels": native.cpu_levels(),
         "layout": {"block_n": layout.block_n, "halves": layout.halves}, "group": GROUP, "llc_bytes": llc,
