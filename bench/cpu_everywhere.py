@@ -11,8 +11,9 @@ the CLI (``lowbit quantize``, RTN) to W4 g32 symmetric and W4 g64 asymmetric, lm
 checkpoint is exported by ``lowbit export --gguf exact`` (Q4_0, its codes copied). Written once under
 ``out/cpu-everywhere/`` and reused.
 
-1. Copy bandwidth: a ``--bandwidth-mb`` float tensor copied into another (``Tensor.copy_``, ATen's parallel
-   copy at ``--threads``), median of 7; GB/s counts bytes read plus bytes written (STREAM's copy).
+1. Bandwidth: a float tensor (1 GB; --quick 512 MB) copied into another (``Tensor.copy_``, ATen's parallel
+   copy at ``--threads``; GB/s counts bytes read plus written, STREAM's copy) and read (a sum), median
+   and best of 7; again at the start of part 3 for its bound.
 2. W4 against float (the targets of item 4): each model loaded by ``runtime.load`` (CPU, float32 for the
    float model; W4 through the CPU kernels) in this process at ``--threads``; prefill of 64, 256 and 1,024
    tokens (batch 1, ``bench.cpu_decode.prefill_seconds``, wall) and decode ITL at batch 1 and 8 after a
@@ -29,8 +30,9 @@ checkpoint is exported by ``lowbit export --gguf exact`` (Q4_0, its codes copied
    (GNU time's ``%M``: llama.cpp maps the file, so its touched pages count; lowbit's includes the Python
    interpreter and torch); the lowbit child imports ``lowbit.cli_options`` as the CLI does. Beside each
    decode figure the memory bound: (the GGUF file's tensor bytes + the fp16 KV bytes read at the
-   run's mean context) / the measured copy bandwidth -> the most tokens/s a step that reads every weight
-   once could reach, and each engine's fraction of it.
+   run's mean context) / the best read bandwidth measured at the part's start -> the most tokens/s a
+   step that reads every weight once could reach, and each engine's fraction of it (above 1 where the
+   load eased after the measurement).
 
 The machine's CPU (lscpu's model name, family/model, the ISA flags that matter, torch's
 ``get_cpu_capability()``), torch's version, the commit, the threads and the load average before and after
@@ -127,18 +129,22 @@ def amd_zen(facts: dict) -> str | None:
 
 
 def copy_bandwidth(megabytes: int, repeats: int = 7) -> dict:
-    """GB/s of one large tensor copy at torch's thread count, bytes read + bytes written (STREAM's copy)."""
+    """GB/s of one large tensor copy at torch's thread count, bytes read + bytes written (STREAM's copy),
+    and of reading it (a sum: the bytes a decode step's weights cost)."""
     n = megabytes * (1 << 20) // 4
     src, dst = torch.rand(n), torch.empty(n)
     dst.copy_(src)  # both touched: no page faults in the timed copies
-    times = []
+    copies, reads = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    return {"megabytes": megabytes, "threads": torch.get_num_threads(), "median_s": seconds,
-            "copy_gb_per_s": 2 * 4 * n / seconds / 1e9, "best_gb_per_s": 2 * 4 * n / min(times) / 1e9}
+        copies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        reads.append(time.perf_counter() - start)
+    return {"megabytes": megabytes, "threads": torch.get_num_threads(), "median_s": statistics.median(copies),
+            "copy_gb_per_s": 2 * 4 * n / statistics.median(copies) / 1e9, "best_gb_per_s": 2 * 4 * n / min(copies) / 1e9,
+            "read_gb_per_s": 4 * n / statistics.median(reads) / 1e9, "best_read_gb_per_s": 4 * n / min(reads) / 1e9}
 
 
 # ---- checkpoints (written once, by the CLI) ----
@@ -341,8 +347,7 @@ def memory_bound(gguf: Path, config: dict, context: float, bandwidth: float) -> 
             "max_tokens_per_s": bandwidth / (weights + kv)}
 
 
-def against_llama_cpp(checkpoint: Path, gguf: Path, mode: dict, threads: int, bandwidth: float,
-                      env_kind: str) -> dict:
+def against_llama_cpp(checkpoint: Path, gguf: Path, mode: dict, threads: int, env_kind: str) -> dict:
     builds = {name: libs for name, libs in LLAMA_BUILDS.items()
               if (LLAMA_BIN / "llama-bench").exists() and (libs[0] / "libggml-cpu.so").exists()}
     out = {"load_average_start": os.getloadavg(),
@@ -350,7 +355,7 @@ def against_llama_cpp(checkpoint: Path, gguf: Path, mode: dict, threads: int, ba
                           "libggml_cpu": resolved_cpu_backend(libs)} for n, libs in builds.items()},
            "gguf_bytes": gguf.stat().st_size, "llama_bench_env": env_kind,
            "llama_bench_omp": {k: v for k, v in llama_env(env_kind).items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
-           "rounds": []}
+           "rounds": [], "bandwidth": copy_bandwidth(mode["mb"])}  # the bound's, at this part's own load
     if not builds:
         out["skipped"] = "no llama-bench: `make llama-cpp` (AVX2) and/or `make llama-cpp-native` build it"
     contenders = {**{f"llama.cpp-{n}": (lambda libs=libs: llama_bench(libs, gguf, threads, mode["pp"], mode["tg"], env_kind))
@@ -363,7 +368,8 @@ def against_llama_cpp(checkpoint: Path, gguf: Path, mode: dict, threads: int, ba
             print(json.dumps({name: {k: v for k, v in row[name].items() if k != "llama_cpp"}}), flush=True)
         out["rounds"].append(row)
     config = json.loads((checkpoint / "config.json").read_text())
-    bound = memory_bound(gguf, config, mode["tg"] / 2, bandwidth)
+    # the best read of the part's start: a loaded machine's median understates what a step can read
+    bound = memory_bound(gguf, config, mode["tg"] / 2, out["bandwidth"]["best_read_gb_per_s"] * 1e9)
     out["tg_memory_bound"] = bound
     out["median"] = {}
     for name in contenders:
@@ -459,8 +465,7 @@ def main():
                "checkpoints": {n: str(p) for n, p in paths.items()}, "vs_float": against_float(paths, mode)}
         if not args.skip_peer:
             gguf = gguf_file(paths["w4g32sym"])
-            row["vs_llama_cpp"] = against_llama_cpp(paths["w4g32sym"], gguf, mode, args.threads,
-                                                    result["bandwidth"]["copy_gb_per_s"] * 1e9, args.llama_env)
+            row["vs_llama_cpp"] = against_llama_cpp(paths["w4g32sym"], gguf, mode, args.threads, args.llama_env)
         result["shapes"][shape] = row
         write_result(out, result)  # after each shape: a long run keeps what it measured
 

@@ -53,6 +53,7 @@ def test_smoke_run(tmp_path):
             assert row[f"{scheme}{suffix}"] > 0 and row[f"float{suffix}"] > 0
             assert row[f"{scheme}_over_float"] == pytest.approx(row[f"{scheme}{suffix}"] / row[f"float{suffix}"])
     peer = shape["vs_llama_cpp"]
+    assert peer["bandwidth"]["best_read_gb_per_s"] > 0
     bound = peer["tg_memory_bound"]
     assert bound["weight_bytes"] > 0 and bound["max_tokens_per_s"] > 0
     assert set(peer["median"]) == {"lowbit", *(f"llama.cpp-{b}" for b in peer["builds"])}
