@@ -42,6 +42,10 @@ MIN_ROWS = 1
 # 0.528 over 5 runs, against 0.47-0.51 split): a thread the Linears leave asleep is woken by the
 # next op instead (bench/results/cpu/NOTES.md)
 PARALLEL_BYTES = 0
+# Rows up to which the avx2 path (CPUs without AVX512-BF16) replaces aten's kernel: measured there
+# (bench/cpu_int4_levels.py under ATEN_CPU_CAPABILITY=avx2 on a Zen 4, weights streamed) 2.2-2.9x
+# aten's AVX2 kernel at one row and 1.0-1.3x at eight; more rows are unmeasured and keep aten's
+AVX2_MAX_ROWS = 8
 
 
 def best_path() -> str | None:
@@ -83,6 +87,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch
     if not MIN_ROWS <= rows <= MAX_ROWS:
         return None
     module, few, more = chosen
+    if more == _AVX2 and rows > AVX2_MAX_ROWS:
+        return None
     if rows <= AVX512_ROWS:
         return module.int4_linear(x, packed, group, scale_zeros, layout.block_n, layout.halves, few, PARALLEL_BYTES)
     return module.int4_linear(x, packed, group, scale_zeros, layout.block_n, layout.halves, more, 0)

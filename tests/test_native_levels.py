@@ -257,3 +257,28 @@ def test_kv_attention_at_every_level(level):
         q = torch.randn(len(lengths), query_heads, 1, head_dim, generator=g)
         got = native_attention(kernel, paged, q, lengths)
         torch.testing.assert_close(got, CPU_FOLDED.decode(paged, q, lengths), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif("avx2" not in HERE, reason="this CPU does not run the avx2 level")
+def test_an_avx2_cpu_decodes_int4_with_the_avx2_path(monkeypatch):
+    """LOWBIT_NATIVE_LEVEL=avx2 (an AVX2-only CPU's kernels): cpu_int4_gemm.linear takes 1..AVX2_MAX_ROWS
+    rows on the avx2 path, AVX-512's blocks and AVX2's alike, and leaves more rows to aten's kernel."""
+    from runtime import cpu_int4_gemm
+
+    module = module_at("int4_gemm", "avx2")
+    monkeypatch.setenv("LOWBIT_NATIVE_LEVEL", "avx2")
+    native.matmul_kernel.cache_clear()
+    cpu_int4_gemm._paths.cache_clear()
+    try:
+        assert cpu_int4_gemm.best_path() == "avx2"
+        for layout in (Int4Layout(64, True), Int4Layout(32, True)):
+            u, packed, scale_zeros = int4_layer(128, 256, 64, layout, seed=9)
+            x = torch.randn(cpu_int4_gemm.AVX2_MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(9))
+            for rows in (1, cpu_int4_gemm.AVX2_MAX_ROWS):
+                want = module.int4_linear(x[:rows], packed, 64, scale_zeros, layout.block_n, layout.halves,
+                                          native.MATMUL_PATHS.index("avx2"), 0)
+                assert torch.equal(cpu_int4_gemm.linear(x[:rows], packed, 64, scale_zeros, layout), want)
+            assert cpu_int4_gemm.linear(x, packed, 64, scale_zeros, layout) is None
+    finally:
+        native.matmul_kernel.cache_clear()
+        cpu_int4_gemm._paths.cache_clear()

@@ -11,7 +11,7 @@ Each kernel is an optional backend: :func:`load` returns the compiled module, or
 cannot be built here (no C++ compiler or ninja, a failed build, ``LOWBIT_NATIVE=0``), with the
 reason printed once per process; callers then keep their PyTorch path, which stays the reference
 the tests compare against. Builds go to ``$LOWBIT_NATIVE_CACHE`` (default
-``~/.cache/lowbit/native``), one directory per torch version and flags, a folder per kernel in it;
+``~/.cache/lowbit/native``), one directory per torch version, level and headers, a folder per kernel in it;
 torch's JIT rebuilds when a source changes and takes a file lock, so concurrent processes build once.
 
 Levels: each kernel is built once per instruction-set level it is asked at (:data:`LEVELS`: ``avx2``
