@@ -66,6 +66,9 @@ class AttentionBackend:
     def refuses(self, case: AttentionCase) -> str | None:
         raise NotImplementedError
 
+    def __deepcopy__(self, memo):  # one object per backend (a copied model shares it; cpu-native holds a module)
+        return self
+
     def decode(self, paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
                softcap: float | None = None, step: dict | None = None) -> torch.Tensor:
         """Attention of one new token per sequence over one layer of the paged cache, the new

@@ -17,7 +17,9 @@ def pow2(n: int) -> bool:
 
 
 def unsupported_reason(scheme: KVScheme, head_dim: int, dtype: torch.dtype, device=None) -> str | None:
-    """Why the kernels cannot serve this cache, or None when they can."""
+    """Why the kernels cannot serve this cache, or None when they can: the ``triton`` attention
+    backend's refusal (``runtime/attention_backends/triton.py``), which the choice of backend reads;
+    the kernels themselves check it again at launch (:func:`require_supported`)."""
     family = scheme.definition
     if not family.kernels:
         return f"the {family.name} family (it declares no Triton kernel)"
