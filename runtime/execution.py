@@ -20,10 +20,11 @@ from runtime.cache import KVCache
 
 
 class Executor:
-    """The forwards over ``cache`` on one attention backend (``kernels``: the Triton kernels,
-    else the PyTorch reference), decode steps through CUDA graphs when ``cuda_graphs``."""
+    """The forwards over ``cache`` on one attention backend (``kernels``: the chosen
+    ``runtime.attention_backends`` backend; a bool from older callers: True the Triton kernels, False
+    the cache's choice without them), decode steps through CUDA graphs when ``cuda_graphs``."""
 
-    def __init__(self, decoder, cache: KVCache, kernels: bool, cuda_graphs: bool = False):
+    def __init__(self, decoder, cache: KVCache, kernels, cuda_graphs: bool = False):
         self.decoder, self.cache, self.kernels = decoder, cache, kernels
         self.graphs = DecodeGraphs(decoder, cache) if cuda_graphs else None  # at start-up: free slots only
 

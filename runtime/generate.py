@@ -176,16 +176,14 @@ class SequenceSteps:
     are reserved on the host as positions fill them; no host sync but the sampler's read."""
 
     def __init__(self, model, total: int):
+        from runtime.attention import engine_attention
         from runtime.execution import Executor
 
         self.cache = model.new_cache(total, lockstep=False)  # quantized as the model's kv_scheme says
         self.slot = self.cache.add_sequence()
-        kernels = model.decoder.attention_kernels
-        if kernels:  # the Triton kernels serve the caches they support; the reference the others
-            from runtime.kernels.attention import supported
-
-            kernels = supported(self.cache.scheme, self.cache.head_dim, self.cache.dtype, self.cache.device)
-        self.executor = Executor(model.decoder, self.cache, kernels)
+        # the attention backend as an Engine over this cache chooses it (runtime.attention's one seam)
+        attention = engine_attention(model.decoder, self.cache.scheme, self.cache.dtype, self.cache.device)
+        self.executor = Executor(model.decoder, self.cache, attention.backend)
         self.position = 0
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:

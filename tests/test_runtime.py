@@ -238,7 +238,7 @@ class ForcedDecoder:
     """Stands in for the decoder (a decode step's call and a prefill's ``forward_packed``): its
     logits pick the given ids in turn."""
 
-    attention_kernels = False
+    attention_asked, attention_off = "auto", ()  # what runtime.attention reads to choose a backend
 
     def __init__(self, decoder, ids):
         self.cfg, self.ids, self.step = decoder.cfg, ids, 0
