@@ -1,13 +1,16 @@
 """Two trees' CPU decode steps side by side, interleaved finely: one change's effect on a shared machine.
 
     flock /tmp/lowbit-bench.lock python -m bench.cpu_step_ab --before DIR --after DIR [--rounds 8]
-        [--steps 12] [--threads 1] [--configs decoder:w4:1,engine:w4:8,...] [--labels BEFORE,AFTER]
+        [--steps 12] [--threads 1] [--configs decoder:w4:1,engine:w4:8,...] [--prompts 32,160]
+        [--labels BEFORE,AFTER] [--out FILE]
 
 ``DIR``: a tree holding ``runtime`` and ``bench`` (``git archive REV | tar -x -C DIR``; the after
 tree: the same with the changed files copied over; ``--labels`` says which, for the record). One persistent worker process per tree builds
 ``bench.cpu_decode``'s SmolLM2-shaped random models once (float32, and W4 g64 through the CPU
 kernels), then the driver alternates them config by config within every round (the order flipped
-each round), each turn a fresh cache, a 32-token prompt and ``--steps`` greedy steps of
+each round), each turn a fresh cache, a prompt of each ``--prompts`` length (32: every step inside
+the fp16 residual block, one SDPA per layer; 160: every layer's decode attention on the chosen
+``runtime/attention_backends`` backend) and ``--steps`` greedy steps of
 ``bench.cpu_overhead``'s ``decoder`` or ``engine`` path, timed per step in process CPU time (the
 step's own work with one thread) and wall time. A slow spell of the machine so lands on both trees
 within seconds, where ``cpu_overhead --compare`` starts a process per round and tree minutes apart.
@@ -28,16 +31,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROMPT = 32  # bench.cpu_overhead's
 
 
 def worker(tree: str, threads: int) -> None:
-    """Read ``path model batch steps`` lines, answer each with the steps' (CPU, wall) nanoseconds."""
+    """Read ``path model batch steps [prompt]`` lines, answer each with the steps' (CPU, wall) nanoseconds."""
     sys.path.insert(0, tree)
     import torch
 
     torch.set_num_threads(threads)
+    import bench.cpu_overhead as overhead
     from bench.cpu_decode import SHAPES, random_model
-    from bench.cpu_overhead import PATHS
 
     import runtime
 
@@ -47,8 +51,9 @@ def worker(tree: str, threads: int) -> None:
               "w4": random_model(SHAPES["smollm2-135m"], quantized=True)}
     print("ready", flush=True)
     for line in sys.stdin:
-        path, name, batch, steps = line.split()
-        print(json.dumps(PATHS[path](models[name], int(batch), int(steps))), flush=True)
+        path, name, batch, steps, *prompt = line.split()
+        overhead.PROMPT = int(prompt[0]) if prompt else DEFAULT_PROMPT  # read at each call
+        print(json.dumps(overhead.PATHS[path](models[name], int(batch), int(steps))), flush=True)
 
 
 def summary(times: list) -> dict:
@@ -76,6 +81,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--configs", default="decoder:float32:1,decoder:w4:1,decoder:float32:8,decoder:w4:8,"
                                          "engine:float32:1,engine:w4:1,engine:w4:8")
+    ap.add_argument("--prompts", default="32", help="prompt lengths, comma-separated (a config per length)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "cpu-step-ab.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -98,14 +104,23 @@ def main() -> None:
     for name, w in workers.items():
         if w.stdout.readline().strip() != "ready":
             raise SystemExit(f"the {name} worker did not start")
-    configs, samples, loads = [c.split(":") for c in args.configs.split(",")], {}, [os.getloadavg()]
+    prompts = args.prompts.split(",")
+    configs = [c.split(":") + [p] for p in prompts for c in args.configs.split(",")]
+    samples, loads = {}, [os.getloadavg()]
     for r in range(args.rounds):
         for config in configs:
             for name in (list(workers) if r % 2 == 0 else list(workers)[::-1]):
-                workers[name].stdin.write(" ".join(config + [str(args.steps)]) + "\n")
+                path, model, batch, prompt = config
+                # the default length unsaid: a tree from before --prompts runs its worker at it
+                said = "" if prompt == str(DEFAULT_PROMPT) else f" {prompt}"
+                workers[name].stdin.write(f"{path} {model} {batch} {args.steps}{said}\n")
                 workers[name].stdin.flush()
-                samples.setdefault(":".join(config), {}).setdefault(name, []).extend(
-                    json.loads(workers[name].stdout.readline()))
+                key = ":".join(config if len(prompts) > 1 else config[:3])  # path:model:batch[:prompt]
+                answer = workers[name].stdout.readline()
+                if not answer:
+                    raise SystemExit(f"the {name} worker stopped at {key} (a tree from before --prompts "
+                                     "runs the default prompt length only)")
+                samples.setdefault(key, {}).setdefault(name, []).extend(json.loads(answer))
         loads.append(os.getloadavg())
     for w in workers.values():
         w.stdin.close()
@@ -123,6 +138,7 @@ def main() -> None:
         "commit": commit(), "trees": {name: {"path": tree, "label": label} for (name, tree), label in
                                       zip(trees.items(), (args.labels.split(",") + ["", ""])[:2])},
         "command": "python -m bench.cpu_step_ab " + " ".join(sys.argv[1:]), "protocol": __doc__.strip(),
+        "configs": "path:model:batch" + (":prompt" if len(prompts) > 1 else f" (prompt {prompts[0]})"),
         "rounds": args.rounds, "steps_per_turn": args.steps, "load_average_per_round": loads,
         "results": results, "step_times_ns": samples})
 
