@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 # Quantized Linears on CPU run what users get: the backend runtime.linear_backends chooses (the CPU
 # kernels, bf16 activations). Tests that compare with a reference at float32 precision ask for the
 # "reference" backend by name (runtime.load(..., linear_backend="reference"), QuantLinear.use_backend).
+os.environ.setdefault("LOWBIT_CPU_PLAN_CACHE", "0")  # CPU matmul plans timed per process, never written to ~/.cache
 os.environ.setdefault("LOWBIT_TUNING_CACHE", "0")  # no tuned GEMM winners kept on disk (test_kernels_tuning sets a folder)
 
 
