@@ -72,7 +72,9 @@ def device_info(device: str | torch.device = "cpu") -> dict:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "memory_bytes": props.total_memory,
                 "capability": f"{props.major}.{props.minor}"}
-    return {"type": "cpu", "name": cpu_name(), "threads": torch.get_num_threads(),
+    # the vector level ATen dispatches to (AVX2, AVX512, ...): a figure from one level says nothing of another
+    return {"type": "cpu", "name": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
             "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "platform": platform.platform()}
 
