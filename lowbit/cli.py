@@ -229,7 +229,13 @@ def doctor(ckpt, device, dtype, kv, json_out):
     if model.device.type == "cpu":  # which path each CPU weight runs per rows bucket, and the float bar
         from runtime import cpu_plan
 
+        from runtime import native
+
         plan = cpu_plan.table_rows(model.decoder)
+        levels = native.cpu_levels()  # the native kernels' build level, and what this CPU could run
+        click.echo(f"native kernels: level {native.level()} (this CPU runs {', '.join(levels)}; "
+                   "LOWBIT_NATIVE_LEVEL caps it)" if native.enabled() else "native kernels: off (LOWBIT_NATIVE=0)")
+        prov["device"]["native_level"] = native.level() if native.enabled() else None
         click.echo(cpu_plan.describe_machine() + ":")
         click.echo(cpu_plan.table_text(plan))
     if json_out:

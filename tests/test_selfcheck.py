@@ -374,6 +374,9 @@ def test_doctor_on_cpu_says_the_reference_runs(checkpoint):
     linears = [line for line in lines if line.startswith("quant_matmul")]  # the CPU kernels, from each choice
     assert len(linears) == 4 and all(" cpu-int4 " in line and "triton: runs on cuda only" in line for line in linears)
     assert all(" reference " in line and "kernels run on CUDA only" in line for line in lines if line not in linears)
+    from runtime import native
+
+    assert f"native kernels: level {native.level()} (this CPU runs " in result.output  # what built, for bug reports
 
 
 def test_cuda_graphs_that_fail_or_disagree_leave_the_engine_on_eager_steps():
