@@ -48,6 +48,7 @@ from bench.cpu_decode import SHAPES, prefill_seconds, random_model  # noqa: E402
 from bench.results_file import write_result  # noqa: E402
 from evals.provenance import commit, cpu_name, versions  # noqa: E402
 from runtime import cpu_linear, cpu_plan  # noqa: E402
+from runtime.linear import plan_keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = 64
@@ -239,7 +240,7 @@ def compare_rows(shape: str, tokens: list[int], rounds: int, schemes: list[str],
                 before = random_model(cfg, quantized=True)
             with plan_mode("measure"):
                 after = random_model(cfg, quantized=True)  # the plan decides the float leftovers' dtype
-                table = cpu_plan.table_rows(after.decoder)  # times every shape not yet timed
+                table = cpu_plan.table_rows(plan_keys(after.decoder))  # times every shape not yet timed
         print(cpu_plan.table_text(table), flush=True)
         out["plans"].append({"shape": shape, "scheme": scheme, "plan_seconds": spent[0], "table": table,
                              "lm_head_dtype": str(after.decoder.lm_head.weight.dtype)})

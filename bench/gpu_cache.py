@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     elif args.verb == "check":
         print(json.dumps(check(args.tar), indent=1))
     else:
-        from bench.gpu_first import compile_tasks_of_run
+        from bench.gpu_first_plan import compile_tasks_of_run
 
         gpu_key = wheel_triton_key(args.wheel) if args.wheel else None
         tasks = [task_json(t) for t in compile_tasks_of_run()]

@@ -67,7 +67,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # `python bench/gpu_check.py`, the lent GPU machine's documented command: bench/ is
-    sys.path.insert(0, str(ROOT))  # what Python put on the path, and `bench.*` needs the repository root
+    # what Python put first on the path (its kernels.py shadows the `kernels` package transformers looks
+    # for), and `bench.*` needs the repository root in its place
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [str(here.parent)] + [p for p in sys.path if Path(p or ".").resolve() != here]
 
 from bench import gpu_headlines, gpu_stages  # noqa: E402
 

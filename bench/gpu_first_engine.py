@@ -20,7 +20,7 @@ def compare(smoke: bool, case: dict, report=None) -> dict:
     """fp16 then W4 engines on ``case`` (batch, prompt_len, output_len, repeats, prefill_chunk),
     each tuning only the row buckets the case's steps take (``gpu_first.tune_rows``); their rows,
     and W4 against fp16."""
-    from bench.gpu_first import tune_rows
+    from bench.gpu_first_plan import tune_rows
     from evals import serving
 
     device = torch.device("cpu") if smoke else serving.require_cuda()
@@ -138,7 +138,7 @@ def attention_splits(smoke: bool, report=None) -> dict:
 
     from bench import attention as ab
     from bench.gpu import median_seconds_per_call
-    from bench.gpu_first import CONTEXT, SPLIT_FACTORS
+    from bench.gpu_first_plan import CONTEXT, SPLIT_FACTORS
     from kvquant import parse_kv
     from runtime.kernels import attention as kernels
     from runtime.kernels import kv_reference as ref

@@ -30,7 +30,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench.results_file import write_result
+if not __package__:  # `python bench/serve.py`: Python put bench/ first on the path, where its kernels.py
+    # shadows the `kernels` package transformers looks for (ImportError at `import transformers`)
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [str(here.parent)] + [p for p in sys.path if Path(p or ".").resolve() != here]
+
+from bench.results_file import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -228,10 +228,11 @@ def doctor(ckpt, device, dtype, kv, json_out):
     plan = None
     if model.device.type == "cpu":  # which path each CPU weight runs per rows bucket, and the float bar
         from runtime import cpu_plan
+        from runtime.linear import plan_keys
 
         from runtime import native
 
-        plan = cpu_plan.table_rows(model.decoder)
+        plan = cpu_plan.table_rows(plan_keys(model.decoder))
         levels = native.cpu_levels()  # the native kernels' build level, and what this CPU could run
         click.echo(f"native kernels: level {native.level()} (this CPU runs {', '.join(levels)}; "
                    "LOWBIT_NATIVE_LEVEL caps it)" if native.enabled() else "native kernels: off (LOWBIT_NATIVE=0)")

@@ -416,18 +416,7 @@ def timing_weight(kind: str, n: int, k: int, group: int, g: torch.Generator):
     return NarrowLinear(linear)
 
 
-def plan_keys(decoder: nn.Module):
-    """(kind, outputs, inputs, group) of each CPU weight of ``decoder`` that ``cpu_plan`` plans for:
-    quantized Linears on the CPU kernels and bf16 float leftovers (:class:`NarrowLinear`)."""
-    from runtime.linear import QuantLinear  # it imports this module
-
-    for m in decoder.modules():
-        if isinstance(m, QuantLinear) and m.on_cpu_kernel:
-            eight = m.scheme.bits == 8
-            yield ("int8" if eight else "int4", m.out_features, m.in_features,
-                   0 if eight else kernel_group(m.scheme.group_len(m.in_features)))
-        elif isinstance(m, NarrowLinear) and m.weight.dtype == torch.bfloat16:
-            yield "narrow", m.out_features, m.in_features, 0
+cpu_plan.timing_weight = timing_weight  # cpu_plan times its candidates on these
 
 
 _ROWS_PER_CHUNK = 2048  # bounds the int32 temporaries of a large layer; a multiple of every block_n

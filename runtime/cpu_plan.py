@@ -65,6 +65,10 @@ HOPELESS = 3.0  # a candidate this many times the fastest call so far is not tim
 MARGIN = 0.9  # a candidate slower than the bar beats the float32 scratch only at this ratio or better
 NARROW_TOLERANCE = 1.05  # bf16 float leftovers are kept where their product is within this of the bar
 PLAN_VERSION = 1
+# The weights the candidates are timed on: runtime.cpu_linear's ``timing_weight`` (a random weight of a
+# kind and shape with that kind's ``paths`` and ``product``), handed in when that module loads: it
+# imports this one, so this one cannot import it back
+timing_weight: Callable | None = None
 SOURCES = ("cpu_plan.py", "cpu_linear.py", "cpu_int4_gemm.py", "cpu_int8_gemm.py", "native/int4_weights.cpp",
            "native/int4_gemm.cpp", "native/int8_gemm.cpp")
 
@@ -253,11 +257,9 @@ def timed_shape(n: int, k: int) -> tuple[int, int]:
 
 def measure(kind: str, n: int, k: int, group: int) -> dict[str, Entry]:
     """Times every bucket's candidates and the float bar on a random weight of (a cut of) the shape."""
-    from runtime import cpu_linear  # it imports this module: the candidates are its weights' paths
-
     tn, tk = timed_shape(n, k)
     g = torch.Generator().manual_seed(tn * 7919 + tk)
-    weight = cpu_linear.timing_weight(kind, tn, tk, group, g)
+    weight = timing_weight(kind, tn, tk, group, g)
     dense = torch.randn(tn, tk, generator=g)
     with torch.no_grad():
         return _measure_buckets(weight, dense, g)
@@ -398,14 +400,12 @@ def describe_machine() -> str:
             f"{m['threads']} threads, torch {m['torch']}; cache {where if where else 'off'}")
 
 
-def table_rows(decoder) -> list[dict]:
-    """One row per distinct CPU weight of ``decoder`` (quantized Linears on the CPU kernels, bf16 float
-    leftovers) and rows bucket: the path, the candidates' times and the float bar (timed now if this
-    machine has no plan for it yet)."""
-    from runtime import cpu_linear
-
+def table_rows(keys) -> list[dict]:
+    """One row per distinct CPU weight of ``keys`` ((kind, outputs, inputs, group) of a model's quantized
+    Linears on the CPU kernels and bf16 float leftovers: ``runtime.linear.plan_keys``) and rows bucket:
+    the path, the candidates' times and the float bar (timed now if this machine has no plan for it yet)."""
     seen, rows = set(), []
-    for key in cpu_linear.plan_keys(decoder):
+    for key in keys:
         if key in seen:
             continue
         seen.add(key)

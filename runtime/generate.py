@@ -182,7 +182,9 @@ class SequenceSteps:
         self.cache = model.new_cache(total, lockstep=False)  # quantized as the model's kv_scheme says
         self.slot = self.cache.add_sequence()
         # the attention backend as an Engine over this cache chooses it (runtime.attention's one seam)
-        attention = engine_attention(model.decoder, self.cache.scheme, self.cache.dtype, self.cache.device)
+        # (the model's own request, e.g. "triton": an error now where that backend cannot run this cache)
+        attention = engine_attention(model.decoder, self.cache.scheme, self.cache.dtype, self.cache.device,
+                                     model.decoder.attention_asked)
         self.executor = Executor(model.decoder, self.cache, attention.backend)
         self.position = 0
 

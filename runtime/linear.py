@@ -12,6 +12,7 @@ from quant.packing import packed_length
 from runtime import backend as backends
 from runtime import linear_backends
 from runtime.kernels import reference, weight_layout
+from runtime import cpu_linear
 from runtime.linear_backends import LinearCase, NotThese
 
 _REPORTED_REFERENCE: set[str] = set()  # why layers run the reference (materialize), warned once each
@@ -275,3 +276,15 @@ def _concat_quant(parts: list[QuantLinear], total: int) -> QuantLinear | None:
     if g_idx[0] is not None:
         joined.weight_g_idx = g_idx[0]
     return joined
+
+
+def plan_keys(decoder: nn.Module):
+    """(kind, outputs, inputs, group) of each CPU weight of ``decoder`` that ``cpu_plan`` plans for:
+    quantized Linears on the CPU kernels and bf16 float leftovers (:class:`NarrowLinear`)."""
+    for m in decoder.modules():
+        if isinstance(m, QuantLinear) and m.on_cpu_kernel:
+            eight = m.scheme.bits == 8
+            yield ("int8" if eight else "int4", m.out_features, m.in_features,
+                   0 if eight else cpu_linear.kernel_group(m.scheme.group_len(m.in_features)))
+        elif isinstance(m, cpu_linear.NarrowLinear) and m.weight.dtype == torch.bfloat16:
+            yield "narrow", m.out_features, m.in_features, 0

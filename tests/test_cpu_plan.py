@@ -12,6 +12,7 @@ from quant.affine import QuantScheme
 from runtime import cpu_int4_gemm, cpu_linear, cpu_plan
 from runtime.cpu_int4_layout import int4_layout
 from runtime.cpu_plan import BF16, FP32, KERNEL
+from runtime.linear import plan_keys
 from tests.test_cpu_linear import BF16_EPS, quant_layer, reference_out
 
 BIG = (512, 512)  # at MIN_TIMED_WEIGHTS or more: planned by timing
@@ -339,7 +340,7 @@ def test_doctor_table_names_each_shape_bucket_path_and_the_bar(monkeypatch):
                                   quant_layer(*BIG, QuantScheme(4, 64, True), seed=12))
     for m in decoder:
         m.materialize(torch.float32)
-    rows = cpu_plan.table_rows(decoder)
+    rows = cpu_plan.table_rows(plan_keys(decoder))
     assert [r["rows"] for r in rows] == [f"1-{cpu_plan.DECODE_ROWS}"] + [b.name for b in cpu_plan.BUCKETS]
     assert rows[0]["path"] == KERNEL and all(r["path"] == FP32 and r["bar_ms"] == 2.0 for r in rows[1:])
     text = cpu_plan.table_text(rows)

@@ -30,7 +30,6 @@ def check_against_reference(backend, case) -> None:
     """Rows at ragged lengths (inside the residual, at a block boundary, past one), with and
     without a sliding window, and soft-capped where the case has it: ``backend.decode`` against
     the reference backend's within ``runtime.tolerances`` (raises ``Mismatch``)."""
-    from runtime.attention_backends import REFERENCE
     from runtime.kernels.kv_reference import PagedKV
 
     B = case.scheme.block_size
@@ -40,6 +39,25 @@ def check_against_reference(backend, case) -> None:
     q = q.to(case.device, case.dtype)
     for window, softcap in [(None, None), (B + 2, None)] + ([(None, 30.0)] if case.softcap else []):
         got = backend.decode(paged, q, lengths, window, softcap)
-        want = REFERENCE.decode(paged, q, lengths, window, softcap)
+        want = reference_decode(paged, q, lengths, window, softcap)
         compare(got, want, case.dtype, f"decode attention ({backend.name}) over {lengths} positions"
                 + (f", window {window}" if window else "") + (", soft-capped" if softcap else ""))
+
+
+def reference_decode(paged, q: torch.Tensor, lengths: list[int], window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """The reference backend's decode (``reference.Reference``): each sequence's cache read back
+    dequantized, then attention; what every other backend is checked against."""
+    from runtime.kernels import kv_reference
+
+    if softcap is None:  # the Triton kernels' reference
+        seq_lens = torch.tensor(lengths, device=q.device)
+        return kv_reference.decode_attention(q[:, :, 0], paged, seq_lens, window)[:, :, None]
+    from runtime.attention_math import sdpa
+
+    out = torch.empty_like(q)
+    for s, n in enumerate(lengths):  # soft-capped: SDPA's eager path as transformers runs Gemma 2
+        first = 0 if window is None else max(n - window, 0)
+        keys, values = (kv_reference.read_sequence(paged, s, n, side, first) for side in (True, False))
+        out[s:s + 1] = sdpa(q[s:s + 1], keys[None].to(q.dtype), values[None].to(q.dtype), None, softcap)
+    return out

@@ -5,7 +5,7 @@ the integer families and the unquantized cache)."""
 from __future__ import annotations
 
 from runtime import cpu_attention
-from runtime.attention_backends import AttentionBackend
+from runtime.attention_backends.base import AttentionBackend
 
 
 class CpuFolded(AttentionBackend):

@@ -5,7 +5,7 @@ float32 models, the layouts ``runtime.cpu_attention.native_refusal`` accepts."""
 from __future__ import annotations
 
 from runtime import cpu_attention
-from runtime.attention_backends import AttentionBackend
+from runtime.attention_backends.base import AttentionBackend
 
 
 class CpuNative(AttentionBackend):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention_backends import AttentionBackend
+from runtime.attention_backends.base import AttentionBackend
 
 KERNELS_DO_NOT = "the Triton attention kernels do not support "  # a refusal for what of the cache they lack
 SOFTCAP = ("the Triton attention kernels have no attention-logit soft-capping (Gemma 2): run this model on "
@@ -50,7 +50,7 @@ class Triton(AttentionBackend):
         from types import SimpleNamespace
 
         from runtime.attention_backends.checks import HEADS, KV_HEADS
-        from runtime.selfcheck_cases import check_attention
+        from runtime.kernel_checks import check_attention
 
         cfg = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=case.head_dim)
         check_attention(cfg, case.scheme, case.dtype, torch.device(case.device), (None, case.scheme.block_size + 2))

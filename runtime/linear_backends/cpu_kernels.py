@@ -9,7 +9,7 @@ import torch
 from quant.affine import QuantScheme
 from quant.packing import pack
 from runtime import cpu_linear
-from runtime.linear_backends import LinearBackend, LinearCase
+from runtime.linear_backends.base import LinearBackend, LinearCase
 
 
 class CpuKernels(LinearBackend):

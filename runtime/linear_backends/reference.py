@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from runtime.kernels import reference
-from runtime.linear_backends import LinearBackend, LinearCase
+from runtime.linear_backends.base import LinearBackend, LinearCase
 
 
 class Reference(LinearBackend):

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from runtime.kernels import weight_layout
-from runtime.linear_backends import LinearBackend, LinearCase, NotThese
+from runtime.linear_backends.base import LinearBackend, LinearCase, NotThese
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 ON_CPU_ENV = "LOWBIT_TRITON_ON_CPU"  # "1": CPU layers too (the interpreter; tests)
@@ -59,7 +59,7 @@ class Triton(LinearBackend):
             raise NotThese(str(e)) from e
 
     def self_check(self, layer, weight, dtype: torch.dtype, rows: tuple[int, ...], tuned: bool) -> str | None:
-        from runtime.selfcheck_cases import check_linear
+        from runtime.kernel_checks import check_linear
 
         return check_linear(layer, weight, dtype, rows, tuned)
 
