@@ -18,7 +18,7 @@ from kernel_device import DEVICE  # noqa: F401 (sets TRITON_INTERPRET before tri
 import runtime  # noqa: E402
 from quant.affine import QuantScheme  # noqa: E402
 from runtime import linear as linear_module  # noqa: E402
-from runtime import selfcheck  # noqa: E402
+from runtime import kernel_checks, selfcheck  # noqa: E402
 from runtime import selfcheck_cases as cases  # noqa: E402
 from runtime.linear_backends import triton as triton_backend  # noqa: E402
 from runtime.kernels import attention as attention_kernels  # noqa: E402
@@ -317,8 +317,8 @@ def test_a_large_linear_is_checked_at_both_ends_of_its_outputs(monkeypatch):
                            "weight_g_idx": g_idx, "weight_shape": torch.tensor([600, 64]),
                            "bias": torch.randn(600)})
     layer = layer.to(DEVICE).half()
-    assert cases._checked_outputs(600, 8) == [(0, 256), (344, 600)]
-    cases.check_linear(layer, layer.kernel_weight(), torch.float16, (5,), tuned=False)  # the real kernels, act-order and bias: pass
+    assert kernel_checks._checked_outputs(600, 8) == [(0, 256), (344, 600)]
+    kernel_checks.check_linear(layer, layer.kernel_weight(), torch.float16, (5,), tuned=False)  # the real kernels, act-order and bias: pass
 
     def last_tile_wrong(x, kw, bias=None, config=None):
         out = reference_matmul(x, kw, bias)
@@ -327,7 +327,7 @@ def test_a_large_linear_is_checked_at_both_ends_of_its_outputs(monkeypatch):
 
     monkeypatch.setattr(quant_matmul, "quant_matmul", last_tile_wrong)
     with pytest.raises(Mismatch, match="M=1 \\(GEMV"):
-        cases.check_linear(layer, layer.kernel_weight(), torch.float16, (1,), tuned=False)
+        kernel_checks.check_linear(layer, layer.kernel_weight(), torch.float16, (1,), tuned=False)
 
 
 def test_the_switches_skip_it(checkpoint, kernels_on_cpu, monkeypatch):
