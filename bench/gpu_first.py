@@ -157,13 +157,8 @@ def kernels_step(rows: tuple[int, ...]):
         record = None
         for shape in [None] if smoke else engine_shapes():
             argv = ["--smoke"] if smoke else ["--shapes", shape, "--ms", *map(str, rows), "--samples", "10"]
-            part = gpu_stages._bench_record(lambda out: kernels.main([*argv, "--out", str(out)]))
-            if record is None:
-                record = part
-            else:
-                record["results"] += part["results"]
-                record["wall_s"] += part["wall_s"]
-            record["ratios"] = kernels.ratios(record["results"])
+            record = gpu_stages.merged_kernel_record(
+                record, gpu_stages.bench_record(lambda out: kernels.main([*argv, "--out", str(out)])))
             if report:
                 report({"passed": True, "versions": gpu_stages.stack_versions(), "record": record})
         return {"passed": True, "versions": gpu_stages.stack_versions(), "record": record}

@@ -258,7 +258,21 @@ def precompile(stage: str) -> dict | None:
     return result
 
 
-def _bench_record(run) -> dict:
+def merged_kernel_record(record: dict | None, part: dict) -> dict:
+    """``part`` (one bench/kernels.py run) added to ``record`` (None: it becomes the record): its
+    rows and wall time, and the ratios over all rows recomputed."""
+    from bench import kernels
+
+    if record is None:
+        record = part
+    else:
+        record["results"] += part["results"]
+        record["wall_s"] += part["wall_s"]
+    record["ratios"] = kernels.ratios(record["results"])
+    return record
+
+
+def bench_record(run) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
         run(out)
@@ -275,13 +289,7 @@ def kernel_speed(smoke: bool, shard=(0, 1), report=None) -> dict:
     for shape in [None] if smoke else kernels.SHAPES:
         argv = ["--smoke"] if smoke else ["--shapes", shape, "--ms", *map(str, gpu_compiles.KERNEL_SPEED_ROWS),
                                           "--samples", "20"]
-        part = _bench_record(lambda out: kernels.main([*argv, "--out", str(out)]))
-        if record is None:
-            record = part
-        else:
-            record["results"] += part["results"]
-            record["wall_s"] += part["wall_s"]
-        record["ratios"] = kernels.ratios(record["results"])
+        record = merged_kernel_record(record, bench_record(lambda out: kernels.main([*argv, "--out", str(out)])))
         record["targets"] = [] if smoke else kernels.targets(record["results"], record["ceilings"])
         if report:
             report({"passed": True, "versions": stack_versions(), "precompile": head_start, "record": record})
@@ -297,7 +305,7 @@ def attention_speed(smoke: bool, shard=(0, 1), report=None) -> dict:
     cases = [None] if smoke else [(b, c) for b in (1, 32) for c in (8192, 32768)]
     for case in cases:
         argv = ["--smoke"] if smoke else ["--batches", str(case[0]), "--contexts", str(case[1]), "--samples", "20"]
-        part = _bench_record(lambda out: bench_attention.main([*argv, "--out", str(out)]))
+        part = bench_record(lambda out: bench_attention.main([*argv, "--out", str(out)]))
         if record is None:
             record = part
         else:
